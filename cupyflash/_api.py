@@ -1,0 +1,154 @@
+"""The public functions: :func:`attention` and :func:`attention_backward`."""
+
+from __future__ import annotations
+
+from ._dispatch import run_backward, run_forward
+from ._validation import check_backward, check_forward, check_output
+
+__all__ = ["attention", "attention_backward"]
+
+
+def attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=False,
+              return_lse=False, out=None, backend="auto"):
+    """Exact scaled dot-product attention, ``softmax(q kᵀ · scale) v``, without the score matrix.
+
+    Computes FlashAttention-style: the ``(..., Lq, Lk)`` scores and
+    probabilities are never stored; key/value blocks are streamed with an
+    online softmax.  NumPy arrays run on the CPU, CuPy arrays on the GPU.
+
+    Parameters
+    ----------
+    q : array, shape (..., Lq, d)
+        Queries.  NumPy or CuPy (or any CUDA array CuPy takes zero-copy,
+        e.g. a PyTorch CUDA tensor; the result is then a CuPy array).
+    k : array, shape (..., Lk, d)
+        Keys.
+    v : array, shape (..., Lk, dv)
+        Values.  The leading (batch) dims of q, k and v broadcast like NumPy's,
+        so a key/value head axis of size 1 gives multi-query attention.
+    scale : float, optional
+        Multiplies the scores; default ``1 / sqrt(d)``.  Must be finite.
+    causal : bool, default False
+        Causal mask aligned to the bottom-right corner: query ``i`` sees key
+        ``j`` iff ``j <= i + Lk - Lq`` (as FlashAttention >= 2.1; PyTorch's and
+        JAX's ``is_causal`` are top-left aligned, which differs when Lq != Lk).
+    window : (int or None, int or None), optional
+        Local attention ``(left, right)``: query ``i`` sees key ``j`` iff
+        ``i + Lk - Lq - left <= j <= i + Lk - Lq + right``.  ``None`` or ``-1``
+        leaves that side unbounded.  With ``causal=True`` right is capped at 0.
+    enable_gqa : bool, default False
+        Grouped-query attention: q has ``Hq`` heads on axis -3, k and v
+        ``Hkv`` with ``Hq % Hkv == 0``; query head ``h`` uses kv head
+        ``h // (Hq // Hkv)``.
+    return_lse : bool, default False
+        Also return the log-sum-exp of each query row's scaled, masked scores.
+    out : array, optional
+        Preallocated output of shape ``(..., Lq, dv)`` and the input dtype;
+        any strides.  Filled and returned.
+    backend : {'auto', 'numpy', 'cuda', 'emulator'}, default 'auto'
+        'auto' picks 'numpy' for NumPy arrays and 'cuda' for CUDA arrays.
+        'emulator' runs the CUDA kernels on the CPU emulator (NumPy arrays;
+        for testing kernels without a GPU).
+
+    Returns
+    -------
+    out : array, shape (..., Lq, dv)
+        Same dtype and array type as the inputs.  A query row that sees no
+        key (possible with ``window``/``causal`` and Lq > Lk) is all zeros.
+    lse : array, shape (..., Lq)
+        Natural-log log-sum-exp; float32 (float64 for float64 inputs);
+        ``-inf`` for rows that see no key.  Only if ``return_lse``.
+
+    Raises
+    ------
+    TypeError
+        Non-arrays, a mix of NumPy and CuPy arrays, unsupported or differing
+        dtypes, a backend that does not take this kind of array.
+    ValueError
+        Shapes that do not fit together or broadcast, GQA head counts that do
+        not divide, non-finite ``scale``, a malformed ``window``, an ``out`` of
+        the wrong shape or dtype, an unknown ``backend``.
+
+    See Also
+    --------
+    attention_backward : gradients from ``out`` and ``lse``.
+    cupyflash.reference.naive_attention : the float64 oracle.
+
+    Notes
+    -----
+    dtypes float16, bfloat16 (``ml_dtypes.bfloat16`` arrays), float32 and
+    float64; the output has the input dtype, accumulation is float32
+    (float64 for float64 inputs).  float32 is computed in IEEE float32 (never
+    TF32).  Memory beyond the output is O(Lq·d) per (batch, head).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cupyflash
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((2, 4, 128, 64), dtype=np.float32)   # (batch, heads, L, d)
+    >>> k = rng.standard_normal((2, 4, 256, 64), dtype=np.float32)
+    >>> v = rng.standard_normal((2, 4, 256, 64), dtype=np.float32)
+    >>> out, lse = cupyflash.attention(q, k, v, causal=True, return_lse=True)
+    >>> out.shape, out.dtype, lse.shape
+    ((2, 4, 128, 64), dtype('float32'), (2, 4, 128))
+    """
+    problem, _ = check_forward(q, k, v, scale=scale, causal=causal, window=window,
+                               enable_gqa=enable_gqa, backend=backend)
+    if out is not None:
+        check_output(out, "out", problem.out_shape, problem.dtype, problem.kind,
+                     (problem.q, problem.k, problem.v))
+    return run_forward(problem, out, bool(return_lse))
+
+
+def attention_backward(dout, q, k, v, out, lse, /, *, scale=None, causal=False, window=None,
+                       enable_gqa=False, backend="auto"):
+    """Gradients of :func:`attention` with respect to q, k and v.
+
+    Recomputes the probabilities block by block from ``lse`` (as returned by
+    ``attention(..., return_lse=True)``); the ``(..., Lq, Lk)`` matrices are
+    never stored.
+
+    Parameters
+    ----------
+    dout : array, shape (..., Lq, dv)
+        Gradient of the loss with respect to ``out``.
+    q, k, v : array
+        The forward inputs.
+    out : array, shape (..., Lq, dv)
+        The forward output.
+    lse : array, shape (..., Lq)
+        The forward log-sum-exp (float32 or float64).
+    scale, causal, window, enable_gqa, backend
+        As passed to :func:`attention`.
+
+    Returns
+    -------
+    dq, dk, dv : arrays
+        Shapes and dtypes of q, k and v.  Broadcast batch dims and, with
+        ``enable_gqa``, each group's query heads are summed back onto k and v.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`attention`; also for ``dout``/``out``/``lse`` of the wrong
+        shape or dtype.
+    NotImplementedError
+        For CUDA arrays until the GPU backward kernels exist.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cupyflash
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 2, 16, 8))
+    >>> out, lse = cupyflash.attention(q, k, v, return_lse=True)
+    >>> dq, dk, dv = cupyflash.attention_backward(np.ones_like(out), q, k, v, out, lse)
+    >>> dq.shape, dk.shape, dv.shape
+    ((2, 16, 8), (2, 16, 8), (2, 16, 8))
+    """
+    problem, dout, out, lse = check_backward(
+        dout, q, k, v, out, lse, scale=scale, causal=causal, window=window,
+        enable_gqa=enable_gqa, backend=backend,
+    )
+    return run_backward(problem, dout, out, lse)

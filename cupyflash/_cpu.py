@@ -1,0 +1,221 @@
+"""The CPU path: blocked FlashAttention forward and backward in NumPy.
+
+The forward is the online-softmax recurrence of FlashAttention's Algorithm 1,
+organised as FlashAttention-2 does (each block of query rows streams over the
+key/value blocks), with BLAS for the block products.  No Lq x Lk array is ever
+formed: besides the output, the extra memory per (batch, head) is the query
+block's accumulator and one score block, sized by :func:`_block_sizes`.
+
+Batch dims are handled by NumPy broadcasting: trailing batch dims (the heads,
+and the query-group axis under GQA) are vectorised in each BLAS call, leading
+ones are looped over.  Grouped-query attention splits q's head axis into
+(kv_heads, group) and gives k/v a size-1 group axis, after which GQA is plain
+broadcasting.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._validation import Problem
+
+__all__ = ["forward", "backward", "block_bounds"]
+
+# Elements of one score block (all vectorised heads together): 2**21 float32 is 8 MiB.
+_SCORE_BLOCK_ELEMENTS = 1 << 21
+_MAX_KEY_BLOCK = 512
+
+
+def _block_sizes(n_vec: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+    """Query and key block sizes so that one score block stays within budget."""
+    bc = max(1, min(_MAX_KEY_BLOCK, seqlen_k))
+    bq = max(1, min(seqlen_q, _SCORE_BLOCK_ELEMENTS // (bc * max(n_vec, 1))))
+    return bq, bc
+
+
+def block_bounds(i0, i1, j0, j1, offset, left, right):
+    """Classify the score block rows [i0, i1) x keys [j0, j1) under the mask.
+
+    Query i sees key j iff ``offset - left <= j - i <= offset + right`` with
+    ``offset = Lk - Lq`` (bottom-right aligned) and None meaning unbounded.
+    Returns ``"empty"`` (every entry masked), ``"full"`` (none masked) or
+    ``"partial"``.
+    """
+    lo_first = -np.inf if left is None else i0 + offset - left       # first row's lowest key
+    lo_last = -np.inf if left is None else (i1 - 1) + offset - left
+    hi_first = np.inf if right is None else i0 + offset + right
+    hi_last = np.inf if right is None else (i1 - 1) + offset + right  # last row's highest key
+    if hi_last < j0 or lo_first > j1 - 1:
+        return "empty"
+    if lo_last <= j0 and hi_first >= j1 - 1:
+        return "full"
+    return "partial"
+
+
+def _visible(i0, i1, j0, j1, offset, left, right):
+    """Boolean (i1-i0, j1-j0) mask of admissible (query, key) pairs."""
+    diff = np.arange(j0, j1)[None, :] - np.arange(i0, i1)[:, None]
+    ok = np.ones(diff.shape, dtype=bool)
+    if left is not None:
+        ok &= diff >= offset - left
+    if right is not None:
+        ok &= diff <= offset + right
+    return ok
+
+
+def _split_heads(problem: Problem, arrays_q, arrays_kv):
+    """Views with a common ndim; under GQA q-like arrays get (kv_heads, group) axes."""
+    g = problem.gqa_ratio
+    ndim = len(problem.batch_shape) + 2
+
+    def lift(x):
+        return x.reshape((1,) * (ndim - x.ndim) + x.shape)
+
+    qs = [lift(x) for x in arrays_q]
+    kvs = [lift(x) for x in arrays_kv]
+    if g > 1:
+        def split(x):
+            return x.reshape(x.shape[:-3] + (x.shape[-3] // g, g) + x.shape[-2:])
+
+        qs = [split(x) for x in qs]
+        kvs = [x[..., None, :, :] for x in kvs]
+    return qs, kvs
+
+
+def _lse_view(problem: Problem, lse):
+    """lse (..., Lq) viewed like an out array without its last axis."""
+    g = problem.gqa_ratio
+    ndim = len(problem.batch_shape) + 1
+    lse = lse.reshape((1,) * (ndim - lse.ndim) + lse.shape)
+    if g > 1:
+        lse = lse.reshape(lse.shape[:-2] + (lse.shape[-2] // g, g) + lse.shape[-1:])
+    return lse
+
+
+def _loop_shape(shape5, n_vec_dims):
+    return shape5[: len(shape5) - n_vec_dims]
+
+
+def _index_into(x, idx):
+    """x[idx] where x may have size-1 (broadcast) axes among the looped ones."""
+    return x[tuple(0 if x.shape[a] == 1 else i for a, i in enumerate(idx))]
+
+
+def forward(problem: Problem, out, lse) -> None:
+    """Fill ``out`` (..., Lq, dv) and, if given, ``lse`` (..., Lq) in place."""
+    acc_t = problem.accum_dtype
+    lq, lk = problem.seqlen_q, problem.seqlen_k
+    offset, left, right = lk - lq, problem.window_left, problem.window_right
+    (q, o), (k, v) = _split_heads(problem, [problem.q, out], [problem.k, problem.v])
+    lse5 = _lse_view(problem, lse) if lse is not None else None
+    n_vec = 2 if problem.gqa_ratio > 1 else 1
+    batch5 = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    vec_shape = batch5[len(batch5) - n_vec:]
+    bq, bc = _block_sizes(int(np.prod(vec_shape)), lq, lk)
+
+    for idx in np.ndindex(*_loop_shape(batch5, n_vec)):
+        qf = _index_into(q, idx).astype(acc_t)
+        qf *= acc_t.type(problem.scale)                    # scale folded into q once
+        kf = _index_into(k, idx).astype(acc_t, copy=False)
+        vf = _index_into(v, idx).astype(acc_t, copy=False)
+        o_idx = o[idx]
+        for i0 in range(0, lq, bq):
+            i1 = min(i0 + bq, lq)
+            rows = vec_shape + (i1 - i0,)
+            m = np.full(rows, -np.inf, dtype=acc_t)        # running row max
+            l = np.zeros(rows, dtype=acc_t)                # running row sum of exp
+            acc = np.zeros(rows + (problem.head_dim_v,), dtype=acc_t)  # unnormalised output
+            for j0 in range(0, lk, bc):
+                j1 = min(j0 + bc, lk)
+                kind = block_bounds(i0, i1, j0, j1, offset, left, right)
+                if kind == "empty":
+                    continue
+                s = np.matmul(qf[..., i0:i1, :], np.swapaxes(kf[..., j0:j1, :], -1, -2))
+                s = np.broadcast_to(s, rows + (j1 - j0,)).copy() if s.shape[:-1] != rows else s
+                if kind == "partial":
+                    np.copyto(s, -np.inf, where=~_visible(i0, i1, j0, j1, offset, left, right))
+                m_new = np.maximum(m, s.max(axis=-1))
+                m_safe = np.where(np.isneginf(m_new), 0, m_new)   # rows with no key yet
+                s -= m_safe[..., None]
+                p = np.exp(s, out=s)
+                alpha = np.exp(m - m_safe)
+                l *= alpha
+                l += p.sum(axis=-1)
+                acc *= alpha[..., None]
+                acc += np.matmul(p, vf[..., j0:j1, :])
+                m = m_new
+            empty = l == 0                                  # rows that saw no key
+            inv = np.where(empty, 0, 1 / np.where(empty, 1, l))
+            o_idx[..., i0:i1, :] = acc * inv[..., None]
+            if lse5 is not None:
+                with np.errstate(divide="ignore"):
+                    lse5[idx][..., i0:i1] = np.where(empty, -np.inf, m + np.log(l))
+
+
+def _sum_to(x, shape):
+    """Sum x over the axes that broadcasting expanded from ``shape``."""
+    axes = tuple(a for a, (n, s) in enumerate(zip(x.shape, shape)) if s == 1 and n != 1)
+    return x.sum(axis=axes, keepdims=True) if axes else x
+
+
+def backward(problem: Problem, dout, out, lse):
+    """Return (dq, dk, dv) with the shapes and dtypes of q, k, v."""
+    acc_t = problem.accum_dtype
+    lq, lk = problem.seqlen_q, problem.seqlen_k
+    offset, left, right = lk - lq, problem.window_left, problem.window_right
+    scale = acc_t.type(problem.scale)
+    (q, do, o), (k, v) = _split_heads(problem, [problem.q, dout, out], [problem.k, problem.v])
+    lse5 = _lse_view(problem, lse)
+    n_vec = 2 if problem.gqa_ratio > 1 else 1
+    batch5 = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    vec_shape = batch5[len(batch5) - n_vec:]
+    bq, bc = _block_sizes(int(np.prod(vec_shape)), lq, lk)
+
+    dq = np.zeros(q.shape, dtype=acc_t)
+    dk = np.zeros(k.shape, dtype=acc_t)
+    dv = np.zeros(v.shape, dtype=acc_t)
+    for idx in np.ndindex(*_loop_shape(batch5, n_vec)):
+        qf = _index_into(q, idx).astype(acc_t)
+        kf = _index_into(k, idx).astype(acc_t, copy=False)
+        vf = _index_into(v, idx).astype(acc_t, copy=False)
+        dof = _index_into(do, idx).astype(acc_t, copy=False)
+        # D_i = rowsum(dO_i * O_i): the softmax Jacobian's correction term.
+        delta = np.einsum("...d,...d->...", dof, _index_into(o, idx).astype(acc_t, copy=False))
+        lse_i = _index_into(lse5, idx).astype(acc_t, copy=False)
+        lse_i = np.where(np.isneginf(lse_i), np.inf, lse_i)   # rows with no key: p = 0
+        dq_i = np.zeros(vec_shape + qf.shape[-2:], dtype=acc_t)
+        dk_i = np.zeros(vec_shape + kf.shape[-2:], dtype=acc_t)
+        dv_i = np.zeros(vec_shape + vf.shape[-2:], dtype=acc_t)
+        for j0 in range(0, lk, bc):
+            j1 = min(j0 + bc, lk)
+            kj, vj = kf[..., j0:j1, :], vf[..., j0:j1, :]
+            for i0 in range(0, lq, bq):
+                i1 = min(i0 + bq, lq)
+                kind = block_bounds(i0, i1, j0, j1, offset, left, right)
+                if kind == "empty":
+                    continue
+                qi, doi = qf[..., i0:i1, :], dof[..., i0:i1, :]
+                s = np.matmul(qi, np.swapaxes(kj, -1, -2)) * scale
+                p = np.exp(s - lse_i[..., i0:i1, None])
+                if kind == "partial":
+                    p *= _visible(i0, i1, j0, j1, offset, left, right)
+                dv_i[..., j0:j1, :] += np.matmul(np.swapaxes(p, -1, -2), doi)
+                dp = np.matmul(doi, np.swapaxes(vj, -1, -2))
+                ds = p * (dp - delta[..., i0:i1, None])
+                dq_i[..., i0:i1, :] += np.matmul(ds, kj) * scale
+                dk_i[..., j0:j1, :] += np.matmul(np.swapaxes(ds, -1, -2), qi) * scale
+        _accumulate(dq, idx, dq_i)
+        _accumulate(dk, idx, dk_i)
+        _accumulate(dv, idx, dv_i)
+
+    def finish(grad, like):
+        return grad.reshape(like.shape).astype(like.dtype, copy=False)
+
+    return finish(dq, problem.q), finish(dk, problem.k), finish(dv, problem.v)
+
+
+def _accumulate(total, idx, part):
+    """total[idx] += part, summing part over the axes where total is broadcast."""
+    target_idx = tuple(0 if total.shape[a] == 1 else i for a, i in enumerate(idx))
+    target = total[target_idx]
+    target += _sum_to(part, target.shape)

@@ -1,0 +1,176 @@
+"""Routing a checked call to a backend.
+
+``numpy`` runs the CPU path (:mod:`cupyflash._cpu`).  ``cuda`` and
+``emulator`` run the CUDA kernels (:mod:`cupyflash._gpu`) through an executor:
+:class:`cupyflash._loader.CudaExecutor` on the current CuPy device and stream,
+or :class:`cupyflash.emulator.EmulatorExecutor` on the CPU.  The kernels take
+(B, H, L, d) strided views; this module builds them from the broadcast batch
+dims without copying (a broadcast axis gets stride 0, a transposed
+(B, L, H, d) layout is just other strides).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from . import _cpu
+from ._validation import Problem
+
+__all__ = ["run_forward", "run_backward", "run_forward_v1", "executor_for"]
+
+_EMULATOR_ARCH = 80
+_executors: dict = {}
+_executors_lock = threading.Lock()
+
+
+def _xp(kind: str):
+    if kind == "numpy":
+        return np
+    import cupy
+
+    return cupy
+
+
+def executor_for(backend: str):
+    """The executor for 'cuda' (current device) or 'emulator' (sm_80)."""
+    if backend == "emulator":
+        key = ("emulator",)
+    else:
+        import cupy
+
+        key = ("cuda", cupy.cuda.runtime.getDevice())
+    with _executors_lock:
+        ex = _executors.get(key)
+        if ex is None:
+            if backend == "emulator":
+                from .emulator import EmulatorExecutor
+
+                ex = EmulatorExecutor(arch=_EMULATOR_ARCH)
+            else:
+                from ._loader import CudaExecutor
+
+                ex = CudaExecutor()
+            _executors[key] = ex
+    return ex
+
+
+def _allocate(problem: Problem, out, return_lse: bool):
+    xp = _xp(problem.kind)
+    if out is None:
+        out = xp.empty(problem.out_shape, dtype=problem.dtype)
+    lse = xp.empty(problem.lse_shape, dtype=problem.accum_dtype) if return_lse else None
+    return out, lse
+
+
+def run_forward(problem: Problem, out, return_lse: bool):
+    out, lse = _allocate(problem, out, return_lse)
+    if out.size == 0 and (lse is None or lse.size == 0):
+        return (out, lse) if return_lse else out
+    if problem.backend == "numpy":
+        _cpu.forward(problem, out, lse)
+    else:
+        _run_kernel(problem, out, lse, sram_size=None)
+    return (out, lse) if return_lse else out
+
+
+def run_forward_v1(problem: Problem, sram_size: int, return_lse: bool):
+    out, lse = _allocate(problem, None, return_lse)
+    if out.size:
+        _run_kernel(problem, out, lse, sram_size=sram_size)
+    return (out, lse) if return_lse else out
+
+
+def run_backward(problem: Problem, dout, out, lse):
+    if problem.backend != "numpy":
+        raise NotImplementedError(
+            f"attention_backward has no {problem.backend!r} backend yet; "
+            "pass NumPy arrays (backend='numpy')"
+        )
+    return _cpu.backward(problem, dout, out, lse)
+
+
+# ---- (B, H, L, d) views for the kernels ------------------------------------------
+
+
+def _merge(shape, strides):
+    """Merge dims into one (size, stride) if their strides allow it, else None."""
+    size, stride = 1, 0
+    for n, s in zip(shape, strides):
+        if n == 1:
+            continue
+        if size == 1:
+            size, stride = n, s
+        elif stride == s * n:
+            size, stride = size * n, s
+        else:
+            return None
+    return size, stride
+
+
+def _as_strided(xp, x, shape, strides):
+    if xp is np:
+        return np.lib.stride_tricks.as_strided(x, shape=shape, strides=strides, writeable=x.flags.writeable)
+    import cupy
+
+    return cupy.lib.stride_tricks.as_strided(x, shape=shape, strides=strides)
+
+
+def _kernel_views(problem: Problem, arrays):
+    """Split ``arrays`` (full-shape broadcast views) into lists of 4-D/3-D views.
+
+    Each array has shape ``outer + (H, ...tail)``.  The outer dims are merged
+    into one batch axis when every array's strides allow it; otherwise the
+    first outer dim is looped over.  Yields tuples of views, one per launch.
+    """
+    xp = _xp(problem.kind)
+    n_outer = len(problem.batch_shape) - 1 if problem.batch_shape else 0
+    if n_outer <= 1 or all(
+        _merge(a.shape[:n_outer], a.strides[:n_outer]) is not None for a in arrays if a is not None
+    ):
+        views = []
+        for a in arrays:
+            if a is None:
+                views.append(None)
+                continue
+            outer = a.shape[:n_outer]
+            b, sb = _merge(outer, a.strides[:n_outer]) if n_outer else (1, 0)
+            if n_outer == 0 and not problem.batch_shape:     # 2-D inputs: one head
+                shape, strides = (1, 1) + a.shape, (0, 0) + a.strides
+            else:
+                shape = (b,) + a.shape[n_outer:]
+                strides = (sb,) + a.strides[n_outer:]
+            views.append(_as_strided(xp, a, shape, strides))
+        yield tuple(views)
+        return
+    for i in range(problem.batch_shape[0]):
+        sub = Problem(**{**problem.__dict__, "batch_shape": problem.batch_shape[1:]})
+        yield from _kernel_views(sub, [None if a is None else a[i] for a in arrays])
+
+
+def _run_kernel(problem: Problem, out, lse, *, sram_size):
+    from . import _gpu
+
+    xp = _xp(problem.kind)
+    g = problem.gqa_ratio
+    batch = problem.batch_shape
+    kv_batch = batch[:-1] + (batch[-1] // g,) if g > 1 else batch
+
+    def unit_last(x):   # the kernels need a unit stride along the head dim
+        return x if x.shape[-1] == 1 or x.strides[-1] == x.itemsize else xp.ascontiguousarray(x)
+
+    q = xp.broadcast_to(unit_last(problem.q), batch + problem.q.shape[-2:])
+    k = xp.broadcast_to(unit_last(problem.k), kv_batch + problem.k.shape[-2:])
+    v = xp.broadcast_to(unit_last(problem.v), kv_batch + problem.v.shape[-2:])
+    target = out if out.shape[-1] == 1 or out.strides[-1] == out.itemsize else xp.empty_like(out, order="C")
+    executor = executor_for(problem.backend)
+    for qv, kv, vv, ov, lv in _kernel_views(problem, [q, k, v, target, lse]):
+        common = dict(scale=problem.scale, window_left=problem.window_left,
+                      window_right=problem.window_right, gqa_ratio=g, executor=executor)
+        if sram_size is None:
+            _gpu.forward(qv, kv, vv, ov, lv, **common)
+        else:
+            _gpu.forward_v1(qv, kv, vv, ov, lv, sram_size=sram_size, **common)
+    if target is not out:
+        out[...] = target

@@ -1,0 +1,289 @@
+"""Argument checking for the public API.
+
+Everything here runs before any work: every bad input raises a ``TypeError``
+(wrong kind of object or dtype) or ``ValueError`` (shape or value) whose message
+names the argument, what was expected and what was found.  The result is a
+:class:`Problem`: the checked arrays plus the derived sizes and the mask bounds
+every backend uses.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Problem", "check_forward", "check_backward", "SUPPORTED_DTYPES"]
+
+BACKENDS = ("auto", "numpy", "cuda", "emulator")
+_FLOAT_KINDS = {"float16", "bfloat16", "float32", "float64"}
+SUPPORTED_DTYPES = "float16, bfloat16, float32 or float64"
+
+
+@dataclass
+class Problem:
+    """A checked attention call.
+
+    ``q_shape``/``k_shape``/``v_shape`` are the user's shapes.  ``batch_shape`` is
+    the broadcast shape of the leading dims (with the query head count on axis
+    -3 when ``gqa_ratio > 1``).  ``window_left``/``window_right`` are the key
+    offsets, relative to the bottom-right-aligned diagonal, that a query row may
+    see (``None`` = unbounded); ``causal`` is already folded in.
+    """
+
+    q: object
+    k: object
+    v: object
+    kind: str               # "numpy" or "cupy"
+    dtype: np.dtype
+    scale: float
+    window_left: int | None
+    window_right: int | None
+    gqa_ratio: int
+    batch_shape: tuple
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    head_dim_v: int
+    backend: str
+
+    @property
+    def out_shape(self) -> tuple:
+        return self.batch_shape + (self.seqlen_q, self.head_dim_v)
+
+    @property
+    def lse_shape(self) -> tuple:
+        return self.batch_shape + (self.seqlen_q,)
+
+    @property
+    def accum_dtype(self) -> np.dtype:
+        return np.dtype(np.float64) if self.dtype == np.float64 else np.dtype(np.float32)
+
+
+def array_kind(x, name: str) -> str:
+    """'numpy', 'cupy', or 'cuda-foreign' (a CUDA array CuPy can take zero-copy)."""
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    module = type(x).__module__.split(".")[0]
+    if module == "cupy":
+        return "cupy"
+    if hasattr(x, "__cuda_array_interface__"):
+        return "cuda-foreign"
+    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        try:
+            device_type = x.__dlpack_device__()[0]
+        except Exception:  # noqa: BLE001 - a broken producer is just "not an array we take"
+            device_type = None
+        if int(device_type or 0) in (2, 13):  # kDLCUDA, kDLCUDAManaged
+            return "cuda-foreign"
+    if isinstance(x, (list, tuple)):
+        raise TypeError(
+            f"`{name}` must be a NumPy or CuPy array, got a {type(x).__name__}; "
+            f"convert it first, e.g. numpy.asarray({name})"
+        )
+    raise TypeError(f"`{name}` must be a NumPy or CuPy array, got {type(x).__module__}.{type(x).__name__}")
+
+
+def _to_cupy(x):
+    import cupy
+
+    if hasattr(x, "__cuda_array_interface__"):
+        return cupy.asarray(x)
+    return cupy.from_dlpack(x)
+
+
+def _dtype_name(dtype) -> str:
+    return np.dtype(dtype).name
+
+
+def _check_dtype(x, name: str) -> np.dtype:
+    dtype = np.dtype(x.dtype)
+    if _dtype_name(dtype) not in _FLOAT_KINDS:
+        raise TypeError(f"`{name}` must have dtype {SUPPORTED_DTYPES}, got {dtype.name}")
+    return dtype
+
+
+def _check_scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"`scale` must be a real number or None, got {type(scale).__name__}")
+    value = float(scale)
+    if not math.isfinite(value):
+        raise ValueError(f"`scale` must be finite, got {value}")
+    return value
+
+
+def _check_window(window, causal) -> tuple[int | None, int | None]:
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"`causal` must be a bool, got {type(causal).__name__}")
+    left = right = None
+    if window is not None:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise ValueError(f"`window` must be a pair (left, right) or None, got {window!r}")
+        bounds = []
+        for side, w in zip(("left", "right"), window):
+            if w is None:
+                bounds.append(None)
+                continue
+            if isinstance(w, (bool, np.bool_)) or not isinstance(w, numbers.Integral):
+                raise ValueError(
+                    f"`window` {side} bound must be an integer >= -1 or None, got {w!r}"
+                )
+            w = int(w)
+            if w < -1:
+                raise ValueError(
+                    f"`window` {side} bound must be >= 0, or -1/None for unbounded, got {w}"
+                )
+            bounds.append(None if w == -1 else w)
+        left, right = bounds
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return left, right
+
+
+def _broadcast(shapes: dict[str, tuple]) -> tuple:
+    try:
+        return tuple(np.broadcast_shapes(*shapes.values()))
+    except ValueError:
+        found = ", ".join(f"{n} {s}" for n, s in shapes.items())
+        raise ValueError(f"batch dimensions do not broadcast: {found}") from None
+
+
+def check_forward(q, k, v, *, scale, causal, window, enable_gqa, backend, extra=()) -> Problem:
+    """Check the arguments shared by the forward and backward calls.
+
+    ``extra`` lists further ``(name, array)`` pairs (dout, out, lse) that must be
+    of the same array kind as q, k, v; their shapes are checked by the caller.
+    """
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"`backend` must be one of {', '.join(map(repr, BACKENDS))}; got {backend!r}")
+    named = [("q", q), ("k", k), ("v", v), *extra]
+    kinds = {name: array_kind(x, name) for name, x in named}
+    found = set(kinds.values())
+    if len(found) > 1:
+        desc = ", ".join(f"{n}: {kd}" for n, kd in kinds.items())
+        raise TypeError(f"all arrays must be of one kind (all NumPy or all CuPy); got {desc}")
+    kind = found.pop()
+    if kind == "cuda-foreign":
+        if backend not in ("auto", "cuda"):
+            raise TypeError(f"backend={backend!r} needs NumPy arrays; got CUDA arrays")
+        converted = [_to_cupy(x) for _, x in named]
+        q, k, v = converted[:3]
+        kind = "cupy"
+    else:
+        converted = [x for _, x in named]
+    if backend in ("numpy", "emulator") and kind != "numpy":
+        raise TypeError(
+            f"backend={backend!r} needs NumPy arrays; got CuPy arrays (use .get() to copy them to the host)"
+        )
+    if backend == "cuda" and kind != "cupy":
+        raise TypeError(
+            "backend='cuda' needs CuPy (or other CUDA) arrays; got NumPy arrays "
+            "(use cupy.asarray to copy them to the device)"
+        )
+    if kind == "cupy":
+        devices = {name: int(x.device.id) for (name, _), x in zip(named, converted)}
+        if len(set(devices.values())) > 1:
+            raise ValueError(f"all arrays must be on one device; got {devices}")
+    resolved = backend if backend != "auto" else ("numpy" if kind == "numpy" else "cuda")
+
+    dtypes = {name: _check_dtype(x, name) for name, x in (("q", q), ("k", k), ("v", v))}
+    if len(set(dtypes.values())) > 1:
+        desc = ", ".join(f"{n}: {d.name}" for n, d in dtypes.items())
+        raise TypeError(f"`q`, `k` and `v` must have the same dtype; got {desc}")
+    dtype = dtypes["q"]
+
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim < 2:
+            raise ValueError(f"`{name}` must have at least 2 dimensions (..., L, d); got shape {x.shape}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"`q` and `k` must have the same head dim (last axis); got q {q.shape} and k {k.shape}"
+        )
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(
+            f"`k` and `v` must have the same sequence length (axis -2); got k {k.shape} and v {v.shape}"
+        )
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    if head_dim < 1 or head_dim_v < 1:
+        raise ValueError(
+            f"head dims must be at least 1; got q/k head dim {head_dim} and v head dim {head_dim_v}"
+        )
+    if resolved in ("cuda", "emulator") and (head_dim > 256 or head_dim_v > 256):
+        raise ValueError(
+            f"the {resolved} backend supports head dims up to 256; got q/k head dim {head_dim} "
+            f"and v head dim {head_dim_v} (use backend='numpy' for larger ones)"
+        )
+
+    if not isinstance(enable_gqa, (bool, np.bool_)):
+        raise TypeError(f"`enable_gqa` must be a bool, got {type(enable_gqa).__name__}")
+    gqa_ratio = 1
+    if enable_gqa:
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if x.ndim < 3:
+                raise ValueError(
+                    f"enable_gqa=True needs a head axis (-3) in `{name}`; got shape {x.shape}"
+                )
+        hq = q.shape[-3]
+        hkv = _broadcast({"k heads": (k.shape[-3],), "v heads": (v.shape[-3],)})[0]
+        if hkv == 0 or hq % hkv != 0:
+            raise ValueError(
+                f"enable_gqa=True needs the query head count to be a multiple of the key/value "
+                f"head count (axis -3); got q {q.shape}, k {k.shape}, v {v.shape}"
+            )
+        gqa_ratio = hq // hkv
+        outer = _broadcast({"q": q.shape[:-3], "k": k.shape[:-3], "v": v.shape[:-3]})
+        batch_shape = outer + (hq,)
+    else:
+        batch_shape = _broadcast({"q": q.shape[:-2], "k": k.shape[:-2], "v": v.shape[:-2]})
+
+    left, right = _check_window(window, causal)
+    scale = _check_scale(scale, head_dim)
+    return Problem(
+        q=q, k=k, v=v, kind=kind, dtype=dtype, scale=scale,
+        window_left=left, window_right=right, gqa_ratio=gqa_ratio,
+        batch_shape=batch_shape, seqlen_q=q.shape[-2], seqlen_k=k.shape[-2],
+        head_dim=head_dim, head_dim_v=head_dim_v, backend=resolved,
+    ), converted[3:]
+
+
+def check_output(out, name: str, shape: tuple, dtype: np.dtype, kind: str, inputs) -> None:
+    """Check a caller-provided output array (``out=``)."""
+    found_kind = array_kind(out, name)
+    if found_kind != kind:
+        raise TypeError(f"`{name}` must be a {'NumPy' if kind == 'numpy' else 'CuPy'} array like the inputs; got {found_kind}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"`{name}` must have shape {tuple(shape)}; got {tuple(out.shape)}")
+    if np.dtype(out.dtype) != dtype:
+        raise ValueError(f"`{name}` must have dtype {dtype.name}; got {np.dtype(out.dtype).name}")
+    if kind == "numpy":
+        if not out.flags.writeable:
+            raise ValueError(f"`{name}` is read-only")
+        overlaps = any(np.may_share_memory(out, x) for x in inputs)
+    else:
+        import cupy
+
+        overlaps = any(cupy.may_share_memory(out, x) for x in inputs)
+    if overlaps:
+        raise ValueError(f"`{name}` must not overlap the input arrays")
+
+
+def check_backward(dout, q, k, v, out, lse, *, scale, causal, window, enable_gqa, backend):
+    """Check ``attention_backward``'s arguments; returns the Problem and (dout, out, lse)."""
+    problem, (dout, out, lse) = check_forward(
+        q, k, v, scale=scale, causal=causal, window=window, enable_gqa=enable_gqa,
+        backend=backend, extra=(("dout", dout), ("out", out), ("lse", lse)),
+    )
+    for name, x in (("dout", dout), ("out", out)):
+        if tuple(x.shape) != problem.out_shape:
+            raise ValueError(f"`{name}` must have shape {problem.out_shape}; got {tuple(x.shape)}")
+        if np.dtype(x.dtype) != problem.dtype:
+            raise TypeError(f"`{name}` must have dtype {problem.dtype.name} like q; got {np.dtype(x.dtype).name}")
+    if tuple(lse.shape) != problem.lse_shape:
+        raise ValueError(f"`lse` must have shape {problem.lse_shape}; got {tuple(lse.shape)}")
+    if np.dtype(lse.dtype) not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise TypeError(f"`lse` must have dtype float32 or float64; got {np.dtype(lse.dtype).name}")
+    return problem, dout, out, lse

@@ -1,0 +1,236 @@
+"""Reference implementations: the oracle and the paper's Algorithm 1.
+
+- :func:`naive_attention` forms the full score matrix in float64 with
+  ``scipy.special.softmax``/``logsumexp``.  Every other path is tested
+  against it.
+- :func:`naive_attention_backward` is its float64 gradient, written out from
+  the softmax Jacobian.
+- :func:`flash_attention_v1` is a literal transcription of Algorithm 1 of
+  Dao et al., "FlashAttention: Fast and Memory-Efficient Exact Attention with
+  IO-Awareness" (2022), for teaching and as an independent check.  Given CuPy
+  arrays it runs the ``fwd_v1`` CUDA kernel, which follows the same loops.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+import scipy.special
+
+from ._validation import check_forward
+
+__all__ = ["naive_attention", "naive_attention_backward", "flash_attention_v1"]
+
+
+def _repeat_kv(problem):
+    """k and v with their head axis repeated for GQA (the oracle may copy)."""
+    k, v = np.asarray(problem.k, np.float64), np.asarray(problem.v, np.float64)
+    if problem.gqa_ratio > 1:
+        k = np.repeat(k, problem.gqa_ratio, axis=-3)
+        v = np.repeat(v, problem.gqa_ratio, axis=-3)
+    return k, v
+
+
+def _mask(problem):
+    """Boolean (Lq, Lk) array, True where query i may attend to key j."""
+    lq, lk = problem.seqlen_q, problem.seqlen_k
+    diff = np.arange(lk)[None, :] - np.arange(lq)[:, None] - (lk - lq)
+    ok = np.ones((lq, lk), dtype=bool)
+    if problem.window_left is not None:
+        ok &= diff >= -problem.window_left
+    if problem.window_right is not None:
+        ok &= diff <= problem.window_right
+    return ok
+
+
+def _probabilities(problem):
+    """Scaled scores, probabilities and lse, all float64 and L x L."""
+    q = np.asarray(problem.q, np.float64)
+    k, v = _repeat_kv(problem)
+    s = np.matmul(q, np.swapaxes(k, -1, -2)) * problem.scale
+    s = np.where(_mask(problem), s, -np.inf)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse = scipy.special.logsumexp(s, axis=-1)
+        p = scipy.special.softmax(s, axis=-1)
+    p = np.nan_to_num(p, nan=0.0)       # rows with no admissible key: all -inf -> NaN -> 0
+    return s, p, lse, q, k, v
+
+
+def naive_attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=False,
+                    return_lse=False):
+    """Attention computed the obvious way, in float64: the oracle.
+
+    Forms the full ``(..., Lq, Lk)`` score matrix, so it needs O(Lq·Lk)
+    memory.  Arguments and semantics are those of :func:`cupyflash.attention`;
+    the result is always float64 (NumPy arrays only).
+
+    Returns
+    -------
+    out : numpy.ndarray
+        ``(..., Lq, dv)`` float64.
+    lse : numpy.ndarray
+        ``(..., Lq)`` float64, only if ``return_lse``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cupyflash.reference import naive_attention
+    >>> q = k = v = np.eye(2)
+    >>> naive_attention(q, k, v, scale=0.0)        # uniform weights
+    array([[0.5, 0.5],
+           [0.5, 0.5]])
+    """
+    problem, _ = check_forward(q, k, v, scale=scale, causal=causal, window=window,
+                               enable_gqa=enable_gqa, backend="numpy")
+    _, p, lse, _, _, v64 = _probabilities(problem)
+    out = np.matmul(p, v64)
+    out = np.broadcast_to(out, problem.out_shape).copy()
+    lse = np.broadcast_to(lse, problem.lse_shape).copy()
+    return (out, lse) if return_lse else out
+
+
+def _sum_to_shape(x, shape):
+    """Reduce a broadcast gradient back to ``shape``."""
+    lead = x.ndim - len(shape)
+    x = x.sum(axis=tuple(range(lead))) if lead else x
+    axes = tuple(a for a, n in enumerate(shape) if n == 1 and x.shape[a] != 1)
+    return x.sum(axis=axes, keepdims=True) if axes else x
+
+
+def naive_attention_backward(dout, q, k, v, /, *, scale=None, causal=False, window=None,
+                             enable_gqa=False):
+    """Gradients of :func:`naive_attention` in float64: ``(dq, dk, dv)``.
+
+    dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dO ∘ O)), dQ = scale·dS K,
+    dK = scale·dSᵀ Q; broadcast and grouped heads are summed back to the
+    shapes of k and v.
+    """
+    problem, _ = check_forward(q, k, v, scale=scale, causal=causal, window=window,
+                               enable_gqa=enable_gqa, backend="numpy")
+    _, p, _, q64, k64, v64 = _probabilities(problem)
+    do = np.asarray(dout, np.float64)
+    out = np.matmul(p, v64)
+    dv = np.matmul(np.swapaxes(p, -1, -2), do)
+    dp = np.matmul(do, np.swapaxes(v64, -1, -2))
+    ds = p * (dp - np.sum(do * out, axis=-1, keepdims=True))
+    dq = np.matmul(ds, k64) * problem.scale
+    dk = np.matmul(np.swapaxes(ds, -1, -2), q64) * problem.scale
+    g = problem.gqa_ratio
+    if g > 1:   # sum each group's query heads onto their kv head
+        dk = dk.reshape(dk.shape[:-3] + (dk.shape[-3] // g, g) + dk.shape[-2:]).sum(axis=-3)
+        dv = dv.reshape(dv.shape[:-3] + (dv.shape[-3] // g, g) + dv.shape[-2:]).sum(axis=-3)
+    return (_sum_to_shape(dq, np.shape(q)), _sum_to_shape(dk, np.shape(k)),
+            _sum_to_shape(dv, np.shape(v)))
+
+
+def _algorithm1(q, k, v, sram_size, scale, mask):
+    """Algorithm 1 for one head: q (N_q, d), k (N_k, d), v (N_k, dv), float64.
+
+    Returns (O, lse).  The comments number the lines of the paper's
+    Algorithm 1.  The paper assumes N_q = N_k and no mask; masked scores are
+    -inf here, and a row that has seen no admissible key yet keeps m = -inf
+    and ℓ = 0 (its update factors are taken as 0, never NaN).
+    """
+    n_q, d = q.shape
+    n_k = k.shape[0]
+    # 1: block sizes from the on-chip memory size M (in elements): the four
+    #    tiles Q_i, K_j, V_j, O_i of about Bc x d elements each must fit in M.
+    b_c = math.ceil(sram_size / (4 * d))
+    b_r = min(math.ceil(sram_size / (4 * d)), d)
+    # 2: initialise O = 0, ℓ = 0, m = -inf in "HBM" (here: ordinary arrays).
+    O = np.zeros((n_q, v.shape[1]))
+    ell = np.zeros(n_q)
+    m = np.full(n_q, -np.inf)
+    # 3-4: Q, O, ℓ, m are split into T_r blocks of B_r rows; K, V into T_c blocks of B_c rows.
+    t_r, t_c = math.ceil(n_q / b_r), math.ceil(n_k / b_c)
+    for j in range(t_c):                                        # 5: outer loop over K/V blocks
+        kj = k[j * b_c:(j + 1) * b_c]                          # 6: load K_j, V_j to SRAM
+        vj = v[j * b_c:(j + 1) * b_c]
+        for i in range(t_r):                                    # 7: inner loop over Q blocks
+            rows = slice(i * b_r, (i + 1) * b_r)
+            qi, oi, li, mi = q[rows], O[rows], ell[rows], m[rows]   # 8: load Q_i, O_i, ℓ_i, m_i
+            s = scale * (qi @ kj.T)                             # 9: S_ij = Q_i K_jᵀ (scaled)
+            s = np.where(mask[rows, j * b_c:(j + 1) * b_c], s, -np.inf)
+            m_tilde = s.max(axis=1)                             # 10: m~_ij = rowmax(S_ij)
+            seen = np.isfinite(m_tilde)
+            p_tilde = np.exp(s - np.where(seen, m_tilde, 0)[:, None])  # P~_ij = exp(S_ij - m~_ij)
+            l_tilde = p_tilde.sum(axis=1)                       #     ℓ~_ij = rowsum(P~_ij)
+            m_new = np.maximum(mi, m_tilde)                     # 11: m_i^new = max(m_i, m~_ij)
+            with np.errstate(invalid="ignore"):
+                a_old = np.where(np.isfinite(mi), np.exp(mi - m_new), 0.0)      # e^{m_i - m_new}
+                a_new = np.where(seen, np.exp(m_tilde - m_new), 0.0)          # e^{m~_ij - m_new}
+            l_new = a_old * li + a_new * l_tilde                #     ℓ_i^new
+            safe = np.where(l_new > 0, l_new, 1.0)
+            # 12: O_i <- diag(ℓ_new)^-1 (diag(ℓ_i) e^{m_i - m_new} O_i + e^{m~ - m_new} P~_ij V_j)
+            O[rows] = ((li * a_old)[:, None] * oi + a_new[:, None] * (p_tilde @ vj)) / safe[:, None]
+            ell[rows], m[rows] = l_new, m_new                   # 13: write ℓ_i, m_i back
+    with np.errstate(divide="ignore"):
+        lse = np.where(ell > 0, m + np.log(np.where(ell > 0, ell, 1.0)), -np.inf)
+    return O, lse                                               # 16: return O
+
+
+def flash_attention_v1(q, k, v, /, *, sram_size, scale=None, causal=False, window=None,
+                       enable_gqa=False, return_lse=False, backend="auto"):
+    """FlashAttention's Algorithm 1, literally: K/V blocks outer, Q blocks inner.
+
+    Parameters
+    ----------
+    q, k, v, scale, causal, window, enable_gqa, return_lse
+        As in :func:`cupyflash.attention`.
+    sram_size : int
+        The on-chip memory size M of the paper, in elements.  Block sizes are
+        ``Bc = ceil(M / 4d)`` and ``Br = min(ceil(M / 4d), d)``.
+    backend : {'auto', 'numpy', 'cuda', 'emulator'}, default 'auto'
+        'numpy' runs the commented Python transcription (float64 internally,
+        result cast to the input dtype); 'cuda' (the default for CuPy arrays)
+        runs the ``fwd_v1`` kernel; 'emulator' runs that kernel on the CPU
+        emulator.
+
+    Returns
+    -------
+    out : array
+        ``(..., Lq, dv)``, the dtype of q.
+    lse : array
+        ``(..., Lq)`` float32 (float64 for float64 inputs), only if ``return_lse``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cupyflash.reference import flash_attention_v1, naive_attention
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 10, 4))
+    >>> out = flash_attention_v1(q, k, v, sram_size=32)       # Bc = 2, Br = 2
+    >>> bool(np.allclose(out, naive_attention(q, k, v)))
+    True
+    """
+    if isinstance(sram_size, (bool, np.bool_)) or not isinstance(sram_size, numbers.Integral):
+        raise TypeError(f"`sram_size` must be an integer, got {type(sram_size).__name__}")
+    problem, _ = check_forward(q, k, v, scale=scale, causal=causal, window=window,
+                               enable_gqa=enable_gqa, backend=backend)
+    if int(sram_size) < 4 * problem.head_dim:
+        raise ValueError(
+            f"`sram_size` must hold at least one row of each of the four tiles (4·d = "
+            f"{4 * problem.head_dim} elements); got {sram_size}"
+        )
+    if problem.backend != "numpy":
+        from ._dispatch import run_forward_v1
+
+        return run_forward_v1(problem, int(sram_size), return_lse)
+    out = np.empty(problem.out_shape, dtype=problem.dtype)
+    lse = np.empty(problem.lse_shape, dtype=problem.accum_dtype)
+    mask = _mask(problem)
+    g = problem.gqa_ratio
+    kv_batch = problem.batch_shape[:-1] + (problem.batch_shape[-1] // g,) if g > 1 else problem.batch_shape
+    q_full = np.broadcast_to(q, problem.batch_shape + q.shape[-2:])
+    k_full = np.broadcast_to(k, kv_batch + k.shape[-2:])
+    v_full = np.broadcast_to(v, kv_batch + v.shape[-2:])
+    for idx in np.ndindex(*problem.batch_shape):
+        kv_idx = idx[:-1] + (idx[-1] // g,) if g > 1 else idx
+        k_b, v_b = k_full[kv_idx], v_full[kv_idx]
+        o, l = _algorithm1(q_full[idx].astype(np.float64), k_b.astype(np.float64),
+                           v_b.astype(np.float64), int(sram_size), problem.scale, mask)
+        out[idx] = o
+        lse[idx] = l
+    return (out, lse) if return_lse else out

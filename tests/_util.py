@@ -1,0 +1,47 @@
+"""Shared test helpers: one tolerance table, random inputs, comparison against the oracle."""
+
+from __future__ import annotations
+
+import numpy as np
+
+try:
+    import ml_dtypes
+
+    bfloat16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is in the test extra
+    bfloat16 = None
+
+DTYPES = [np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)] + (
+    [bfloat16] if bfloat16 is not None else []
+)
+
+# Absolute/relative tolerance per dtype for outputs of O(1) magnitude compared with
+# the float64 oracle evaluated on the *same* (already rounded) inputs.  The output is
+# rounded to the dtype once, so the bound is a few ulps of the dtype.
+TOLERANCE = {
+    np.dtype(np.float16): dict(rtol=2e-3, atol=2e-3),
+    np.dtype(np.float32): dict(rtol=2e-5, atol=2e-6),
+    np.dtype(np.float64): dict(rtol=1e-12, atol=1e-13),
+}
+if bfloat16 is not None:
+    TOLERANCE[bfloat16] = dict(rtol=1.6e-2, atol=1.6e-2)
+
+
+def random_array(rng, shape, dtype, scale=1.0):
+    """Standard-normal values (never zeros) rounded to ``dtype``."""
+    return (rng.standard_normal(shape) * scale).astype(dtype)
+
+
+def random_qkv(rng, q_shape, k_shape, v_shape, dtype, scale=1.0):
+    return tuple(random_array(rng, s, dtype, scale) for s in (q_shape, k_shape, v_shape))
+
+
+def assert_close(actual, expected, dtype, *, what="output", factor=1.0):
+    """Compare ``actual`` (any float dtype, NumPy) with the float64 ``expected``."""
+    tol = TOLERANCE[np.dtype(dtype)]
+    a = np.asarray(actual).astype(np.float64)
+    e = np.asarray(expected).astype(np.float64)
+    assert a.shape == e.shape, f"{what}: shape {a.shape} != expected {e.shape}"
+    np.testing.assert_allclose(
+        a, e, rtol=tol["rtol"] * factor, atol=tol["atol"] * factor, err_msg=what
+    )

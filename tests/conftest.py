@@ -1,0 +1,30 @@
+"""Test configuration: the `gpu` marker skips cleanly where no CUDA GPU is usable."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_status() -> tuple[bool, str]:
+    try:
+        import cupy
+    except Exception as exc:  # noqa: BLE001 - any import failure means no GPU path
+        return False, f"CuPy not importable ({type(exc).__name__}: {exc})"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001 - no driver / no device
+        return False, f"no CUDA device ({type(exc).__name__})"
+    return (n > 0, f"{n} CUDA device(s)" if n else "no CUDA device")
+
+
+def pytest_collection_modifyitems(config, items):
+    ok, reason = gpu_status()
+    if ok:
+        return
+    skip = pytest.mark.skip(reason=f"gpu tier: {reason}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
