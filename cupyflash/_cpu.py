@@ -54,12 +54,15 @@ def block_bounds(i0, i1, j0, j1, offset, left, right):
 
 def _visible(i0, i1, j0, j1, offset, left, right):
     """Boolean (i1-i0, j1-j0) mask of admissible (query, key) pairs."""
-    diff = np.arange(j0, j1)[None, :] - np.arange(i0, i1)[:, None]
-    ok = np.ones(diff.shape, dtype=bool)
+    # Compare a key row against a query column: only boolean (i1-i0, j1-j0) arrays
+    # are formed, never an int64 one twice the size of the float32 score block.
+    keys = np.arange(j0, j1)[None, :]
+    diagonal = np.arange(i0, i1)[:, None] + offset
+    ok = np.ones((i1 - i0, j1 - j0), dtype=bool)
     if left is not None:
-        ok &= diff >= offset - left
+        ok &= keys >= diagonal - left
     if right is not None:
-        ok &= diff <= offset + right
+        ok &= keys <= diagonal + right
     return ok
 
 

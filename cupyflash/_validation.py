@@ -59,12 +59,19 @@ class Problem:
 
     @property
     def accum_dtype(self) -> np.dtype:
-        return np.dtype(np.float64) if self.dtype == np.float64 else np.dtype(np.float32)
+        # by name: a non-native byte order ('>f8') is float64 too, and != np.float64
+        return np.dtype(np.float64) if self.dtype.name == "float64" else np.dtype(np.float32)
 
 
 def array_kind(x, name: str) -> str:
     """'numpy', 'cupy', or 'cuda-foreign' (a CUDA array CuPy can take zero-copy)."""
     if isinstance(x, np.ndarray):
+        if type(x) is not np.ndarray:
+            # np.matrix changes what * and @ mean; a MaskedArray's mask would be ignored
+            raise TypeError(
+                f"`{name}` must be a plain NumPy array, got the subclass {type(x).__name__}; "
+                f"pass numpy.asarray({name}) if ignoring its extra meaning is intended"
+            )
         return "numpy"
     module = type(x).__module__.split(".")[0]
     if module == "cupy":
@@ -92,6 +99,12 @@ def _to_cupy(x):
     if hasattr(x, "__cuda_array_interface__"):
         return cupy.asarray(x)
     return cupy.from_dlpack(x)
+
+
+def _describe(dtype) -> str:
+    """dtype name, with the byte order when it is not native ('float64 (>f8)')."""
+    dtype = np.dtype(dtype)
+    return dtype.name if dtype.isnative else f"{dtype.name} ({dtype.str})"
 
 
 def _dtype_name(dtype) -> str:
@@ -192,9 +205,14 @@ def check_forward(q, k, v, *, scale, causal, window, enable_gqa, backend, extra=
 
     dtypes = {name: _check_dtype(x, name) for name, x in (("q", q), ("k", k), ("v", v))}
     if len(set(dtypes.values())) > 1:
-        desc = ", ".join(f"{n}: {d.name}" for n, d in dtypes.items())
+        desc = ", ".join(f"{n}: {_describe(d)}" for n, d in dtypes.items())
         raise TypeError(f"`q`, `k` and `v` must have the same dtype; got {desc}")
     dtype = dtypes["q"]
+    if resolved == "emulator" and not dtype.isnative:
+        raise TypeError(
+            f"backend='emulator' needs native byte order, got {dtype.str}; "
+            "convert with q.astype(q.dtype.newbyteorder('=')) (and k, v)"
+        )
 
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim < 2:
@@ -258,7 +276,7 @@ def check_output(out, name: str, shape: tuple, dtype: np.dtype, kind: str, input
     if tuple(out.shape) != tuple(shape):
         raise ValueError(f"`{name}` must have shape {tuple(shape)}; got {tuple(out.shape)}")
     if np.dtype(out.dtype) != dtype:
-        raise ValueError(f"`{name}` must have dtype {dtype.name}; got {np.dtype(out.dtype).name}")
+        raise ValueError(f"`{name}` must have dtype {_describe(dtype)}; got {_describe(out.dtype)}")
     if kind == "numpy":
         if not out.flags.writeable:
             raise ValueError(f"`{name}` is read-only")
@@ -281,7 +299,7 @@ def check_backward(dout, q, k, v, out, lse, *, scale, causal, window, enable_gqa
         if tuple(x.shape) != problem.out_shape:
             raise ValueError(f"`{name}` must have shape {problem.out_shape}; got {tuple(x.shape)}")
         if np.dtype(x.dtype) != problem.dtype:
-            raise TypeError(f"`{name}` must have dtype {problem.dtype.name} like q; got {np.dtype(x.dtype).name}")
+            raise TypeError(f"`{name}` must have dtype {_describe(problem.dtype)} like q; got {_describe(x.dtype)}")
     if tuple(lse.shape) != problem.lse_shape:
         raise ValueError(f"`lse` must have shape {problem.lse_shape}; got {tuple(lse.shape)}")
     if np.dtype(lse.dtype) not in (np.dtype(np.float32), np.dtype(np.float64)):

@@ -27,9 +27,12 @@ __all__ = ["naive_attention", "naive_attention_backward", "flash_attention_v1"]
 def _repeat_kv(problem):
     """k and v with their head axis repeated for GQA (the oracle may copy)."""
     k, v = np.asarray(problem.k, np.float64), np.asarray(problem.v, np.float64)
-    if problem.gqa_ratio > 1:
-        k = np.repeat(k, problem.gqa_ratio, axis=-3)
-        v = np.repeat(v, problem.gqa_ratio, axis=-3)
+    g = problem.gqa_ratio
+    if g > 1:
+        # k or v may have a single (broadcast) head: give both Hkv heads first
+        hkv = problem.batch_shape[-1] // g
+        k = np.repeat(np.broadcast_to(k, k.shape[:-3] + (hkv,) + k.shape[-2:]), g, axis=-3)
+        v = np.repeat(np.broadcast_to(v, v.shape[:-3] + (hkv,) + v.shape[-2:]), g, axis=-3)
     return k, v
 
 
@@ -53,7 +56,8 @@ def _probabilities(problem):
     s = np.where(_mask(problem), s, -np.inf)
     with np.errstate(divide="ignore", invalid="ignore"):
         lse = scipy.special.logsumexp(s, axis=-1)
-        p = scipy.special.softmax(s, axis=-1)
+        # softmax reduces with max(), which has no identity on an empty key axis (Lk = 0)
+        p = scipy.special.softmax(s, axis=-1) if s.shape[-1] else np.zeros_like(s)
     p = np.nan_to_num(p, nan=0.0)       # rows with no admissible key: all -inf -> NaN -> 0
     return s, p, lse, q, k, v
 

@@ -45,3 +45,38 @@ def assert_close(actual, expected, dtype, *, what="output", factor=1.0):
     np.testing.assert_allclose(
         a, e, rtol=tol["rtol"] * factor, atol=tol["atol"] * factor, err_msg=what
     )
+
+
+def accum_dtype(dtype):
+    """The dtype the library accumulates in (and returns lse in) for inputs of ``dtype``."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+def assert_lse_close(actual, expected, dtype, *, what="lse"):
+    """Compare a returned lse with the float64 oracle's: its dtype, the rows that see
+    no key (``-inf`` in both) and the finite values (tolerance of the accumulation dtype)."""
+    actual = np.asarray(actual)
+    expected = np.asarray(expected)
+    assert actual.dtype == accum_dtype(dtype), f"{what}: dtype {actual.dtype}, expected {accum_dtype(dtype)}"
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != expected {expected.shape}"
+    assert not np.isnan(actual).any(), f"{what}: NaN"
+    np.testing.assert_array_equal(np.isneginf(actual), np.isneginf(expected), err_msg=f"{what}: -inf rows")
+    finite = np.isfinite(expected)
+    assert_close(actual[finite], expected[finite], accum_dtype(dtype), what=what)
+
+
+def poisoned(shape, dtype):
+    """An output buffer full of NaN, so that an element the code under test forgets shows."""
+    return np.full(shape, np.nan, dtype=dtype)
+
+
+def assert_grad_close(actual, expected, dtype, *, what="gradient"):
+    """Compare a gradient with the float64 naive one.
+
+    A gradient entry is a sum over a whole sequence of terms of the size of the
+    largest entries, so its rounding error scales with that size, not with the
+    entry: the dtype's tolerance is applied relative to ``max(1, max |expected|)``.
+    """
+    expected = np.asarray(expected, dtype=np.float64)
+    magnitude = max(1.0, float(np.abs(expected).max(initial=0.0)))
+    assert_close(actual, expected, dtype, what=what, factor=magnitude)

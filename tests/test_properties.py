@@ -1,0 +1,114 @@
+"""Property-based tests: the CPU path against the oracle over random problems.
+
+Shapes (batch dims that broadcast, Lq/Lk 0..64, d/dv 1..40), dtypes, causal,
+window, GQA and scale are drawn by hypothesis; the inputs themselves come from a
+drawn seed.  Budgets are bounded so the file runs in seconds.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import cupyflash
+from cupyflash import _cpu
+from cupyflash.reference import naive_attention, naive_attention_backward
+
+from _util import DTYPES, assert_close, assert_grad_close, assert_lse_close, random_array, random_qkv
+
+# database=None: no .hypothesis/ directory in the working tree; deadline=None: timing varies on CI.
+PROPERTY_SETTINGS = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+
+window_bound = st.one_of(st.none(), st.just(-1), st.integers(0, 70))
+
+
+@st.composite
+def problems(draw, *, dtypes=DTYPES):
+    """(q, k, v, options) for one attention call."""
+    dtype = draw(st.sampled_from(dtypes))
+    lq, lk = draw(st.integers(0, 64)), draw(st.integers(0, 64))
+    d, dv = draw(st.integers(1, 40)), draw(st.integers(1, 40))
+    enable_gqa = draw(st.booleans())
+    if enable_gqa:
+        outer = draw(hnp.mutually_broadcastable_shapes(num_shapes=3, min_dims=0, max_dims=2, max_side=3))
+        hkv, group = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+        k_heads, v_heads = draw(st.sampled_from([(hkv, hkv), (hkv, 1), (1, hkv), (1, 1)]))
+        if (k_heads, v_heads) == (1, 1):
+            hkv = 1
+        q_batch = outer.input_shapes[0] + (hkv * group,)
+        k_batch = outer.input_shapes[1] + (k_heads,)
+        v_batch = outer.input_shapes[2] + (v_heads,)
+    else:
+        batch = draw(hnp.mutually_broadcastable_shapes(num_shapes=3, min_dims=0, max_dims=3, max_side=3))
+        q_batch, k_batch, v_batch = batch.input_shapes
+    causal = draw(st.booleans())
+    window = draw(st.one_of(st.none(), st.tuples(window_bound, window_bound)))
+    # Logits stay O(1), where TOLERANCE applies; large logits have their own tests.
+    factor = draw(st.one_of(st.none(), st.floats(-1.5, 1.5, allow_nan=False)))
+    scale = None if factor is None else factor / np.sqrt(d)
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(rng, q_batch + (lq, d), k_batch + (lk, d), v_batch + (lk, dv), dtype)
+    return q, k, v, dict(causal=causal, window=window, enable_gqa=enable_gqa, scale=scale)
+
+
+def _check_forward(q, k, v, kw):
+    out, lse = cupyflash.attention(q, k, v, return_lse=True, **kw)
+    expected, expected_lse = naive_attention(q, k, v, return_lse=True, **kw)
+    assert out.dtype == q.dtype
+    assert_close(out, expected, q.dtype)
+    assert_lse_close(lse, expected_lse, q.dtype)
+
+
+@settings(max_examples=100, **PROPERTY_SETTINGS)
+@given(problems())
+def test_cpu_path_matches_oracle(problem):
+    q, k, v, kw = problem
+    _check_forward(q, k, v, kw)
+
+
+@settings(max_examples=60, **PROPERTY_SETTINGS)
+@given(problems(dtypes=[np.dtype(np.float64)]), st.integers(1, 9), st.integers(1, 40))
+def test_cpu_path_with_small_blocks_matches_oracle(problem, key_block, score_elements):
+    # Small block sizes push even tiny problems through tails and every block kind.
+    # float64 only: with key blocks of 1 or 2 keys the accumulator is rescaled up to
+    # Lk times, and float32's rounding of each rescale adds up beyond its table entry.
+    q, k, v, kw = problem
+    with mock.patch.object(_cpu, "_MAX_KEY_BLOCK", key_block), \
+            mock.patch.object(_cpu, "_SCORE_BLOCK_ELEMENTS", score_elements):
+        _check_forward(q, k, v, kw)
+
+
+@settings(max_examples=60, **PROPERTY_SETTINGS)
+@given(problems(dtypes=[np.dtype(np.float64)]), st.integers(1, 9), st.integers(1, 40))
+def test_backward_matches_naive_backward(problem, key_block, score_elements):
+    q, k, v, kw = problem
+    out, lse = cupyflash.attention(q, k, v, return_lse=True, **kw)
+    dout = random_array(np.random.default_rng(out.size), out.shape, q.dtype)
+    with mock.patch.object(_cpu, "_MAX_KEY_BLOCK", key_block), \
+            mock.patch.object(_cpu, "_SCORE_BLOCK_ELEMENTS", score_elements):
+        grads = cupyflash.attention_backward(dout, q, k, v, out, lse, **kw)
+    expected = naive_attention_backward(dout, q, k, v, **kw)
+    for name, g, e, x in zip(("dq", "dk", "dv"), grads, expected, (q, k, v)):
+        assert g.shape == x.shape and g.dtype == x.dtype, name
+        assert_grad_close(g, e, q.dtype, what=name)
+
+
+@settings(max_examples=100, **PROPERTY_SETTINGS)
+@given(st.integers(0, 40), st.integers(1, 12), st.integers(0, 40), st.integers(1, 12),
+       st.integers(-30, 30), st.one_of(st.none(), st.integers(0, 20)), st.one_of(st.none(), st.integers(0, 20)))
+def test_block_bounds_classifies_blocks_exactly(i0, rows, j0, cols, offset, left, right):
+    kind = _cpu.block_bounds(i0, i0 + rows, j0, j0 + cols, offset, left, right)
+    i = np.arange(i0, i0 + rows)[:, None]
+    j = np.arange(j0, j0 + cols)[None, :]
+    ok = np.ones((rows, cols), dtype=bool)
+    if left is not None:
+        ok &= j >= i + offset - left
+    if right is not None:
+        ok &= j <= i + offset + right
+    expected = "empty" if not ok.any() else "full" if ok.all() else "partial"
+    assert kind == expected
