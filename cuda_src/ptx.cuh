@@ -9,11 +9,18 @@
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+// NVRTC has no <cstdint>; CuPy puts libcudacxx on its include path, whose
+// <cuda/std/cstdint> defines the global fixed-width types there.
+#ifdef __CUDACC_RTC__
+#include <cuda/std/cstdint>
+#else
 #include <cstdint>
+#endif
 
 namespace cf {
 
 // ---- thread geometry ------------------------------------------------------
+// Kernels launch 1-D blocks: lane and warp come from threadIdx.x alone.
 
 __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
 __device__ __forceinline__ int warp_id() { return threadIdx.x >> 5; }
@@ -53,11 +60,15 @@ __device__ __forceinline__ float exp2_approx(float x) {
 // {lo, hi} -> b32 with lo in bits 0-15 (the mma/ldmatrix element order).
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
     __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
+    uint32_t r;
+    __builtin_memcpy(&r, &h, sizeof(r));
+    return r;
 }
 __device__ __forceinline__ uint32_t pack_bf162(float lo, float hi) {
     __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
+    uint32_t r;
+    __builtin_memcpy(&r, &h, sizeof(r));
+    return r;
 }
 
 // ---- tensor cores: mma.sync ------------------------------------------------------
@@ -115,27 +126,27 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 
 __device__ __forceinline__ void ldmatrix_x1(uint32_t (&d)[1], const void* row) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];\n"
-                 : "=r"(d[0]) : "r"(smem_addr(row)));
+                 : "=r"(d[0]) : "r"(smem_addr(row)) : "memory");
 }
 __device__ __forceinline__ void ldmatrix_x2(uint32_t (&d)[2], const void* row) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
-                 : "=r"(d[0]), "=r"(d[1]) : "r"(smem_addr(row)));
+                 : "=r"(d[0]), "=r"(d[1]) : "r"(smem_addr(row)) : "memory");
 }
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&d)[4], const void* row) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "r"(smem_addr(row)));
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "r"(smem_addr(row)) : "memory");
 }
 __device__ __forceinline__ void ldmatrix_x1_trans(uint32_t (&d)[1], const void* row) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];\n"
-                 : "=r"(d[0]) : "r"(smem_addr(row)));
+                 : "=r"(d[0]) : "r"(smem_addr(row)) : "memory");
 }
 __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&d)[2], const void* row) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
-                 : "=r"(d[0]), "=r"(d[1]) : "r"(smem_addr(row)));
+                 : "=r"(d[0]), "=r"(d[1]) : "r"(smem_addr(row)) : "memory");
 }
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&d)[4], const void* row) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "r"(smem_addr(row)));
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "r"(smem_addr(row)) : "memory");
 }
 
 // ---- cp.async (global -> shared, asynchronous, per-thread groups) ---------------------
@@ -145,20 +156,20 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&d)[4], const void* 
 
 __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                 :: "r"(smem_addr(smem_dst)), "l"(gmem_src), "r"(src_bytes));
+                 :: "r"(smem_addr(smem_dst)), "l"(gmem_src), "r"(src_bytes) : "memory");
 }
 // 4-byte variant (cp.async.ca; src_bytes 0 or 4) for rows that are not 16-byte aligned.
 __device__ __forceinline__ void cp_async_4(void* smem_dst, const void* gmem_src, int src_bytes) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
-                 :: "r"(smem_addr(smem_dst)), "l"(gmem_src), "r"(src_bytes));
+                 :: "r"(smem_addr(smem_dst)), "l"(gmem_src), "r"(src_bytes) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() {
-    asm volatile("cp.async.commit_group;\n" ::);
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
 // Wait until at most N of this thread's most recent groups are pending.
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
 }
 
 }  // namespace cf

@@ -1,0 +1,198 @@
+// mma_tile.cuh -- tiles of 16-bit elements for the tensor-core kernels: the
+// swizzled shared-memory layout, cp.async tile loads with zero-filled tails,
+// and warp-level fragment verbs around mma.sync m16n8k16 (ldmatrix in,
+// float accumulators out).
+//
+// Register tiles.  A warp's m16n8 accumulators are kept as `float acc[R][C]`
+// where row r = 2 * m16_tile + half (half 0: fragment row g, half 1: g + 8)
+// and column c = 2 * n8_tile + e (fragment column 2t + e), so element
+// acc[r][c] of lane (g, t) is logical entry (16 * (r / 2) + 8 * (r % 2) + g,
+// 8 * (c / 2) + 2t + c % 2) of the warp's tile (ptx-fragments.md section 1).
+// Each row therefore lives in the four lanes of one quad, which is what the
+// online softmax (softmax.cuh, kLanes = 4) reduces over.  Every index is a
+// compile-time constant after unrolling, so the arrays are plain registers.
+#pragma once
+
+#include "ptx.cuh"
+
+namespace cf {
+
+// ---- the element type's mma and packing ------------------------------------------------------
+
+template <typename T> struct MmaElement;
+template <> struct MmaElement<__half> {
+    __device__ static void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                               const float (&c)[4]) {
+        mma_m16n8k16_f16(d, a, b, c);
+    }
+    __device__ static uint32_t pack(float lo, float hi) { return pack_half2(lo, hi); }
+};
+template <> struct MmaElement<__nv_bfloat16> {
+    __device__ static void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                               const float (&c)[4]) {
+        mma_m16n8k16_bf16(d, a, b, c);
+    }
+    __device__ static uint32_t pack(float lo, float hi) { return pack_bf162(lo, hi); }
+};
+
+// ---- shared-memory layout ----------------------------------------------------------------------
+
+// A kRows x kCols tile of 16-bit elements, stored as column pages of 64
+// elements (one 128-byte line per row), plus a last page of 32 elements when
+// kCols is an odd multiple of 32 (two rows per line).  Within a page the
+// 16-byte chunk index inside each 128-byte line is XORed with the line number
+// mod 8.  The 8 row addresses of one ldmatrix matrix (8 consecutive rows
+// starting at a multiple of 8, one chunk column) then hit 8 different
+// 16-byte bank groups, as do the 8 chunks a quarter-warp of cp.async writes
+// along a row, with no padding; chunks stay whole (16-byte aligned).
+template <int kRows_, int kCols_>
+struct SwizzledTile {
+    static constexpr int kRows = kRows_;
+    static constexpr int kCols = kCols_;
+    static constexpr int kChunks = kCols / 8;        // 16-byte chunks per row
+    static constexpr int kFullPages = kCols / 64;
+    static constexpr int kElements = kRows * kCols;
+    static_assert(kCols % 32 == 0, "SwizzledTile: rows of whole 64-byte half pages");
+    static_assert(kRows % 8 == 0, "SwizzledTile: whole 8-row ldmatrix groups");
+
+    // Element offset of the first element of chunk c (elements 8c .. 8c+7) of row r.
+    __device__ static int chunk(int r, int c) {
+        const int page = c >> 3;
+        const int width = page < kFullPages ? 8 : 4;  // chunks per row in this page
+        const int linear = r * width + (c & 7);
+        const int line = linear >> 3;
+        return page * (kRows * 64) + (line << 6) + (((linear & 7) ^ (line & 7)) << 3);
+    }
+};
+
+// ---- global -> shared (cp.async) ---------------------------------------------------------------
+
+// Issue (not commit) the cp.async copies of one tile by kThreads threads, all
+// of which must call: row r, column c of the tile takes src[r * row_stride + c]
+// for r < rows_valid and c < cols_valid, zero otherwise (cp.async zero-fill).
+// Every row start src + r * row_stride must be 16-byte aligned (the dispatcher
+// checks it); consecutive threads take consecutive chunks of a row.
+template <int kThreads, class Tile, typename T>
+__device__ __forceinline__ void cp_async_tile(T* dst, const T* src, int64_t row_stride,
+                                              int rows_valid, int cols_valid) {
+    static_assert(sizeof(T) == 2, "16-bit elements: 8 per 16-byte chunk");
+    constexpr int kTotal = Tile::kRows * Tile::kChunks;
+    constexpr int kPasses = (kTotal + kThreads - 1) / kThreads;
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+        const int idx = pass * kThreads + static_cast<int>(threadIdx.x);
+        if (kTotal % kThreads == 0 || idx < kTotal) {
+            const int r = idx / Tile::kChunks;
+            const int c = idx % Tile::kChunks;
+            const int valid = cols_valid - 8 * c;  // elements of this chunk inside the row
+            const int bytes = r < rows_valid ? 2 * (valid < 0 ? 0 : valid > 8 ? 8 : valid) : 0;
+            // A zero-byte copy reads nothing; it still gets an aligned address.
+            const T* from = bytes > 0 ? src + r * row_stride + 8 * c : src;
+            cp_async_16(dst + Tile::chunk(r, c), from, bytes);
+        }
+    }
+}
+
+// ---- warp-level fragments ------------------------------------------------------------------------
+// Addresses follow ptx-fragments.md section 4 ("FA2 recipes"): lane L supplies
+// the row address of matrix L / 8, row L % 8.
+
+// A operand (16 x 16) from a [m][k] tile: rows m0 .. m0+15, k-columns 16 ks .. 16 ks + 15.
+template <class Tile, typename T>
+__device__ __forceinline__ void ldmatrix_a(uint32_t (&a)[4], const T* tile, int m0, int ks) {
+    const int lane = lane_id();
+    ldmatrix_x4(a, tile + Tile::chunk(m0 + (lane & 15), 2 * ks + (lane >> 4)));
+}
+
+// B operands of two n8 tiles from a [n][k] tile (K, for S = Q K^T): columns
+// n0 .. n0+7 in b[0..1] and n0+8 .. n0+15 in b[2..3], k-step ks.
+template <class Tile, typename T>
+__device__ __forceinline__ void ldmatrix_b_nk(uint32_t (&b)[4], const T* tile, int n0, int ks) {
+    const int lane = lane_id();
+    ldmatrix_x4(b, tile + Tile::chunk(n0 + (lane & 7) + ((lane >> 4) << 3), 2 * ks + ((lane >> 3) & 1)));
+}
+
+// B operands of two n8 tiles from a [k][n] tile (V, for O = P V), transposed
+// on the way: k-rows k0 .. k0+15, columns 16 np .. 16 np + 7 in b[0..1] and
+// 16 np + 8 .. 16 np + 15 in b[2..3].
+template <class Tile, typename T>
+__device__ __forceinline__ void ldmatrix_b_kn(uint32_t (&b)[4], const T* tile, int k0, int np) {
+    const int lane = lane_id();
+    ldmatrix_x4_trans(b, tile + Tile::chunk(k0 + (lane & 7) + (((lane >> 3) & 1) << 3), 2 * np + (lane >> 4)));
+}
+
+// acc (m16 tile mi, n8 tile nj) += A * B, acc laid out as described at the top.
+template <typename T, int R, int C>
+__device__ __forceinline__ void mma_into(float (&acc)[R][C], int mi, int nj, const uint32_t (&a)[4],
+                                         uint32_t b0, uint32_t b1) {
+    float (&lo)[C] = acc[2 * mi];
+    float (&hi)[C] = acc[2 * mi + 1];
+    const float c[4] = {lo[2 * nj], lo[2 * nj + 1], hi[2 * nj], hi[2 * nj + 1]};
+    const uint32_t b[2] = {b0, b1};
+    float d[4];
+    MmaElement<T>::mma(d, a, b, c);
+    lo[2 * nj] = d[0];
+    lo[2 * nj + 1] = d[1];
+    hi[2 * nj] = d[2];
+    hi[2 * nj + 1] = d[3];
+}
+
+// The A operand of P V for m16 tile mi and key step kk (keys 16 kk .. 16 kk + 15)
+// straight from the score accumulators: the C fragments of n8 tiles 2kk and
+// 2kk+1, rounded to T and packed (ptx-fragments.md section 1, "[derived]").
+template <typename T, int R, int C>
+__device__ __forceinline__ void accumulator_to_a(uint32_t (&a)[4], const float (&p)[R][C], int mi, int kk) {
+    const float (&lo)[C] = p[2 * mi];
+    const float (&hi)[C] = p[2 * mi + 1];
+    a[0] = MmaElement<T>::pack(lo[4 * kk], lo[4 * kk + 1]);
+    a[1] = MmaElement<T>::pack(hi[4 * kk], hi[4 * kk + 1]);
+    a[2] = MmaElement<T>::pack(lo[4 * kk + 2], lo[4 * kk + 3]);
+    a[3] = MmaElement<T>::pack(hi[4 * kk + 2], hi[4 * kk + 3]);
+}
+
+// Write the accumulators (rounded to T) into rows row0 .. of a swizzled tile:
+// each lane stores its pairs as 32-bit words, 8 rows x 4 words per n8 tile,
+// which the swizzle spreads over all 32 banks.
+template <class Tile, typename T, int R, int C>
+__device__ __forceinline__ void store_accumulators(T* tile, const float (&acc)[R][C], int row0) {
+    const int lane = lane_id();
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int row = row0 + 16 * (r >> 1) + 8 * (r & 1) + g;
+#pragma unroll
+        for (int nj = 0; nj < C / 2; ++nj) {
+            uint32_t* word = reinterpret_cast<uint32_t*>(tile + Tile::chunk(row, nj) + 2 * t);
+            *word = MmaElement<T>::pack(acc[r][2 * nj], acc[r][2 * nj + 1]);
+        }
+    }
+}
+
+// Copy rows row0 .. row0 + kRowsOut - 1 of a swizzled tile to global memory
+// (row r to dst + r * row_stride), one warp, 16-byte stores: only rows below
+// rows_valid and columns below cols_valid are written (a chunk cut by
+// cols_valid element by element).  Row starts must be 16-byte aligned.
+template <int kRowsOut, class Tile, typename T>
+__device__ __forceinline__ void store_rows(T* dst, int64_t row_stride, const T* tile, int row0,
+                                           int rows_valid, int cols_valid) {
+    constexpr int kTotal = kRowsOut * Tile::kChunks;
+    const int lane = lane_id();
+#pragma unroll
+    for (int pass = 0; pass < (kTotal + 31) / 32; ++pass) {
+        const int idx = 32 * pass + lane;
+        const int r = idx / Tile::kChunks;
+        const int c = idx % Tile::kChunks;
+        const int valid = cols_valid - 8 * c;
+        if ((kTotal % 32 == 0 || idx < kTotal) && r < rows_valid && valid > 0) {
+            const T* from = tile + Tile::chunk(row0 + r, c);
+            T* to = dst + r * row_stride + 8 * c;
+            if (valid >= 8) {
+                *reinterpret_cast<uint4*>(to) = *reinterpret_cast<const uint4*>(from);
+            } else {
+                for (int e = 0; e < valid; ++e) to[e] = from[e];
+            }
+        }
+    }
+}
+
+}  // namespace cf

@@ -1,0 +1,71 @@
+// params.cuh -- the one argument every forward kernel takes.
+//
+// A plain struct passed by value: pointers, 64-bit strides (in elements) for
+// the batch, head and row axes of every tensor (the last axis has unit stride),
+// the problem sizes, the softmax scale and the attention window.  Every field
+// is 8 bytes, so the layout has no padding; cupyflash/_params.py mirrors it
+// field by field (a NumPy structured dtype with align=True) and the
+// static_asserts at the end pin the offsets both sides rely on.
+//
+// This header is plain C++ (host compilers include it to check the layout).
+#pragma once
+
+#ifdef __CUDACC_RTC__  // NVRTC has no <cstdint>; CuPy's include path has libcudacxx's
+#include <cuda/std/cstdint>
+#else
+#include <cstdint>
+#endif
+
+namespace cf {
+
+// window_left / window_right value meaning "unbounded on that side".  Large
+// enough that no admissible index reaches it, small enough that
+// i + (Lk - Lq) +/- kUnbounded cannot overflow int64 for any realistic length.
+constexpr int64_t kUnbounded = int64_t(1) << 62;
+
+struct FwdParams {
+    // Tensors: q (B, Hq, Lq, d), k (B, Hkv, Lk, d), v (B, Hkv, Lk, dv),
+    // out (B, Hq, Lq, dv) of the element type T; lse (B, Hq, Lq) of the
+    // accumulator type (float, double for double inputs), or null.
+    const void* q;
+    const void* k;
+    const void* v;
+    void* out;
+    void* lse;
+    // fwd_v1 only: its global-memory state O (B, Hq, Lq, dv), l and m
+    // (B, Hq, Lq), contiguous, of the accumulator type.  Null for fwd_simt.
+    void* ws_o;
+    void* ws_l;
+    void* ws_m;
+
+    // Strides in elements (any value, including 0 for broadcast axes).
+    int64_t q_batch_stride, q_head_stride, q_row_stride;
+    int64_t k_batch_stride, k_head_stride, k_row_stride;
+    int64_t v_batch_stride, v_head_stride, v_row_stride;
+    int64_t out_batch_stride, out_head_stride, out_row_stride;
+    int64_t lse_batch_stride, lse_head_stride, lse_row_stride;
+
+    // Sizes.  Query head h reads kv head h / gqa_ratio (heads_q = gqa_ratio * Hkv).
+    int64_t batch, heads_q, gqa_ratio;
+    int64_t seqlen_q, seqlen_k, head_dim, head_dim_v;
+
+    // Bottom-right aligned window: query i sees key j iff
+    // i + (Lk - Lq) - window_left <= j <= i + (Lk - Lq) + window_right.
+    // Causal is window_right = 0.  kUnbounded for "no limit".
+    int64_t window_left, window_right;
+
+    // fwd_v1 only: the run-time block sizes Br, Bc of Algorithm 1 (0 otherwise).
+    int64_t block_m, block_n;
+
+    // softmax(scale * q k^T); scale_log2 = scale * log2(e) for exp2.
+    double scale, scale_log2;
+};
+
+// The layout _params.py mirrors (tests compare every offset with the dtype's).
+static_assert(sizeof(FwdParams) == 36 * 8, "FwdParams: every field is 8 bytes, no padding");
+static_assert(__builtin_offsetof(FwdParams, q_batch_stride) == 8 * 8, "FwdParams layout");
+static_assert(__builtin_offsetof(FwdParams, batch) == 23 * 8, "FwdParams layout");
+static_assert(__builtin_offsetof(FwdParams, window_left) == 30 * 8, "FwdParams layout");
+static_assert(__builtin_offsetof(FwdParams, scale) == 34 * 8, "FwdParams layout");
+
+}  // namespace cf

@@ -1,0 +1,134 @@
+// softmax.cuh -- online softmax in base 2: the running row max m, the running
+// row sum l, the rescale of the output accumulator, the final normalisation.
+//
+// Scores arrive already multiplied by scale * log2(e), so every exponential
+// is exp2 and lse = ln(2) * (m + log2(l)).  Multiplying the raw score first
+// (instead of FA2's fused exp2(s * c - m * c)) keeps the row max correct for
+// any sign of the scale.  A row that has seen no admissible key has
+// m = -inf; it is exponentiated against 0 instead of -inf, so its
+// probabilities and rescale factors are exp2(-inf) = 0 rather than NaN, and
+// it ends with output 0 and lse = -inf.
+#pragma once
+
+#include "ptx.cuh"
+
+namespace cf {
+
+// Accumulator type: float for the 16-bit types and float, double for double.
+template <typename T> struct AccumulatorOf { using type = float; };
+template <> struct AccumulatorOf<double> { using type = double; };
+template <typename T> using acc_t = typename AccumulatorOf<T>::type;
+
+// -infinity, spelled as its IEEE bit pattern (NVRTC has no <limits> or INFINITY).
+template <typename Acc> __device__ __forceinline__ Acc neg_inf();
+template <> __device__ __forceinline__ float neg_inf<float>() {
+    return __builtin_bit_cast(float, 0xff800000u);
+}
+template <> __device__ __forceinline__ double neg_inf<double>() {
+    return __builtin_bit_cast(double, 0xfff0000000000000ull);
+}
+
+// 2^x: ex2.approx (2 ulp) in float, the correctly rounded-ish libm exp2 in double.
+__device__ __forceinline__ float exp2_acc(float x) { return exp2_approx(x); }
+__device__ __forceinline__ double exp2_acc(double x) { return exp2(x); }
+__device__ __forceinline__ float log2_acc(float x) { return log2f(x); }
+__device__ __forceinline__ double log2_acc(double x) { return log2(x); }
+
+template <typename Acc> __device__ __forceinline__ Acc max_acc(Acc a, Acc b) { return a > b ? a : b; }
+
+// The reference point a row is exponentiated against: its max, or 0 while
+// the max is -inf (so that -inf - (-inf) never happens).
+template <typename Acc> __device__ __forceinline__ Acc exp2_reference(Acc m) {
+    return m == neg_inf<Acc>() ? Acc(0) : m;
+}
+
+// Max / sum over the kLanes consecutive lanes (an aligned group) that share a row.
+template <int kLanes> constexpr bool is_lane_group() {
+    return kLanes >= 1 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0;
+}
+template <int kLanes, typename Acc> __device__ __forceinline__ Acc group_max(Acc x) {
+    static_assert(is_lane_group<kLanes>(), "kLanes: a power of two <= 32");
+#pragma unroll
+    for (int mask = kLanes / 2; mask > 0; mask /= 2) x = max_acc(x, shfl_xor(x, mask));
+    return x;
+}
+template <int kLanes, typename Acc> __device__ __forceinline__ Acc group_sum(Acc x) {
+    static_assert(is_lane_group<kLanes>(), "kLanes: a power of two <= 32");
+#pragma unroll
+    for (int mask = kLanes / 2; mask > 0; mask /= 2) x += shfl_xor(x, mask);
+    return x;
+}
+
+// x *= factor for a scalar or (recursively) every element of an array.
+template <typename Acc> __device__ __forceinline__ void scale_in_place(Acc& x, Acc factor) {
+    x *= factor;
+}
+template <typename Acc, typename E, int N>
+__device__ __forceinline__ void scale_in_place(E (&x)[N], Acc factor) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) scale_in_place(x[i], factor);
+}
+
+// ln(2) * (m + log2(l)): the natural-log log-sum-exp of a row, -inf if it saw no key.
+template <typename Acc> __device__ __forceinline__ Acc row_lse(Acc m, Acc l) {
+    constexpr double kLn2 = 0.69314718055994530942;
+    return l > Acc(0) ? Acc(kLn2) * (m + log2_acc(l)) : neg_inf<Acc>();
+}
+
+// State of kRows query rows, each spread over kLanes lanes of one warp (every
+// lane holds some of the row's columns).  m is kept identical on those lanes;
+// l is each lane's partial sum over its own columns, summed across the lanes
+// only once, in normalize().
+template <typename Acc, int kRows, int kLanes>
+struct OnlineSoftmax {
+    Acc m[kRows];
+    Acc l[kRows];
+
+    __device__ OnlineSoftmax() {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+            m[r] = neg_inf<Acc>();
+            l[r] = Acc(0);
+        }
+    }
+
+    // s: this lane's scores of one key block (log2 units, -inf where masked).
+    // Afterwards s holds the unnormalised probabilities exp2(s - m_new), the
+    // accumulator o (any array per row) is rescaled by exp2(m_old - m_new),
+    // and l is updated.
+    template <int kCols, typename RowAcc>
+    __device__ void update(Acc (&s)[kRows][kCols], RowAcc (&o)[kRows]) {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+            Acc block_max = s[r][0];
+#pragma unroll
+            for (int c = 1; c < kCols; ++c) block_max = max_acc(block_max, s[r][c]);
+            const Acc m_new = max_acc(m[r], group_max<kLanes>(block_max));
+            const Acc ref = exp2_reference(m_new);
+            const Acc rescale = exp2_acc(m[r] - ref);
+            m[r] = m_new;
+            Acc sum = Acc(0);
+#pragma unroll
+            for (int c = 0; c < kCols; ++c) {
+                s[r][c] = exp2_acc(s[r][c] - ref);
+                sum += s[r][c];
+            }
+            l[r] = l[r] * rescale + sum;
+            scale_in_place(o[r], rescale);
+        }
+    }
+
+    // Deferred normalisation: o /= l (0 for a row that saw no key) and the
+    // rows' natural-log lse.
+    template <typename RowAcc>
+    __device__ void normalize(RowAcc (&o)[kRows], Acc (&lse)[kRows]) {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+            const Acc total = group_sum<kLanes>(l[r]);
+            scale_in_place(o[r], total > Acc(0) ? Acc(1) / total : Acc(0));
+            lse[r] = row_lse(m[r], total);
+        }
+    }
+};
+
+}  // namespace cf

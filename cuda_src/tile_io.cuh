@@ -1,0 +1,106 @@
+// tile_io.cuh -- moving tiles between global memory, shared memory and registers.
+//
+// Global tensors are addressed through a base pointer and a 64-bit row stride
+// (the last axis is contiguous, every other stride arbitrary).  Tiles in
+// shared memory hold the accumulator type (float or double): elements are
+// converted once, on the way in, so the inner products that read them many
+// times are plain FMAs.  Loads zero-fill whatever lies outside the valid
+// rows/columns, so a partial tile computes like a full one.
+#pragma once
+
+#include "ptx.cuh"
+
+namespace cf {
+
+// ---- element <-> accumulator conversions -----------------------------------------------------
+
+__device__ __forceinline__ float to_acc(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_acc(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_acc(float x) { return x; }
+__device__ __forceinline__ double to_acc(double x) { return x; }
+
+template <typename T> struct FromAcc;
+template <> struct FromAcc<__half> {
+    __device__ static __half convert(float x) { return __float2half_rn(x); }
+};
+template <> struct FromAcc<__nv_bfloat16> {
+    __device__ static __nv_bfloat16 convert(float x) { return __float2bfloat16_rn(x); }
+};
+template <> struct FromAcc<float> {
+    __device__ static float convert(float x) { return x; }
+};
+template <> struct FromAcc<double> {
+    __device__ static double convert(double x) { return x; }
+};
+// Round an accumulator value to the element type (round to nearest even).
+template <typename T, typename Acc> __device__ __forceinline__ T from_acc(Acc x) {
+    return FromAcc<T>::convert(x);
+}
+
+// ---- 16-byte vectors (one LDS.128 from shared memory) ----------------------------------------
+
+template <typename Acc>
+struct alignas(16) Vec16 {
+    static constexpr int kSize = 16 / sizeof(Acc);
+    Acc x[kSize];
+};
+
+template <typename Acc> __device__ __forceinline__ Vec16<Acc> load_vec16(const Acc* p) {
+    return *reinterpret_cast<const Vec16<Acc>*>(p);
+}
+
+// ---- shared-memory tile layouts ----------------------------------------------------------------
+
+// Row-major kCols-wide rows whose 16-byte chunks are permuted by XOR with
+// (row % 8).  Threads that read the same chunk of 8 consecutive rows (as the
+// SIMT inner products do) then hit 8 different 16-byte bank groups without
+// any padding; chunks stay whole, so vector loads still work.
+template <typename Acc, int kCols>
+struct SwizzledRows {
+    static constexpr int kVec = Vec16<Acc>::kSize;
+    static_assert(kCols % (8 * kVec) == 0, "SwizzledRows: rows of at least 8 whole 16-byte chunks");
+
+    // Element (r, c).
+    __device__ static int offset(int r, int c) {
+        return r * kCols + (((c / kVec) ^ (r & 7)) * kVec) + (c % kVec);
+    }
+    // First element of chunk q (elements q*kVec .. q*kVec + kVec - 1) of row r.
+    __device__ static int chunk(int r, int q) { return r * kCols + ((q ^ (r & 7)) * kVec); }
+};
+
+// Plain row-major rows of a run-time width.
+struct PlainRows {
+    int cols;
+    __device__ int offset(int r, int c) const { return r * cols + c; }
+};
+
+// ---- global -> shared -------------------------------------------------------------------------
+
+// Cooperative copy of a rows x cols tile by kThreads threads (all must call):
+// dst[layout.offset(r, c)] = src[r * row_stride + c] for r < rows_valid and
+// c < cols_valid, zero elsewhere.  Consecutive threads take consecutive
+// columns, so a warp reads contiguous runs of each row.
+template <int kThreads, typename Layout, typename Acc, typename T>
+__device__ __forceinline__ void load_tile(Acc* dst, const Layout& layout, const T* src,
+                                          int64_t row_stride, int rows, int cols, int rows_valid,
+                                          int cols_valid) {
+    for (int idx = static_cast<int>(threadIdx.x); idx < rows * cols; idx += kThreads) {
+        const int r = idx / cols;
+        const int c = idx - r * cols;
+        Acc value = Acc(0);
+        if (r < rows_valid && c < cols_valid) value = to_acc(src[r * row_stride + c]);
+        dst[layout.offset(r, c)] = value;
+    }
+}
+
+// ---- registers -> global ----------------------------------------------------------------------
+
+// dst[e] = vals[e] rounded to T, for the first n_valid of N consecutive elements.
+template <int N, typename T, typename Acc>
+__device__ __forceinline__ void store_run(T* dst, const Acc (&vals)[N], int n_valid) {
+#pragma unroll
+    for (int e = 0; e < N; ++e)
+        if (e < n_valid) dst[e] = from_acc<T>(vals[e]);
+}
+
+}  // namespace cf

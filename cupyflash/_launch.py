@@ -1,0 +1,109 @@
+"""Launch configuration: grid, block and dynamic shared memory of each kernel.
+
+One function, :func:`launch_config`, used by the GPU path and the emulator
+alike, so both run a kernel with the same geometry.  The shared-memory sizes
+mirror the kernels' own arithmetic (``SimtFwdTraits::kSmemBytes`` in
+``cuda_src/fwd_simt.cu``; the buffer list at the top of ``fwd_v1_kernel``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ._kernels import Instantiation
+
+__all__ = ["launch_config", "v1_block_sizes", "representative_shared_bytes"]
+
+_MAX_GRID_X = 2**31 - 1
+_ACC_BYTES = {"float16": 4, "bfloat16": 4, "float32": 4, "float64": 8}
+
+# fwd_v1's on-chip buffers per Q block of Br rows: l_i, m_i, m~_ij, 1/l_i^new, m_i^new, l_i^new.
+_V1_ROW_VECTORS = 6
+
+
+def v1_block_sizes(sram_size: int, head_dim: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+    """Algorithm 1, line 1: ``Bc = ceil(M / 4d)``, ``Br = min(ceil(M / 4d), d)``.
+
+    ``M`` is the SRAM size in elements and ``d`` the q/k head dim.  A block
+    longer than its sequence is cut to the sequence (same blocks, less shared
+    memory).  Returns ``(Br, Bc)``.
+    """
+    if int(sram_size) < 1:
+        raise ValueError(f"`sram_size` must be positive, got {sram_size}")
+    d = max(int(head_dim), 1)
+    b_c = math.ceil(int(sram_size) / (4 * d))
+    b_r = min(b_c, d)
+    return min(b_r, max(int(seqlen_q), 1)), min(b_c, max(int(seqlen_k), 1))
+
+
+def _simt_shared_bytes(inst: Instantiation) -> int:
+    kv_width = max(inst.head_dim, inst.head_dim_v)
+    return (inst.block_m * inst.head_dim + inst.block_n * kv_width) * _ACC_BYTES[inst.dtype]
+
+
+def _v1_shared_bytes(inst: Instantiation, block_m: int, block_n: int, head_dim: int,
+                     head_dim_v: int) -> int:
+    elements = (block_n * (head_dim + head_dim_v) + block_m * (head_dim + head_dim_v)
+                + block_m * block_n + _V1_ROW_VECTORS * block_m)
+    return elements * _ACC_BYTES[inst.dtype]
+
+
+def launch_config(inst: Instantiation, *, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
+                  head_dim: int = 0, head_dim_v: int = 0, sram_size: int | None = None):
+    """Grid, block and dynamic shared memory (bytes) for one launch of ``inst``.
+
+    Parameters
+    ----------
+    inst : Instantiation
+        A row of :func:`cupyflash._kernels.instantiations`.
+    batch, heads : int
+        Batch size and number of query heads.
+    seqlen_q, seqlen_k : int
+        Sequence lengths (``seqlen_q >= 1``: with no query rows there is nothing to launch).
+    head_dim, head_dim_v : int
+        Run-time head dims; only fwd_v1 sizes its buffers by them.
+    sram_size : int, optional
+        fwd_v1 only (required there): Algorithm 1's SRAM size ``M`` in elements.
+
+    Returns
+    -------
+    grid : tuple of int
+    block : tuple of int
+    shared_mem : int
+
+    Raises
+    ------
+    ValueError
+        More CTAs than a one-dimensional grid allows, or a missing ``sram_size``.
+    """
+    if seqlen_q < 1 or batch < 1 or heads < 1:
+        raise ValueError(f"nothing to launch: batch={batch}, heads={heads}, seqlen_q={seqlen_q}")
+    block = (inst.threads, 1, 1)
+    if inst.family == "fwd_simt":
+        ctas = -(-seqlen_q // inst.block_m) * heads * batch
+        shared = _simt_shared_bytes(inst)
+    elif inst.family == "fwd_v1":
+        if sram_size is None:
+            raise ValueError("fwd_v1 needs `sram_size` (Algorithm 1's M, in elements)")
+        block_m, block_n = v1_block_sizes(sram_size, head_dim, seqlen_q, seqlen_k)
+        ctas = heads * batch
+        shared = _v1_shared_bytes(inst, block_m, block_n, head_dim, head_dim_v)
+    else:
+        raise ValueError(f"no launch configuration for kernel family {inst.family!r}")
+    if ctas > _MAX_GRID_X:
+        raise ValueError(
+            f"{inst.family}: batch={batch}, heads={heads}, seqlen_q={seqlen_q} needs {ctas} CTAs; "
+            f"a launch allows at most {_MAX_GRID_X}")
+    return (ctas, 1, 1), block, shared
+
+
+def representative_shared_bytes(inst: Instantiation) -> int:
+    """Dynamic shared memory of ``inst`` for the static report.
+
+    fwd_simt's is fixed by its tiles; fwd_v1's is taken at d = dv = 64,
+    L = 1024 and M = 8192 elements (Br = Bc = 32).
+    """
+    if inst.family == "fwd_v1":
+        return launch_config(inst, batch=1, heads=1, seqlen_q=1024, seqlen_k=1024, head_dim=64,
+                             head_dim_v=64, sram_size=8192)[2]
+    return launch_config(inst, batch=1, heads=1, seqlen_q=1, seqlen_k=1)[2]

@@ -1,0 +1,76 @@
+// cfemu_abi.h -- the C interface between emulated kernel modules and the emulator runtime.
+//
+// A kernel module (one shared library per set of instantiations, built by
+// cupyflash/emulator/_build.py) contains the unchanged cuda_src/ kernels compiled
+// by the host compiler against cuda_emu.h and the emulated ptx.cuh.  Everything
+// those headers cannot do locally -- scheduling the block's threads as fibers,
+// barriers, warp-collective instructions, cp.async queues, the shared-memory
+// checks -- is a call into the runtime library (src/runtime.cpp) declared here.
+// The runtime is plain C++17 and does not include any CUDA header.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(CFEMU_BUILDING_RUNTIME)
+#define CFEMU_API extern "C" __attribute__((visibility("default")))
+#else
+#define CFEMU_API extern "C"
+#endif
+
+// Layout-compatible with CUDA's uint3 / dim3 (three unsigned ints).
+struct cfemu_xyz {
+    unsigned x, y, z;
+};
+
+// What one emulated CUDA thread sees: its indices and the block's shared memory.
+struct cfemu_thread_ctx {
+    cfemu_xyz thread_idx;
+    cfemu_xyz block_idx;
+    cfemu_xyz block_dim;
+    cfemu_xyz grid_dim;
+    char* smem;  // the block's dynamic shared memory
+};
+
+// The thread (fiber) that is running on this OS thread; set by the scheduler.
+extern "C" __thread cfemu_thread_ctx* cfemu_current_ctx;
+
+// One launch, filled in by the Python executor (ctypes mirror in _executor.py).
+struct cfemu_launch_desc {
+    uint32_t grid[3];
+    uint32_t block[3];
+    uint64_t smem_bytes;       // dynamic shared memory per block
+    uint64_t seed;             // seeds the thread order and the block order
+    const void* params;        // raw bytes of the kernel's params struct
+    uint64_t params_size;      // sizeof as seen by the caller
+    uint64_t params_align;     // alignment as seen by the caller
+    uint64_t stack_bytes;      // per emulated thread
+    const char* kernel_name;   // for messages
+    int32_t shuffle;           // shuffle the thread order between barriers
+    int32_t race_check;        // the module is instrumented: check shared memory
+};
+
+typedef void (*cfemu_thunk)(const void* params);
+
+// Runs the grid; returns 0 on success, else writes a message into err.
+CFEMU_API int cfemu_run(const cfemu_launch_desc* desc, cfemu_thunk thunk, uint64_t kernel_params_size,
+                        uint64_t kernel_params_align, char* err, uint64_t errlen);
+
+// ---- synchronisation and warp-collective operations (called from kernels) ----
+
+enum cfemu_shfl_mode { CFEMU_SHFL_IDX = 0, CFEMU_SHFL_UP = 1, CFEMU_SHFL_DOWN = 2, CFEMU_SHFL_BFLY = 3 };
+enum cfemu_vote_mode { CFEMU_VOTE_ALL = 0, CFEMU_VOTE_ANY = 1, CFEMU_VOTE_BALLOT = 2 };
+enum cfemu_mma_kind { CFEMU_MMA_F16 = 0, CFEMU_MMA_BF16 = 1, CFEMU_MMA_TF32 = 2 };
+
+// A block barrier at call site file:line; returns how many live threads passed pred != 0.
+CFEMU_API int cfemu_syncthreads(const char* file, int line, int pred);
+CFEMU_API void cfemu_syncwarp(unsigned mask);
+CFEMU_API uint64_t cfemu_shfl(int mode, unsigned mask, uint64_t bits, int size, int lane_arg, int width);
+CFEMU_API unsigned cfemu_vote(int mode, unsigned mask, int pred);
+CFEMU_API void cfemu_mma(int kind, float* d, const uint32_t* a, const uint32_t* b, const float* c);
+CFEMU_API void cfemu_ldmatrix(int num, int trans, uint32_t* d, const void* row);
+CFEMU_API void cfemu_cp_async(void* smem_dst, const void* gmem_src, int cp_size, int src_bytes);
+CFEMU_API void cfemu_cp_async_commit(void);
+CFEMU_API void cfemu_cp_async_wait(int n);
+// Ends the launch with an error (assert, __trap).
+CFEMU_API void cfemu_trap(const char* what, const char* file, int line) __attribute__((noreturn));

@@ -1,0 +1,1185 @@
+// runtime.cpp -- the CPU emulator's runtime: runs a kernel's grid block by block,
+// each block's threads as fibers on the calling OS thread.
+//
+// Model (DESIGN.md section 5):
+//  * Blocks run one at a time (in a seeded random order when shuffling).  Each
+//    block gets freshly poisoned (0xFF: NaN for every float type) dynamic shared
+//    memory with red zones on both sides.
+//  * A thread runs until it reaches a synchronisation point: __syncthreads(), a
+//    warp-collective operation (__syncwarp, shuffles, votes, mma, ldmatrix) or the
+//    end of the kernel.  Each scheduling round runs every runnable thread once, in
+//    a seeded random order when shuffling.
+//  * Barriers are typed.  __syncthreads() releases when every live thread of the
+//    block waits at the same __syncthreads() call (file:line); a warp collective
+//    completes when every lane named in its mask waits at the same kind of
+//    operation with the same mask, and is then computed from all lanes' operands
+//    with the PTX fragment layouts.  A block where no thread can proceed is a
+//    deadlock and is reported with what every thread waits for.
+//  * cp.async copies are queued per thread and performed -- source read, zero
+//    fill, destination written -- when the issuing thread's cp.async.wait_group
+//    retires their group.  Copies never waited for never land, and a thread that
+//    exits with copies in flight is an error.
+//  * With race checking on (the kernel module is compiled with
+//    -fsanitize=kernel-address so that every load and store calls a hook below),
+//    every shared-memory byte keeps its last writer and its readers since the last
+//    __syncthreads(); conflicting accesses by two threads not ordered by a
+//    __syncthreads() (or, within a warp, a full-warp __syncwarp()) are reported.
+//  * A fault in kernel code (an out-of-bounds global access, a stack overflow
+//    into a fiber's guard page) is caught by a SIGSEGV/SIGBUS handler and becomes
+//    an error; so does a thread that runs 2^30 instrumented memory accesses
+//    without reaching a synchronisation point (a spin-wait on another thread,
+//    which cannot progress under cooperative scheduling).
+//
+// Everything that belongs to one launch lives in a Launch object, so launches on
+// different OS threads are independent.  Errors never abort the process: the
+// failing fiber is abandoned, the scheduler stops and cfemu_run returns the message.
+#define CFEMU_BUILDING_RUNTIME 1
+#include "cfemu_abi.h"
+
+#include <dlfcn.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+extern "C" {
+__attribute__((visibility("default"))) __thread cfemu_thread_ctx* cfemu_current_ctx = nullptr;
+}
+
+// ---------------------------------------------------------------------------
+// Fiber context switching: a few instructions on x86-64, ucontext elsewhere
+// (define CFEMU_USE_UCONTEXT to run the portable path on x86-64 too).
+// ---------------------------------------------------------------------------
+#if defined(__x86_64__) && !defined(CFEMU_USE_UCONTEXT)
+// Saves the callee-saved registers on the current stack, stores the stack pointer
+// in *save_sp and resumes the context whose stack pointer is load_sp.
+extern "C" void cfemu_switch(void** save_sp, void* load_sp);
+extern "C" void cfemu_fiber_start();
+asm(R"(
+    .text
+    .p2align 4
+    .globl cfemu_switch
+    .hidden cfemu_switch
+    .type cfemu_switch,@function
+cfemu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size cfemu_switch, .-cfemu_switch
+
+    .p2align 4
+    .globl cfemu_fiber_start
+    .hidden cfemu_fiber_start
+    .type cfemu_fiber_start,@function
+cfemu_fiber_start:
+    movq %r12, %rdi
+    callq *%r13
+    ud2
+    .size cfemu_fiber_start, .-cfemu_fiber_start
+)");
+
+namespace {
+struct Context {
+    void* sp = nullptr;
+};
+// A fresh context that calls entry(arg) on the stack [lo, lo + size).
+void context_init(Context& c, char* lo, size_t size, void (*entry)(void*), void* arg) {
+    uintptr_t top = (reinterpret_cast<uintptr_t>(lo) + size) & ~uintptr_t(15);
+    void** sp = reinterpret_cast<void**>(top) - 7;
+    sp[0] = nullptr;                                         // r15
+    sp[1] = nullptr;                                         // r14
+    sp[2] = reinterpret_cast<void*>(entry);                  // r13
+    sp[3] = arg;                                             // r12
+    sp[4] = nullptr;                                         // rbx
+    sp[5] = nullptr;                                         // rbp
+    sp[6] = reinterpret_cast<void*>(&cfemu_fiber_start);     // return address
+    c.sp = sp;
+}
+inline void context_switch(Context& from, Context& to) { cfemu_switch(&from.sp, to.sp); }
+}  // namespace
+#else
+namespace {
+struct Context {
+    ucontext_t uc;
+};
+void ucontext_entry(unsigned hi_e, unsigned lo_e, unsigned hi_a, unsigned lo_a) {
+    auto entry = reinterpret_cast<void (*)(void*)>((uintptr_t(hi_e) << 32) | lo_e);
+    void* arg = reinterpret_cast<void*>((uintptr_t(hi_a) << 32) | lo_a);
+    entry(arg);
+    abort();  // entry never returns
+}
+void context_init(Context& c, char* lo, size_t size, void (*entry)(void*), void* arg) {
+    getcontext(&c.uc);
+    c.uc.uc_stack.ss_sp = lo;
+    c.uc.uc_stack.ss_size = size;
+    c.uc.uc_link = nullptr;
+    uintptr_t e = reinterpret_cast<uintptr_t>(entry), a = reinterpret_cast<uintptr_t>(arg);
+    makecontext(&c.uc, reinterpret_cast<void (*)()>(&ucontext_entry), 4, unsigned(e >> 32), unsigned(e),
+                unsigned(a >> 32), unsigned(a));
+}
+inline void context_switch(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+}  // namespace
+#endif
+
+namespace {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+std::string format(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+std::string format(const char* fmt, ...) {
+    char buf[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    return buf;
+}
+
+// " {loc:<module path>+0x<offset>}" for a code address; the Python side turns it
+// into " at file:line" with addr2line.
+std::string location(const void* pc) {
+    if (!pc) return "";
+    Dl_info info;
+    if (dladdr(pc, &info) && info.dli_fname && info.dli_fbase) {
+        uintptr_t off = reinterpret_cast<uintptr_t>(pc) - reinterpret_cast<uintptr_t>(info.dli_fbase);
+        return format(" {loc:%s+0x%llx}", info.dli_fname, static_cast<unsigned long long>(off));
+    }
+    return "";
+}
+
+// ---- number formats used by the tensor-core operations ----------------------
+
+double half_to_double(uint32_t h) {
+    int sign = (h >> 15) & 1, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    double v;
+    if (exp == 0)
+        v = std::ldexp(double(man), -24);
+    else if (exp == 31)
+        v = man ? NAN : INFINITY;
+    else
+        v = std::ldexp(double(man | 0x400), exp - 25);
+    return sign ? -v : v;
+}
+double bf16_to_double(uint32_t b) {
+    uint32_t bits = (b & 0xffffu) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+// The tensor cores read the upper 19 bits of a .tf32 register (sign, 8-bit
+// exponent, 10-bit mantissa); cvt.rna.tf32.f32 has already rounded them.
+double tf32_to_double(uint32_t r) {
+    uint32_t bits = r & 0xffffe000u;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+// ---- per-launch state ----------------------------------------------------------
+
+enum class St : uint8_t { Runnable, BlockBar, WarpOp, Exited };
+enum class Op : uint8_t { None, Syncwarp, Shfl, Vote, Mma, Ldmatrix };
+
+struct ShflArgs {
+    uint64_t in, out;
+    int lane_arg, width;
+};
+struct VoteArgs {
+    int pred;
+    unsigned out;
+};
+struct MmaArgs {
+    float* d;
+    const uint32_t* a;
+    const uint32_t* b;
+    const float* c;
+};
+struct LdmArgs {
+    uint32_t* d;
+    const char* row;
+};
+
+struct Copy {
+    char* dst;
+    const char* src;
+    int size, src_bytes;
+    uint32_t group;
+    const void* pc;
+};
+
+struct Launch;
+
+struct Fiber {
+    cfemu_thread_ctx ctx;
+    Context context;
+    Launch* L;
+    int tid, warp, lane;
+    St state;
+    Op op;
+    int op_variant;
+    unsigned op_mask;
+    void* op_args;
+    const void* op_pc;
+    const char* bar_file;
+    int bar_line;
+    int bar_pred;    // __syncthreads_count/_and/_or: this thread's predicate
+    int bar_result;  // ... and the block's count of true predicates
+    std::vector<Copy> copies;  // issued, not yet performed (group == committed: uncommitted)
+    uint32_t committed;
+};
+
+// What one shared-memory byte remembers since the last __syncthreads().
+struct Shadow {
+    uint32_t w_epoch, r_epoch;  // barrier epoch of the last write / of the readers
+    uint32_t w_wsync, r_wsync;  // the warp's __syncwarp count at the write / latest read
+    uint16_t w_tid, r_first, r_second, pending;  // pending: issuing thread + 1 of an in-flight cp.async
+    uint8_t r_many, r_mixed;                     // several readers / readers of several warps
+    const void* w_pc;
+    const void* r_pc;
+};
+
+const char* op_name(Op op, int variant) {
+    switch (op) {
+        case Op::Syncwarp: return "__syncwarp()";
+        case Op::Shfl: {
+            static const char* names[] = {"__shfl_sync", "__shfl_up_sync", "__shfl_down_sync", "__shfl_xor_sync"};
+            return names[(variant >> 4) & 3];
+        }
+        case Op::Vote: {
+            static const char* names[] = {"__all_sync", "__any_sync", "__ballot_sync"};
+            return names[variant % 3];
+        }
+        case Op::Mma: {
+            static const char* names[] = {"mma.sync.m16n8k16 (f16)", "mma.sync.m16n8k16 (bf16)",
+                                          "mma.sync.m16n8k8 (tf32)"};
+            return names[variant % 3];
+        }
+        case Op::Ldmatrix: {
+            static const char* names[] = {"ldmatrix.x1", "ldmatrix.x1.trans", "ldmatrix.x2", "ldmatrix.x2.trans",
+                                          "ldmatrix.x4", "ldmatrix.x4.trans"};
+            int num = variant >> 1, idx = (num == 1 ? 0 : num == 2 ? 1 : 2) * 2 + (variant & 1);
+            return names[idx];
+        }
+        case Op::None: break;
+    }
+    return "?";
+}
+
+struct Launch {
+    // configuration
+    const cfemu_launch_desc* desc;
+    cfemu_thunk thunk;
+    void* params = nullptr;
+    std::string name;
+    unsigned nthreads = 0, nwarps = 0;
+    bool shuffle = false, race = false;
+    uint64_t rng = 0;
+
+    // fibers and their stacks
+    std::vector<Fiber> fibers;
+    char* stacks = nullptr;
+    size_t stack_bytes = 0, stacks_total = 0;
+
+    // shared memory with red zones, and its shadow
+    char* smem_alloc = nullptr;
+    size_t smem_alloc_size = 0, redzone = 0;
+    char* smem = nullptr;
+    size_t smem_size = 0;
+    uintptr_t chk_lo = 0, chk_hi = 0;
+    std::vector<Shadow> shadow;
+    uint32_t epoch = 0;
+    std::vector<uint32_t> wsync;
+
+    // scheduling
+    Context sched;
+    Fiber* cur = nullptr;
+    std::vector<int> run_now, run_next;
+    unsigned live = 0, at_bar = 0;
+    cfemu_xyz block{0, 0, 0};
+
+    bool failed = false;
+    std::string err;
+
+    // fault handling and the spin watchdog
+    sigjmp_buf jmp;
+    volatile bool jmp_armed = false;
+    int fault_sig = 0;
+    void* fault_addr = nullptr;
+    void* fault_pc = nullptr;
+    uint64_t steps = 0;  // instrumented accesses since the running thread was resumed
+
+    ~Launch() {
+        if (stacks) munmap(stacks, stacks_total);
+        if (smem_alloc) munmap(smem_alloc, smem_alloc_size);
+        std::free(params);
+    }
+
+    uint64_t next_random() {  // splitmix64
+        uint64_t z = (rng += 0x9e3779b97f4a7c15ull);
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        return z ^ (z >> 31);
+    }
+    template <typename T>
+    void shuffle_vec(std::vector<T>& v) {
+        for (size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[next_random() % i]);
+    }
+
+    std::string who(int tid) const {
+        const Fiber& f = fibers[tid];
+        return format("thread (%u,%u,%u) [warp %d, lane %d]", f.ctx.thread_idx.x, f.ctx.thread_idx.y,
+                      f.ctx.thread_idx.z, f.warp, f.lane);
+    }
+    std::string where() const {
+        return format("kernel `%s`, block (%u,%u,%u)", name.c_str(), block.x, block.y, block.z);
+    }
+
+    // Records the first error.  In a fiber, then switches to the scheduler for good.
+    [[noreturn]] void fail(std::string msg) {
+        if (!failed) {
+            failed = true;
+            err = where() + ": " + msg;
+        }
+        if (cur) {
+            Fiber* f = cur;
+            context_switch(f->context, sched);
+        }
+        abort();  // unreachable: a failed launch never resumes its fibers
+    }
+    // An error found by the scheduler itself (no fiber to abandon).
+    void fail_sched(std::string msg) {
+        if (!failed) {
+            failed = true;
+            err = where() + ": " + msg;
+        }
+    }
+
+    void yield(Fiber* f) { context_switch(f->context, sched); }
+    void make_runnable(Fiber& f) {
+        f.state = St::Runnable;
+        f.op = Op::None;
+        run_next.push_back(f.tid);
+    }
+
+    // ---- shared-memory checks ----------------------------------------------
+
+    [[noreturn]] void race_error(Fiber* f, size_t off, size_t n, size_t first, bool write, const char* kind,
+                                 int other, const void* other_pc, const char* other_did, const void* pc,
+                                 const char* via) {
+        fail(format("shared-memory race (%s): %s %s byte %zu of dynamic shared memory%s (%zu-byte access at offset "
+                    "%zu)%s, which %s %s%s since the last __syncthreads(); separate the two accesses with "
+                    "__syncthreads() (or __syncwarp() within one warp)",
+                    kind, who(f->tid).c_str(), write ? "writes" : "reads", off, via, n, first,
+                    location(pc).c_str(), who(other).c_str(), other_did, location(other_pc).c_str()));
+    }
+
+    // A load or store of n bytes at address a by thread f (checked only when the
+    // address is within the red zones around the block's shared memory).
+    void access(Fiber* f, uintptr_t a, size_t n, bool write, const void* pc, const char* via) {
+        char* p = reinterpret_cast<char*>(a);
+        if (p < smem || p + n > smem + smem_size) {
+            long long off = static_cast<long long>(p - smem);
+            fail(format("out-of-bounds shared-memory access: %s %s %zu byte(s) at offset %lld%s, outside the %zu "
+                        "bytes of dynamic shared memory of this launch%s",
+                        who(f->tid).c_str(), write ? "writes" : "reads", n, off, via, smem_size,
+                        location(pc).c_str()));
+        }
+        const size_t first = static_cast<size_t>(p - smem);
+        const int tid = f->tid, warp = f->warp;
+        const uint32_t ws = wsync[warp];
+        Shadow* s = &shadow[first];
+        for (size_t i = 0; i < n; ++i, ++s) {
+            if (s->pending) {
+                int issuer = s->pending - 1;
+                if (issuer == tid)
+                    fail(format("%s %s byte %zu of shared memory%s%s while its own cp.async into it is still in "
+                                "flight (issued%s); wait for it with cp.async.wait_group first",
+                                who(tid).c_str(), write ? "writes" : "reads", first + i, via, location(pc).c_str(),
+                                location(s->w_pc).c_str()));
+                fail(format("shared-memory race (cp.async in flight): %s %s byte %zu of shared memory%s%s while %s "
+                            "is still copying into it with cp.async (issued%s); the copy lands only after that "
+                            "thread's cp.async.wait_group and a __syncthreads()",
+                            who(tid).c_str(), write ? "writes" : "reads", first + i, via, location(pc).c_str(),
+                            who(issuer).c_str(), location(s->w_pc).c_str()));
+            }
+            if (s->w_epoch == epoch && s->w_tid != tid && !((s->w_tid >> 5) == warp && ws > s->w_wsync))
+                race_error(f, first + i, n, first, write, write ? "write-after-write" : "read-after-write",
+                           s->w_tid, s->w_pc, "wrote", pc, via);
+            if (write) {
+                if (s->r_epoch == epoch) {
+                    bool only_self = !s->r_many && s->r_first == tid;
+                    bool warp_ordered = !s->r_mixed && (s->r_first >> 5) == warp && ws > s->r_wsync;
+                    if (!only_self && !warp_ordered) {
+                        int other = s->r_first != tid ? s->r_first : s->r_second;
+                        race_error(f, first + i, n, first, true, "write-after-read", other,
+                                   other == s->r_first ? s->r_pc : nullptr, "read", pc, via);
+                    }
+                }
+                s->w_epoch = epoch;
+                s->w_tid = static_cast<uint16_t>(tid);
+                s->w_wsync = ws;
+                s->w_pc = pc;
+                s->r_epoch = 0;
+            } else if (s->r_epoch != epoch) {
+                s->r_epoch = epoch;
+                s->r_first = static_cast<uint16_t>(tid);
+                s->r_many = 0;
+                s->r_mixed = 0;
+                s->r_wsync = ws;
+                s->r_pc = pc;
+            } else {
+                if (s->r_first != tid && !s->r_many) {
+                    s->r_many = 1;
+                    s->r_second = static_cast<uint16_t>(tid);
+                }
+                if ((s->r_first >> 5) != warp) s->r_mixed = 1;
+                if (ws > s->r_wsync) s->r_wsync = ws;
+            }
+        }
+    }
+
+    // ---- barriers and warp collectives ----------------------------------------
+
+    // Returns the number of live threads whose predicate is non-zero.
+    int syncthreads(Fiber* f, const char* file, int line, int pred) {
+        f->state = St::BlockBar;
+        f->bar_file = file;
+        f->bar_line = line;
+        f->bar_pred = pred != 0;
+        ++at_bar;
+        yield(f);
+        return f->bar_result;
+    }
+
+    std::string waiting_for(const Fiber& g) const {
+        switch (g.state) {
+            case St::Exited: return "have exited";
+            case St::BlockBar: return format("wait at __syncthreads() (%s:%d)", g.bar_file, g.bar_line);
+            case St::WarpOp:
+                return format("wait at %s with mask 0x%08x%s", op_name(g.op, g.op_variant), g.op_mask,
+                              location(g.op_pc).c_str());
+            case St::Runnable: return "are runnable";
+        }
+        return "?";
+    }
+    // "threads 0-31: wait at ...; threads 32-63: have exited"
+    std::string describe_threads() const {
+        std::string out;
+        size_t i = 0;
+        while (i < fibers.size()) {
+            std::string what = waiting_for(fibers[i]);
+            size_t j = i + 1;
+            while (j < fibers.size() && waiting_for(fibers[j]) == what) ++j;
+            if (!out.empty()) out += "; ";
+            out += (j - i == 1 ? format("thread %zu", i) : format("threads %zu-%zu", i, j - 1)) + " " + what;
+            i = j;
+        }
+        return out;
+    }
+
+    // Arrival of lane f at a warp-collective operation; completes it when every
+    // lane of the mask has arrived.  Returns after the operation completed.
+    void warp_op(Fiber* f, Op op, int variant, unsigned mask, void* args, const void* pc) {
+        if (!((mask >> f->lane) & 1))
+            fail(format("%s executes %s with mask 0x%08x, which does not name its own lane%s", who(f->tid).c_str(),
+                        op_name(op, variant), mask, location(pc).c_str()));
+        f->state = St::WarpOp;
+        f->op = op;
+        f->op_variant = variant;
+        f->op_mask = mask;
+        f->op_args = args;
+        f->op_pc = pc;
+        const int base = f->warp * 32;
+        bool complete = true;
+        for (int l = 0; l < 32; ++l) {
+            if (!((mask >> l) & 1)) continue;
+            if (base + l >= static_cast<int>(nthreads))
+                fail(format("%s executes %s with mask 0x%08x naming lane %d, which does not exist (the block has "
+                            "%u threads)%s",
+                            who(f->tid).c_str(), op_name(op, variant), mask, l, nthreads, location(pc).c_str()));
+            const Fiber& g = fibers[base + l];
+            if (g.state == St::Exited)
+                fail(format("%s executes %s with mask 0x%08x, but lane %d of its warp has exited (a warp "
+                            "collective needs every lane of its mask)%s",
+                            who(f->tid).c_str(), op_name(op, variant), mask, l, location(pc).c_str()));
+            if (g.state != St::WarpOp) {
+                complete = false;
+                continue;
+            }
+            bool waits_for_f = (g.op_mask >> f->lane) & 1;
+            if (waits_for_f && (g.op != op || g.op_variant != variant || g.op_mask != mask))
+                fail(format("divergent warp collective: %s executes %s with mask 0x%08x%s while lane %d of its "
+                            "warp waits at %s with mask 0x%08x%s; every lane of the mask must execute the same "
+                            "operation",
+                            who(f->tid).c_str(), op_name(op, variant), mask, location(pc).c_str(), l,
+                            op_name(g.op, g.op_variant), g.op_mask, location(g.op_pc).c_str()));
+            if (!waits_for_f) complete = false;
+        }
+        if (complete) {
+            switch (op) {
+                case Op::Syncwarp: finish_syncwarp(base, mask); break;
+                case Op::Shfl: finish_shfl(base, mask, variant); break;
+                case Op::Vote: finish_vote(base, mask, variant); break;
+                case Op::Mma: finish_mma(base, variant); break;
+                case Op::Ldmatrix: finish_ldmatrix(base, variant); break;
+                case Op::None: break;
+            }
+            for (int l = 0; l < 32; ++l)
+                if ((mask >> l) & 1) make_runnable(fibers[base + l]);
+        }
+        yield(f);
+    }
+
+    void finish_syncwarp(int base, unsigned mask) {
+        // Only a full-warp __syncwarp() orders shared-memory accesses for the race
+        // check (a partial one synchronises its lanes but is not tracked).
+        if (mask == kFullMask) ++wsync[base / 32];
+    }
+
+    void finish_shfl(int base, unsigned mask, int variant) {
+        const int mode = (variant >> 4) & 3;
+        for (int l = 0; l < 32; ++l) {
+            if (!((mask >> l) & 1)) continue;
+            Fiber& f = fibers[base + l];
+            auto* a = static_cast<ShflArgs*>(f.op_args);
+            int w = a->width;
+            if (w < 1 || w > 32 || (w & (w - 1)))
+                fail(format("%s: %s with width %d (must be a power of two in 1..32)%s", who(f.tid).c_str(),
+                            op_name(Op::Shfl, variant), w, location(f.op_pc).c_str()));
+            // PTX shfl.sync: c = ((32 - width) << 8) | 0x1f (0 in the low bits for .up).
+            const unsigned segmask = static_cast<unsigned>(32 - w) & 0x1f;
+            const unsigned clamp = mode == CFEMU_SHFL_UP ? 0u : 0x1fu;
+            const int max_lane = static_cast<int>((l & segmask) | (clamp & ~segmask));
+            const int min_lane = static_cast<int>(l & segmask);
+            const unsigned b = static_cast<unsigned>(a->lane_arg);
+            int j;
+            bool in_range;
+            switch (mode) {
+                case CFEMU_SHFL_IDX:
+                    j = static_cast<int>(min_lane | (b & 0x1f & ~segmask));
+                    in_range = j <= max_lane;
+                    break;
+                case CFEMU_SHFL_UP:
+                    j = l - static_cast<int>(b);
+                    in_range = j >= max_lane;
+                    break;
+                case CFEMU_SHFL_DOWN:
+                    j = l + static_cast<int>(b);
+                    in_range = j <= max_lane;
+                    break;
+                default:
+                    j = l ^ static_cast<int>(b & 0x1f);
+                    in_range = j <= max_lane;
+                    break;
+            }
+            if (!in_range || j < 0 || j > 31) j = l;
+            if (!((mask >> j) & 1))
+                fail(format("%s: %s reads lane %d, which is not in the mask 0x%08x (its value is undefined)%s",
+                            who(f.tid).c_str(), op_name(Op::Shfl, variant), j, mask, location(f.op_pc).c_str()));
+            a->out = static_cast<ShflArgs*>(fibers[base + j].op_args)->in;
+        }
+    }
+
+    void finish_vote(int base, unsigned mask, int mode) {
+        unsigned ballot = 0;
+        for (int l = 0; l < 32; ++l)
+            if (((mask >> l) & 1) && static_cast<VoteArgs*>(fibers[base + l].op_args)->pred) ballot |= 1u << l;
+        unsigned result = mode == CFEMU_VOTE_BALLOT ? ballot
+                          : mode == CFEMU_VOTE_ALL  ? unsigned(ballot == mask)
+                                                    : unsigned(ballot != 0);
+        for (int l = 0; l < 32; ++l)
+            if ((mask >> l) & 1) static_cast<VoteArgs*>(fibers[base + l].op_args)->out = result;
+    }
+
+    // D = A*B + C for one warp, fragments as in ptx-fragments.md sections 1 and 2.
+    // Products are exact in double; the sum is rounded to float once.
+    void finish_mma(int base, int kind) {
+        double A[16][16], B[16][8], C[16][8];
+        const int K = kind == CFEMU_MMA_TF32 ? 8 : 16;
+        for (int l = 0; l < 32; ++l) {
+            const auto* m = static_cast<MmaArgs*>(fibers[base + l].op_args);
+            const int g = l >> 2, t = l & 3;
+            if (kind == CFEMU_MMA_TF32) {
+                A[g][t] = tf32_to_double(m->a[0]);
+                A[g + 8][t] = tf32_to_double(m->a[1]);
+                A[g][t + 4] = tf32_to_double(m->a[2]);
+                A[g + 8][t + 4] = tf32_to_double(m->a[3]);
+                B[t][g] = tf32_to_double(m->b[0]);
+                B[t + 4][g] = tf32_to_double(m->b[1]);
+            } else {
+                auto cvt = kind == CFEMU_MMA_F16 ? half_to_double : bf16_to_double;
+                for (int i = 0; i < 8; ++i) {
+                    uint32_t h = (m->a[i >> 1] >> (16 * (i & 1))) & 0xffffu;
+                    int row = g + ((i >> 1) & 1) * 8;         // a0,a1,a4,a5: g; a2,a3,a6,a7: g+8
+                    int col = 2 * t + (i & 1) + (i >= 4 ? 8 : 0);
+                    A[row][col] = cvt(h);
+                }
+                for (int i = 0; i < 4; ++i) {
+                    uint32_t h = (m->b[i >> 1] >> (16 * (i & 1))) & 0xffffu;
+                    int k = 2 * t + (i & 1) + (i >= 2 ? 8 : 0);
+                    B[k][g] = cvt(h);
+                }
+            }
+            C[g][2 * t] = m->c[0];
+            C[g][2 * t + 1] = m->c[1];
+            C[g + 8][2 * t] = m->c[2];
+            C[g + 8][2 * t + 1] = m->c[3];
+        }
+        float D[16][8];
+        for (int r = 0; r < 16; ++r)
+            for (int n = 0; n < 8; ++n) {
+                double acc = C[r][n];
+                for (int k = 0; k < K; ++k) acc += A[r][k] * B[k][n];
+                D[r][n] = static_cast<float>(acc);
+            }
+        for (int l = 0; l < 32; ++l) {
+            auto* m = static_cast<MmaArgs*>(fibers[base + l].op_args);
+            const int g = l >> 2, t = l & 3;
+            m->d[0] = D[g][2 * t];
+            m->d[1] = D[g][2 * t + 1];
+            m->d[2] = D[g + 8][2 * t];
+            m->d[3] = D[g + 8][2 * t + 1];
+        }
+    }
+
+    // ldmatrix: matrix i's row r is at the address of lane 8i + r; see ptx-fragments.md section 4.
+    void finish_ldmatrix(int base, int variant) {
+        const int num = variant >> 1;
+        const bool trans = variant & 1;
+        uint32_t out[32][4] = {};
+        for (int i = 0; i < num; ++i)
+            for (int r = 0; r < 8; ++r) {
+                const Fiber& src = fibers[base + 8 * i + r];
+                const char* row = static_cast<LdmArgs*>(src.op_args)->row;
+                const char* what = op_name(Op::Ldmatrix, variant);
+                if (row < smem || row + 16 > smem + smem_size)
+                    fail(format("%s: %s row address (offset %lld) is outside the %zu bytes of dynamic shared "
+                                "memory%s",
+                                who(src.tid).c_str(), what, static_cast<long long>(row - smem), smem_size,
+                                location(src.op_pc).c_str()));
+                if ((row - smem) % 16)
+                    fail(format("%s: %s row address (shared offset %lld) is not 16-byte aligned%s",
+                                who(src.tid).c_str(), what, static_cast<long long>(row - smem),
+                                location(src.op_pc).c_str()));
+                for (int c = 0; c < 8; ++c) {
+                    uint16_t e;
+                    std::memcpy(&e, row + 2 * c, 2);
+                    const int dst = trans ? 4 * c + r / 2 : 4 * r + c / 2;
+                    const int half = trans ? (r & 1) : (c & 1);
+                    out[dst][i] |= uint32_t(e) << (16 * half);
+                    if (race)
+                        access(&fibers[base + dst], reinterpret_cast<uintptr_t>(row + 2 * c), 2, false,
+                               fibers[base + dst].op_pc, " in ldmatrix");
+                }
+            }
+        for (int l = 0; l < 32; ++l) {
+            uint32_t* d = static_cast<LdmArgs*>(fibers[base + l].op_args)->d;
+            for (int i = 0; i < num; ++i) d[i] = out[l][i];
+        }
+    }
+
+    // ---- cp.async --------------------------------------------------------------
+
+    void cp_async(Fiber* f, char* dst, const char* src, int size, int src_bytes, const void* pc) {
+        const char* what = size == 16 ? "cp.async (16 bytes)" : "cp.async (4 bytes)";
+        if (dst < smem || dst + size > smem + smem_size)
+            fail(format("%s: %s destination (shared offset %lld) is outside the %zu bytes of dynamic shared memory%s",
+                        who(f->tid).c_str(), what, static_cast<long long>(dst - smem), smem_size,
+                        location(pc).c_str()));
+        if ((dst - smem) % size)
+            fail(format("%s: %s destination (shared offset %lld) is not %d-byte aligned%s", who(f->tid).c_str(),
+                        what, static_cast<long long>(dst - smem), size, location(pc).c_str()));
+        if (reinterpret_cast<uintptr_t>(src) % size)
+            fail(format("%s: %s source address %p is not %d-byte aligned%s", who(f->tid).c_str(), what,
+                        static_cast<const void*>(src), size, location(pc).c_str()));
+        if (src_bytes < 0 || src_bytes > size)
+            fail(format("%s: %s with src_bytes = %d (must be 0..%d)%s", who(f->tid).c_str(), what, src_bytes, size,
+                        location(pc).c_str()));
+        if (race) {
+            // The copy may land at any time from now on: it conflicts like a write.
+            const size_t off = static_cast<size_t>(dst - smem);
+            for (int i = 0; i < size; ++i) {
+                Shadow& s = shadow[off + i];
+                if (s.pending)
+                    fail(format("%s: %s into shared offset %zu overlaps a cp.async of %s that is still in flight "
+                                "(issued%s)%s",
+                                who(f->tid).c_str(), what, off + i, who(s.pending - 1).c_str(),
+                                location(s.w_pc).c_str(), location(pc).c_str()));
+            }
+            access(f, reinterpret_cast<uintptr_t>(dst), size, true, pc, " with cp.async");
+            for (int i = 0; i < size; ++i) {
+                Shadow& s = shadow[off + i];
+                s.pending = static_cast<uint16_t>(f->tid + 1);
+                s.w_pc = pc;
+            }
+        }
+        f->copies.push_back(Copy{dst, src, size, src_bytes, f->committed, pc});
+    }
+
+    void cp_async_wait(Fiber* f, int n, const void* pc) {
+        if (n < 0) fail(format("%s: cp.async.wait_group %d", who(f->tid).c_str(), n));
+        const uint32_t limit = f->committed > static_cast<uint32_t>(n) ? f->committed - n : 0;
+        size_t kept = 0;
+        for (size_t i = 0; i < f->copies.size(); ++i) {
+            Copy c = f->copies[i];
+            if (c.group >= limit) {
+                f->copies[kept++] = c;
+                continue;
+            }
+            if (race) {
+                const size_t off = static_cast<size_t>(c.dst - smem);
+                for (int k = 0; k < c.size; ++k) shadow[off + k].pending = 0;
+                access(f, reinterpret_cast<uintptr_t>(c.dst), c.size, true, pc,
+                       " when its cp.async lands (cp.async.wait_group)");
+            }
+            // The source is read now, when the copy lands.
+            if (c.src_bytes) std::memcpy(c.dst, c.src, c.src_bytes);
+            std::memset(c.dst + c.src_bytes, 0, c.size - c.src_bytes);
+        }
+        f->copies.resize(kept);
+    }
+
+    // ---- threads and blocks -------------------------------------------------
+
+    void thread_exit(Fiber* f) {
+        if (!f->copies.empty()) {
+            size_t uncommitted = 0;
+            for (const Copy& c : f->copies) uncommitted += c.group == f->committed;
+            fail(format("%s exits with %zu cp.async cop%s never waited for (%zu not even committed); they never "
+                        "land (first issued%s)",
+                        who(f->tid).c_str(), f->copies.size(), f->copies.size() == 1 ? "y" : "ies", uncommitted,
+                        location(f->copies.front().pc).c_str()));
+        }
+        f->state = St::Exited;
+        --live;
+        const int base = f->warp * 32;
+        for (int l = 0; l < 32 && base + l < static_cast<int>(nthreads); ++l) {
+            const Fiber& g = fibers[base + l];
+            if (g.state == St::WarpOp && ((g.op_mask >> f->lane) & 1))
+                fail(format("%s exits while lane %d of its warp waits for it at %s with mask 0x%08x%s",
+                            who(f->tid).c_str(), l, op_name(g.op, g.op_variant), g.op_mask,
+                            location(g.op_pc).c_str()));
+        }
+        yield(f);
+        abort();  // an exited fiber is never resumed
+    }
+
+    static void fiber_main(void* arg) {
+        Fiber* f = static_cast<Fiber*>(arg);
+        Launch* L = f->L;
+        L->thunk(L->params);
+        L->thread_exit(f);
+    }
+
+    bool run_block() {
+        for (Fiber& f : fibers) {
+            f.ctx.block_idx = block;
+            f.state = St::Runnable;
+            f.op = Op::None;
+            f.copies.clear();
+            f.committed = 0;
+            context_init(f.context, stacks + static_cast<size_t>(f.tid) * stack_bytes + page_size(),
+                         stack_bytes - page_size(), &Launch::fiber_main, &f);
+        }
+        std::memset(smem, 0xff, smem_size);
+        ++epoch;
+        live = nthreads;
+        at_bar = 0;
+        run_next.clear();
+        for (unsigned t = 0; t < nthreads; ++t) run_next.push_back(static_cast<int>(t));
+        for (;;) {
+            if (run_next.empty()) {
+                if (live == 0) return true;
+                if (at_bar == live) {
+                    if (!release_block_barrier()) return false;
+                    continue;
+                }
+                fail_sched("deadlock: no thread can proceed (" + describe_threads() + ")");
+                return false;
+            }
+            run_now.swap(run_next);
+            run_next.clear();
+            if (shuffle) shuffle_vec(run_now);
+            for (int t : run_now) {
+                Fiber& f = fibers[t];
+                cur = &f;
+                cfemu_current_ctx = &f.ctx;
+                steps = 0;
+                context_switch(sched, f.context);
+                cur = nullptr;
+                cfemu_current_ctx = nullptr;
+                if (failed) return false;
+            }
+        }
+    }
+
+    bool release_block_barrier() {
+        const Fiber* first = nullptr;
+        for (const Fiber& f : fibers) {
+            if (f.state != St::BlockBar) continue;
+            if (!first) {
+                first = &f;
+            } else if (f.bar_line != first->bar_line || std::strcmp(f.bar_file, first->bar_file) != 0) {
+                fail_sched("threads wait at different __syncthreads() calls (a __syncthreads() in divergent "
+                           "code): " + describe_threads());
+                return false;
+            }
+        }
+        int count = 0;
+        for (const Fiber& f : fibers) count += f.state == St::BlockBar && f.bar_pred;
+        ++epoch;
+        at_bar = 0;
+        for (Fiber& f : fibers)
+            if (f.state == St::BlockBar) {
+                f.bar_result = count;
+                make_runnable(f);
+            }
+        return true;
+    }
+
+    [[noreturn]] void spin_error(const void* pc) {
+        fail(format("%s made 2^30 memory accesses without reaching __syncthreads(), a warp collective or its "
+                    "end%s; emulated threads switch only there, so a spin-wait on another thread never ends",
+                    who(cur->tid).c_str(), location(pc).c_str()));
+    }
+
+    // After a SIGSEGV/SIGBUS in thread `cur`.
+    void describe_fault() {
+        failed = true;
+        const char* sig = fault_sig == SIGBUS ? "SIGBUS" : "SIGSEGV";
+        if (!cur) {
+            err = where() + format(": %s in the emulator outside any thread (address %p)", sig, fault_addr);
+            return;
+        }
+        const char* lo = stacks + static_cast<size_t>(cur->tid) * stack_bytes;
+        const char* a = static_cast<const char*>(fault_addr);
+        if (a >= lo - page_size() && a < lo + page_size())
+            err = where() + ": " + who(cur->tid) +
+                  format(" overflowed its %zu KiB stack%s (pass a larger stack_bytes to EmulatorExecutor)",
+                         (stack_bytes - page_size()) / 1024, location(fault_pc).c_str());
+        else
+            err = where() + ": " + who(cur->tid) +
+                  format(" crashed with %s accessing address %p%s: an out-of-bounds or invalid global-memory "
+                         "access (an illegal address on a GPU)",
+                         sig, fault_addr, location(fault_pc).c_str());
+    }
+
+    static size_t page_size() {
+        static const size_t p = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+        return p;
+    }
+
+    bool setup(char* errbuf, uint64_t errlen) {
+        const cfemu_launch_desc& d = *desc;
+        name = d.kernel_name ? d.kernel_name : "?";
+        shuffle = d.shuffle != 0;
+        race = d.race_check != 0;
+        rng = d.seed ^ 0x5eedc0ffee123457ull;
+        nthreads = d.block[0] * d.block[1] * d.block[2];
+        nwarps = (nthreads + 31) / 32;
+        const size_t ps = page_size();
+        stack_bytes = ((std::max<uint64_t>(d.stack_bytes, 64 * 1024) + ps - 1) / ps) * ps + ps;  // + guard page
+        stacks_total = stack_bytes * nthreads;
+        void* st = mmap(nullptr, stacks_total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                        -1, 0);
+        if (st == MAP_FAILED) {
+            snprintf(errbuf, errlen, "kernel `%s`: cannot map %zu bytes of fiber stacks", name.c_str(), stacks_total);
+            return false;
+        }
+        stacks = static_cast<char*>(st);
+        for (unsigned t = 0; t < nthreads; ++t) mprotect(stacks + static_cast<size_t>(t) * stack_bytes, ps, PROT_NONE);
+
+        smem_size = d.smem_bytes;
+        redzone = std::max<size_t>(64 * 1024, ((smem_size + ps - 1) / ps) * ps);
+        smem_alloc_size = 2 * redzone + ((smem_size + ps - 1) / ps) * ps;
+        void* sm = mmap(nullptr, smem_alloc_size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (sm == MAP_FAILED) {
+            snprintf(errbuf, errlen, "kernel `%s`: cannot map shared memory", name.c_str());
+            return false;
+        }
+        smem_alloc = static_cast<char*>(sm);
+        smem = smem_alloc + redzone;
+        chk_lo = reinterpret_cast<uintptr_t>(smem_alloc);
+        chk_hi = chk_lo + smem_alloc_size;
+        if (race) shadow.assign(smem_size, Shadow{});
+        wsync.assign(nwarps, 0);
+
+        fibers.resize(nthreads);
+        for (unsigned t = 0; t < nthreads; ++t) {
+            Fiber& f = fibers[t];
+            f.L = this;
+            f.tid = static_cast<int>(t);
+            f.warp = static_cast<int>(t / 32);
+            f.lane = static_cast<int>(t % 32);
+            f.ctx.thread_idx = cfemu_xyz{t % d.block[0], (t / d.block[0]) % d.block[1], t / (d.block[0] * d.block[1])};
+            f.ctx.block_dim = cfemu_xyz{d.block[0], d.block[1], d.block[2]};
+            f.ctx.grid_dim = cfemu_xyz{d.grid[0], d.grid[1], d.grid[2]};
+            f.ctx.smem = smem;
+        }
+        return true;
+    }
+};
+
+// The launch running on this OS thread, and the same when its module is
+// instrumented (read by the memory-access hooks).
+__thread Launch* t_launch = nullptr;
+__thread Launch* t_check = nullptr;
+
+inline Launch* current_launch(const char* api) {
+    Launch* L = t_launch;
+    if (!L || !L->cur) {
+        fprintf(stderr, "cupyflash emulator: %s called outside an emulated kernel\n", api);
+        abort();
+    }
+    return L;
+}
+
+inline void check_access(uintptr_t a, size_t n, bool write, const void* pc) {
+    Launch* L = t_check;
+    if (!L) return;
+    if (__builtin_expect(++L->steps > (uint64_t(1) << 30), 0)) L->spin_error(pc);
+    if (a + n <= L->chk_lo || a >= L->chk_hi) return;
+    L->access(L->cur, a, n, write, pc, "");
+}
+
+// ---- faults in kernel code ------------------------------------------------------
+
+struct sigaction g_prev_segv, g_prev_bus;
+std::once_flag g_fault_handlers_once;
+
+void fault_handler(int sig, siginfo_t* si, void* uctx) {
+    Launch* L = t_launch;
+    if (L && L->jmp_armed) {
+        L->jmp_armed = false;
+        L->fault_sig = sig;
+        L->fault_addr = si->si_addr;
+#if defined(__x86_64__)
+        L->fault_pc = reinterpret_cast<void*>(static_cast<ucontext_t*>(uctx)->uc_mcontext.gregs[REG_RIP]);
+#elif defined(__aarch64__)
+        L->fault_pc = reinterpret_cast<void*>(static_cast<ucontext_t*>(uctx)->uc_mcontext.pc);
+#endif
+        siglongjmp(L->jmp, 1);
+    }
+    // Not an emulated kernel: hand over to whoever handled it before us.
+    const struct sigaction& prev = sig == SIGBUS ? g_prev_bus : g_prev_segv;
+    if ((prev.sa_flags & SA_SIGINFO) && prev.sa_sigaction) {
+        prev.sa_sigaction(sig, si, uctx);
+    } else if (!(prev.sa_flags & SA_SIGINFO) && prev.sa_handler != SIG_DFL && prev.sa_handler != SIG_IGN) {
+        prev.sa_handler(sig);
+    } else {
+        signal(sig, SIG_DFL);  // the faulting instruction runs again and takes the default action
+    }
+}
+
+void install_fault_handlers() {
+    struct sigaction sa;
+    std::memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = &fault_handler;
+    sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGSEGV, &sa, &g_prev_segv);
+    sigaction(SIGBUS, &sa, &g_prev_bus);
+}
+
+bool run_grid(Launch& L, const std::vector<uint64_t>& order) __attribute__((noinline));
+bool run_grid(Launch& L, const std::vector<uint64_t>& order) {
+    const cfemu_launch_desc* d = L.desc;
+    for (uint64_t b : order) {
+        L.block = cfemu_xyz{static_cast<unsigned>(b % d->grid[0]), static_cast<unsigned>((b / d->grid[0]) % d->grid[1]),
+                            static_cast<unsigned>(b / (uint64_t(d->grid[0]) * d->grid[1]))};
+        if (!L.run_block()) return false;
+    }
+    return true;
+}
+
+// Runs the grid with faults turned into errors; false on any error.
+bool run_guarded(Launch* L, const std::vector<uint64_t>& order) __attribute__((noinline));
+bool run_guarded(Launch* L, const std::vector<uint64_t>& order) {
+    if (sigsetjmp(L->jmp, 1)) {
+        L->describe_fault();
+        return false;
+    }
+    L->jmp_armed = true;
+    const bool ok = run_grid(*L, order);
+    L->jmp_armed = false;
+    return ok;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Entry points.
+// ---------------------------------------------------------------------------
+
+CFEMU_API int cfemu_run(const cfemu_launch_desc* desc, cfemu_thunk thunk, uint64_t kernel_params_size,
+                        uint64_t kernel_params_align, char* err, uint64_t errlen) {
+    const char* name = desc->kernel_name ? desc->kernel_name : "?";
+    if (desc->params_size != kernel_params_size || desc->params_align != kernel_params_align) {
+        snprintf(err, errlen,
+                 "kernel `%s`: the params struct passed has %llu bytes (alignment %llu) but the kernel's parameter "
+                 "type has sizeof %llu (alignof %llu); build the NumPy dtype with the same fields in the same order "
+                 "and align=True",
+                 name, static_cast<unsigned long long>(desc->params_size),
+                 static_cast<unsigned long long>(desc->params_align),
+                 static_cast<unsigned long long>(kernel_params_size),
+                 static_cast<unsigned long long>(kernel_params_align));
+        return 1;
+    }
+    const uint64_t nthreads = uint64_t(desc->block[0]) * desc->block[1] * desc->block[2];
+    if (nthreads == 0 || nthreads > 1024 || desc->grid[0] == 0 || desc->grid[1] == 0 || desc->grid[2] == 0) {
+        snprintf(err, errlen, "kernel `%s`: bad launch configuration grid (%u,%u,%u) block (%u,%u,%u)", name,
+                 desc->grid[0], desc->grid[1], desc->grid[2], desc->block[0], desc->block[1], desc->block[2]);
+        return 1;
+    }
+    if (t_launch) {
+        snprintf(err, errlen, "kernel `%s`: launched from inside an emulated kernel", name);
+        return 1;
+    }
+    Launch L;
+    L.desc = desc;
+    L.thunk = thunk;
+    if (!L.setup(err, errlen)) return 1;
+    const size_t align = std::max<size_t>(16, kernel_params_align);
+    const size_t psize = ((std::max<size_t>(kernel_params_size, 1) + align - 1) / align) * align;
+    L.params = std::aligned_alloc(align, psize);
+    std::memcpy(L.params, desc->params, kernel_params_size);
+
+    const uint64_t nblocks = uint64_t(desc->grid[0]) * desc->grid[1] * desc->grid[2];
+    std::vector<uint64_t> order(nblocks);
+    for (uint64_t i = 0; i < nblocks; ++i) order[i] = i;
+    if (L.shuffle) L.shuffle_vec(order);
+
+    std::call_once(g_fault_handlers_once, install_fault_handlers);
+    std::vector<char> alt_stack(256 * 1024);
+    stack_t alt, previous_alt;
+    alt.ss_sp = alt_stack.data();
+    alt.ss_size = alt_stack.size();
+    alt.ss_flags = 0;
+    sigaltstack(&alt, &previous_alt);
+    t_launch = &L;
+    if (L.race) t_check = &L;
+    const bool ok = run_guarded(&L, order);
+    if (previous_alt.ss_flags & SS_DISABLE) {
+        stack_t off;
+        std::memset(&off, 0, sizeof off);
+        off.ss_flags = SS_DISABLE;
+        sigaltstack(&off, nullptr);
+    } else {
+        sigaltstack(&previous_alt, nullptr);
+    }
+    t_check = nullptr;
+    t_launch = nullptr;
+    cfemu_current_ctx = nullptr;
+    if (!ok) {
+        snprintf(err, errlen, "%s", L.err.c_str());
+        return 1;
+    }
+    return 0;
+}
+
+CFEMU_API int cfemu_syncthreads(const char* file, int line, int pred) {
+    Launch* L = current_launch("__syncthreads");
+    return L->syncthreads(L->cur, file, line, pred);
+}
+
+CFEMU_API void cfemu_syncwarp(unsigned mask) {
+    Launch* L = current_launch("__syncwarp");
+    L->warp_op(L->cur, Op::Syncwarp, 0, mask, nullptr, __builtin_return_address(0));
+}
+
+CFEMU_API uint64_t cfemu_shfl(int mode, unsigned mask, uint64_t bits, int size, int lane_arg, int width) {
+    Launch* L = current_launch("__shfl_*_sync");
+    ShflArgs a{bits, 0, lane_arg, width};
+    L->warp_op(L->cur, Op::Shfl, ((mode & 3) << 4) | (size & 15), mask, &a, __builtin_return_address(0));
+    return a.out;
+}
+
+CFEMU_API unsigned cfemu_vote(int mode, unsigned mask, int pred) {
+    Launch* L = current_launch("__vote_sync");
+    VoteArgs a{pred != 0, 0};
+    L->warp_op(L->cur, Op::Vote, mode, mask, &a, __builtin_return_address(0));
+    return a.out;
+}
+
+CFEMU_API void cfemu_mma(int kind, float* d, const uint32_t* a, const uint32_t* b, const float* c) {
+    Launch* L = current_launch("mma");
+    MmaArgs m{d, a, b, c};
+    L->warp_op(L->cur, Op::Mma, kind, kFullMask, &m, __builtin_return_address(0));
+}
+
+CFEMU_API void cfemu_ldmatrix(int num, int trans, uint32_t* d, const void* row) {
+    Launch* L = current_launch("ldmatrix");
+    LdmArgs m{d, static_cast<const char*>(row)};
+    L->warp_op(L->cur, Op::Ldmatrix, (num << 1) | (trans ? 1 : 0), kFullMask, &m,
+               __builtin_return_address(0));
+}
+
+CFEMU_API void cfemu_cp_async(void* smem_dst, const void* gmem_src, int cp_size, int src_bytes) {
+    Launch* L = current_launch("cp.async");
+    L->cp_async(L->cur, static_cast<char*>(smem_dst), static_cast<const char*>(gmem_src), cp_size, src_bytes,
+                __builtin_return_address(0));
+}
+
+CFEMU_API void cfemu_cp_async_commit(void) {
+    Launch* L = current_launch("cp.async.commit_group");
+    ++L->cur->committed;
+}
+
+CFEMU_API void cfemu_cp_async_wait(int n) {
+    Launch* L = current_launch("cp.async.wait_group");
+    L->cp_async_wait(L->cur, n, __builtin_return_address(0));
+}
+
+CFEMU_API void cfemu_trap(const char* what, const char* file, int line) {
+    Launch* L = current_launch("__trap");
+    L->fail(format("%s: %s at %s:%d", L->who(L->cur->tid).c_str(), what, file, line));
+}
+
+// ---------------------------------------------------------------------------
+// Memory-access hooks: the kernel module is compiled with -fsanitize=kernel-address
+// and outlined instrumentation, so GCC calls these around every load and store.
+// ---------------------------------------------------------------------------
+#define CFEMU_HOOK(kind, n, write)                                                              \
+    CFEMU_API void __asan_##kind##n##_noabort(uintptr_t a) {                                    \
+        check_access(a, n, write, __builtin_return_address(0));                                \
+    }                                                                                           \
+    CFEMU_API void __asan_##kind##n(uintptr_t a) { check_access(a, n, write, __builtin_return_address(0)); }
+CFEMU_HOOK(load, 1, false)
+CFEMU_HOOK(load, 2, false)
+CFEMU_HOOK(load, 4, false)
+CFEMU_HOOK(load, 8, false)
+CFEMU_HOOK(load, 16, false)
+CFEMU_HOOK(store, 1, true)
+CFEMU_HOOK(store, 2, true)
+CFEMU_HOOK(store, 4, true)
+CFEMU_HOOK(store, 8, true)
+CFEMU_HOOK(store, 16, true)
+#undef CFEMU_HOOK
+CFEMU_API void __asan_loadN_noabort(uintptr_t a, size_t n) { check_access(a, n, false, __builtin_return_address(0)); }
+CFEMU_API void __asan_storeN_noabort(uintptr_t a, size_t n) { check_access(a, n, true, __builtin_return_address(0)); }
+CFEMU_API void __asan_loadN(uintptr_t a, size_t n) { check_access(a, n, false, __builtin_return_address(0)); }
+CFEMU_API void __asan_storeN(uintptr_t a, size_t n) { check_access(a, n, true, __builtin_return_address(0)); }
+CFEMU_API void __asan_handle_no_return(void) {}

@@ -1,0 +1,333 @@
+"""The CUDA forward kernels, fwd_simt and fwd_v1, run on the CPU emulator.
+
+Each case calls :func:`cupyflash._gpu.forward` / :func:`~cupyflash._gpu.forward_v1`
+exactly as the GPU path does, but through
+:class:`cupyflash.emulator.EmulatorExecutor` (threads in shuffled order,
+shared-memory race and bounds checks on), and compares ``out`` and ``lse``
+with the float64 oracle.  Outputs start as NaN, so an element a kernel forgets
+to write shows.  Together the cases cover every instantiation in the catalogue
+and every branch of the kernels: partial query and key blocks, masked and
+unmasked key blocks, skipped key blocks, rows that see no key, GQA,
+broadcast and transposed strides.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from cupyflash import _gpu
+from cupyflash._kernels import HEAD_DIM_BUCKETS, instantiations
+from cupyflash._launch import launch_config, representative_shared_bytes, v1_block_sizes
+from cupyflash._params import FWD_PARAMS, UNBOUNDED, fwd_params
+from cupyflash._source import cuda_src_dir
+from cupyflash.emulator import EmulatorExecutor, emulator_available
+from cupyflash.reference import naive_attention
+
+from _util import DTYPES, accum_dtype, assert_close, assert_lse_close, poisoned, random_array
+
+DTYPE_IDS = [np.dtype(d).name for d in DTYPES]
+
+_OK, _WHY = emulator_available()
+needs_emulator = pytest.mark.skipif(not _OK, reason=f"CPU emulator unavailable: {_WHY}")
+
+
+@pytest.fixture(scope="module")
+def executor():
+    return EmulatorExecutor(arch=80, seed=1234, shuffle=True, race_check=True)
+
+
+def _heads(gqa_ratio, heads_kv):
+    return gqa_ratio * heads_kv
+
+
+def run_and_check(executor, q, k, v, *, family="fwd_simt", window=(None, None), gqa_ratio=1,
+                  scale=None, out=None, lse=None, sram_size=None, with_lse=True, factor=1.0):
+    """Run one forward on the emulator, compare with the oracle, return (out, lse)."""
+    batch, heads, seqlen_q, head_dim = q.shape
+    dtype = q.dtype
+    if out is None:
+        out = poisoned((batch, heads, seqlen_q, v.shape[3]), dtype)
+    if lse is None and with_lse:
+        lse = poisoned((batch, heads, seqlen_q), accum_dtype(dtype))
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    left, right = window
+    common = dict(scale=scale, window_left=left, window_right=right, gqa_ratio=gqa_ratio,
+                  executor=executor)
+    if family == "fwd_simt":
+        _gpu.forward(q, k, v, out, lse, **common)
+    else:
+        _gpu.forward_v1(q, k, v, out, lse, sram_size=sram_size, **common)
+    ref_out, ref_lse = naive_attention(q, k, v, scale=scale, window=window,
+                                       enable_gqa=gqa_ratio > 1, return_lse=True)
+    assert not np.isnan(out.astype(np.float64)).any(), "output element left unwritten (NaN)"
+    assert_close(out, ref_out, dtype, factor=factor)
+    if with_lse:
+        assert_lse_close(lse, ref_lse, dtype)
+    return out, lse
+
+
+def qkv(rng, dtype, *, batch=1, heads_kv=1, gqa_ratio=1, seqlen_q, seqlen_k, head_dim,
+        head_dim_v=None, scale=1.0):
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    heads = _heads(gqa_ratio, heads_kv)
+    return (random_array(rng, (batch, heads, seqlen_q, head_dim), dtype, scale),
+            random_array(rng, (batch, heads_kv, seqlen_k, head_dim), dtype, scale),
+            random_array(rng, (batch, heads_kv, seqlen_k, head_dim_v), dtype, scale))
+
+
+# ---- the params struct, the catalogue and the launch configuration -------------------------------
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_params_dtype_matches_cxx_struct_layout(tmp_path):
+    names = FWD_PARAMS.names
+    prints = "\n".join(
+        f'    std::printf("{n} %zu\\n", offsetof(cf::FwdParams, {n}));' for n in names)
+    src = tmp_path / "layout.cpp"
+    src.write_text(f'#include <cstddef>\n#include <cstdio>\n#include "params.cuh"\n'
+                   f'int main() {{\n{prints}\n'
+                   f'    std::printf("sizeof %zu\\n", sizeof(cf::FwdParams));\n'
+                   f'    std::printf("alignof %zu\\n", alignof(cf::FwdParams));\n}}\n')
+    exe = tmp_path / "layout"
+    subprocess.run(["g++", "-std=c++17", f"-I{cuda_src_dir()}", str(src), "-o", str(exe)],
+                   check=True, capture_output=True)
+    lines = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")
+    cxx = dict(line.split() for line in lines if line)
+    assert [n for n in cxx if n not in ("sizeof", "alignof")] == list(names)
+    for n in names:
+        assert int(cxx[n]) == FWD_PARAMS.fields[n][1], n
+    assert int(cxx["sizeof"]) == FWD_PARAMS.itemsize
+    assert int(cxx["alignof"]) == FWD_PARAMS.alignment
+
+
+def test_params_hold_pointers_strides_and_sentinel_windows():
+    q = np.zeros((2, 4, 5, 8), np.float32)
+    k = np.zeros((2, 3, 2, 6, 8), np.float32)[:, :, 0]          # a strided view
+    v = np.broadcast_to(np.zeros((1, 1, 6, 3), np.float32), (2, 2, 6, 3))
+    out = np.zeros((2, 5, 4, 3), np.float32).transpose(0, 2, 1, 3)
+    p = fwd_params(q, k, v, out, None, scale=0.5, window_left=None, window_right=0, gqa_ratio=2)
+    assert p["q"] == q.ctypes.data and p["lse"] == 0 and p["ws_o"] == 0
+    assert (p["k_batch_stride"], p["k_head_stride"], p["k_row_stride"]) == (3 * 2 * 6 * 8, 2 * 6 * 8, 8)
+    assert (p["v_batch_stride"], p["v_head_stride"], p["v_row_stride"]) == (0, 0, 3)
+    assert (p["out_batch_stride"], p["out_head_stride"], p["out_row_stride"]) == (60, 3, 12)
+    assert (p["window_left"], p["window_right"]) == (UNBOUNDED, 0)
+    assert (p["seqlen_q"], p["seqlen_k"], p["head_dim"], p["head_dim_v"]) == (5, 6, 8, 3)
+    assert p["scale_log2"] == pytest.approx(0.5 * math.log2(math.e), rel=1e-15)
+
+
+def test_catalogue_covers_every_dtype_and_bucket_within_48k_shared_memory():
+    rows = instantiations()
+    simt = [r for r in rows if r.family == "fwd_simt"]
+    assert {(r.dtype, r.head_dim) for r in simt} == {
+        (d, b) for d in ("float16", "bfloat16", "float32", "float64") for b in HEAD_DIM_BUCKETS}
+    assert {r.dtype for r in rows if r.family == "fwd_v1"} == {
+        "float16", "bfloat16", "float32", "float64"}
+    assert len({r.name_expression for r in rows}) == len(rows)
+    for r in simt:
+        assert r.block_m % 16 == 0 and r.block_n % 8 == 0, r
+        assert f"{r.head_dim}, {r.head_dim_v}, {r.block_m}, {r.block_n}>" in r.name_expression
+        assert representative_shared_bytes(r) <= 48 * 1024, r
+
+
+def test_launch_config_grid_and_shared_memory():
+    inst = _gpu.select(np.float32, 64, 64, 80)
+    grid, block, shared = launch_config(inst, batch=3, heads=5, seqlen_q=130, seqlen_k=7)
+    assert grid == (3 * 5 * math.ceil(130 / inst.block_m), 1, 1)
+    assert block == (128, 1, 1)
+    assert shared == (inst.block_m + inst.block_n) * 64 * 4
+    with pytest.raises(ValueError, match="CTAs"):
+        launch_config(inst, batch=2**16, heads=2**10, seqlen_q=2**12, seqlen_k=1)
+    v1 = [r for r in instantiations() if r.family == "fwd_v1" and r.dtype == "float64"][0]
+    assert v1_block_sizes(1000, 16, 100, 100) == (16, 16)     # Bc = ceil(1000/64) = 16, Br = min(16, d)
+    assert v1_block_sizes(1000, 8, 100, 100) == (8, 32)
+    assert v1_block_sizes(1000, 8, 5, 3) == (5, 3)           # never longer than the sequence
+    grid, block, shared = launch_config(v1, batch=2, heads=3, seqlen_q=100, seqlen_k=100,
+                                        head_dim=16, head_dim_v=8, sram_size=1000)
+    assert grid == (6, 1, 1)
+    assert shared == (16 * 24 + 16 * 24 + 16 * 16 + 6 * 16) * 8
+    with pytest.raises(ValueError, match="sram_size"):
+        launch_config(v1, batch=1, heads=1, seqlen_q=1, seqlen_k=1, head_dim=4, head_dim_v=4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_select_picks_the_smallest_bucket_holding_both_head_dims(dtype):
+    name = np.dtype(dtype).name
+    for d, dv, bucket in [(1, 1, 32), (32, 3, 32), (33, 8, 64), (8, 65, 128), (128, 128, 128),
+                          (200, 1, 256), (256, 256, 256)]:
+        inst = _gpu.select(dtype, d, dv, 80)
+        assert (inst.family, inst.dtype) == ("fwd_simt", name)
+        assert (inst.head_dim, inst.head_dim_v) == (bucket, bucket)
+    with pytest.raises(ValueError, match="256"):
+        _gpu.select(dtype, 257, 1, 80)
+
+
+# ---- fwd_simt --------------------------------------------------------------------------------
+
+@needs_emulator
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("head_dim, head_dim_v", [(1, 1), (19, 33), (100, 7), (129, 256)],
+                         ids=["d1", "d19-dv33", "d100-dv7", "d129-dv256"])
+def test_simt_every_instantiation_matches_oracle(executor, dtype, head_dim, head_dim_v):
+    # One shape per (dtype, bucket): partial query and key blocks, several key blocks.
+    rng = np.random.default_rng(head_dim * 1000 + head_dim_v)
+    q, k, v = qkv(rng, dtype, batch=2, heads_kv=1, seqlen_q=37, seqlen_k=45, head_dim=head_dim,
+                  head_dim_v=head_dim_v)
+    run_and_check(executor, q, k, v)
+
+
+@needs_emulator
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(150, 100), (70, 133)], ids=["lq>lk", "lq<lk"])
+@pytest.mark.parametrize("window", [(None, 0), (None, None), (16, 0), (0, 0), (5, 40), (None, 9),
+                                    (31, None), (0, None)],
+                         ids=["causal", "full", "w16-0", "w0-0", "w5-40", "wN-9", "w31-N", "w0-N"])
+def test_simt_masks_match_oracle(executor, seqlen_q, seqlen_k, window):
+    rng = np.random.default_rng(seqlen_q + seqlen_k)
+    q, k, v = qkv(rng, np.float32, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=16)
+    run_and_check(executor, q, k, v, window=window)
+
+
+@needs_emulator
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_simt_rows_with_no_key_are_zero_with_lse_minus_inf(executor, dtype):
+    # Lq > Lk, causal: rows i < Lq - Lk see nothing; a whole query block of them, too.
+    rng = np.random.default_rng(7)
+    q, k, v = qkv(rng, dtype, seqlen_q=150, seqlen_k=20, head_dim=8)
+    out, lse = run_and_check(executor, q, k, v, window=(None, 0))
+    assert (out[:, :, :130] == 0).all()
+    assert np.isneginf(lse[:, :, :130]).all() and np.isfinite(lse[:, :, 130:]).all()
+
+
+@needs_emulator
+def test_simt_window_rows_without_key_between_rows_with_keys(executor):
+    # Window (0, 0) with Lq > Lk: only rows i >= Lq - Lk have their one key.
+    rng = np.random.default_rng(8)
+    q, k, v = qkv(rng, np.float64, seqlen_q=90, seqlen_k=50, head_dim=5)
+    out, lse = run_and_check(executor, q, k, v, window=(0, 0))
+    np.testing.assert_array_equal(out[0, 0, 40:], v[0, 0])         # softmax of one key is 1
+    assert np.isneginf(lse[0, 0, :40]).all()
+
+
+@needs_emulator
+@pytest.mark.parametrize("family", ["fwd_simt", "fwd_v1"])
+def test_fully_masked_key_blocks_are_skipped(executor, family):
+    # The query row sees keys 189..199 only; keys 0..127 sit in key blocks no row can
+    # see in either kernel.  Were they read, their NaN would reach the output (0 * NaN).
+    rng = np.random.default_rng(9)
+    q, k, v = qkv(rng, np.float32, seqlen_q=1, seqlen_k=200, head_dim=16)
+    k[:, :, :128] = np.nan
+    v[:, :, :128] = np.nan
+    out = poisoned((1, 1, 1, 16), np.float32)
+    lse = poisoned((1, 1, 1), np.float32)
+    _call(family, executor, q, k, v, out, lse, window=(10, 0), sram_size=4 * 16 * 32)
+    # Bottom-right alignment: without the first 128 keys, the row sees the same ones.
+    ref_out, ref_lse = naive_attention(q, k[:, :, 128:], v[:, :, 128:], scale=0.25, window=(10, 0),
+                                       return_lse=True)
+    assert_close(out, ref_out, np.float32)
+    assert_lse_close(lse, ref_lse, np.float32)
+
+
+def _call(family, executor, q, k, v, out, lse, *, window, sram_size, scale=0.25, gqa_ratio=1):
+    common = dict(scale=scale, window_left=window[0], window_right=window[1], gqa_ratio=gqa_ratio,
+                  executor=executor)
+    if family == "fwd_simt":
+        _gpu.forward(q, k, v, out, lse, **common)
+    else:
+        _gpu.forward_v1(q, k, v, out, lse, sram_size=sram_size, **common)
+
+
+@needs_emulator
+@pytest.mark.parametrize("family", ["fwd_simt", "fwd_v1"])
+@pytest.mark.parametrize("gqa_ratio, heads_kv", [(2, 2), (4, 1)], ids=["gqa2", "mqa4"])
+def test_gqa_query_heads_share_kv_heads(executor, family, gqa_ratio, heads_kv):
+    rng = np.random.default_rng(10 + gqa_ratio)
+    q, k, v = qkv(rng, np.float32, batch=2, heads_kv=heads_kv, gqa_ratio=gqa_ratio, seqlen_q=33,
+                  seqlen_k=41, head_dim=12, head_dim_v=20)
+    run_and_check(executor, q, k, v, family=family, gqa_ratio=gqa_ratio, window=(None, 3),
+                  sram_size=4 * 12 * 6)
+
+
+@needs_emulator
+@pytest.mark.parametrize("family", ["fwd_simt", "fwd_v1"])
+def test_broadcast_kv_and_batch_with_zero_strides(executor, family):
+    rng = np.random.default_rng(11)
+    q = random_array(rng, (1, 3, 29, 10), np.float32)
+    q = np.broadcast_to(q, (2, 3, 29, 10))                          # batch stride 0
+    k = np.broadcast_to(random_array(rng, (2, 1, 35, 10), np.float32), (2, 3, 35, 10))   # head stride 0
+    v = np.broadcast_to(random_array(rng, (1, 1, 35, 6), np.float32), (2, 3, 35, 6))
+    assert q.strides[0] == 0 and k.strides[1] == 0 and v.strides[0] == v.strides[1] == 0
+    run_and_check(executor, q, k, v, family=family, sram_size=4 * 10 * 8)
+
+
+@needs_emulator
+@pytest.mark.parametrize("family", ["fwd_simt", "fwd_v1"])
+def test_transposed_and_strided_views_in_and_out(executor, family):
+    rng = np.random.default_rng(12)
+    b, h, lq, lk, d, dv = 2, 3, 40, 70, 24, 40
+    # (B, L, H, d) storage seen as (B, H, L, d); every other key row; reversed value rows.
+    q = random_array(rng, (b, lq, h, d), np.float64).transpose(0, 2, 1, 3)
+    k = random_array(rng, (b, h, 2 * lk, d), np.float64)[:, :, ::2]
+    v = random_array(rng, (b, h, lk, dv), np.float64)[:, :, ::-1]
+    out = poisoned((b, lq, h, dv), np.float64).transpose(0, 2, 1, 3)
+    lse = poisoned((b, lq, h), np.float64).transpose(0, 2, 1)
+    run_and_check(executor, q, k, v, family=family, out=out, lse=lse, window=(20, 5),
+                  sram_size=4 * d * 5)
+
+
+@needs_emulator
+@pytest.mark.parametrize("family", ["fwd_simt", "fwd_v1"])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 1), (1, 50), (50, 1), (3, 0), (0, 5)],
+                         ids=["1x1", "1x50", "50x1", "lk0", "lq0"])
+def test_tiny_and_empty_sequences(executor, family, seqlen_q, seqlen_k):
+    rng = np.random.default_rng(seqlen_q * 100 + seqlen_k)
+    q, k, v = qkv(rng, np.float32, batch=2, heads_kv=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                  head_dim=7, head_dim_v=3)
+    out, lse = run_and_check(executor, q, k, v, family=family, sram_size=4 * 7 * 2)
+    if seqlen_k == 0:
+        assert (out == 0).all() and np.isneginf(lse).all()
+
+
+@needs_emulator
+@pytest.mark.parametrize("family", ["fwd_simt", "fwd_v1"])
+def test_without_lse(executor, family):
+    rng = np.random.default_rng(13)
+    q, k, v = qkv(rng, np.float16, seqlen_q=20, seqlen_k=30, head_dim=16)
+    run_and_check(executor, q, k, v, family=family, with_lse=False, sram_size=256)
+
+
+@needs_emulator
+@pytest.mark.parametrize("family", ["fwd_simt", "fwd_v1"])
+@pytest.mark.parametrize("scale", [12.0, -0.7, 0.0], ids=["large", "negative", "zero"])
+def test_extreme_and_negative_scales(executor, family, scale):
+    # Large logits need the running max; a negative scale turns the max into the min.
+    # Logits of size ~100 are rounded to float32 before exp: the output is only as
+    # accurate as ~100 ulps of them, hence the wider tolerance for the large scale.
+    rng = np.random.default_rng(14)
+    q, k, v = qkv(rng, np.float32, seqlen_q=45, seqlen_k=77, head_dim=9)
+    run_and_check(executor, q, k, v, family=family, scale=scale, window=(None, 0),
+                  sram_size=4 * 9 * 8, factor=10.0 if abs(scale) > 1 else 1.0)
+
+
+# ---- fwd_v1 ----------------------------------------------------------------------------------
+
+@needs_emulator
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("sram_size", [4 * 24, 4 * 24 * 7, 100_000],
+                         ids=["one-row-blocks", "several-blocks", "one-block"])
+def test_v1_every_dtype_and_block_size_matches_oracle(executor, dtype, sram_size):
+    rng = np.random.default_rng(sram_size)
+    q, k, v = qkv(rng, dtype, heads_kv=2, seqlen_q=29, seqlen_k=38, head_dim=24, head_dim_v=11)
+    run_and_check(executor, q, k, v, family="fwd_v1", sram_size=sram_size)
+
+
+@needs_emulator
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(40, 25), (25, 40)], ids=["lq>lk", "lq<lk"])
+@pytest.mark.parametrize("window", [(None, 0), (0, 0), (6, 2), (None, None)],
+                         ids=["causal", "w0-0", "w6-2", "full"])
+def test_v1_masks_match_oracle(executor, seqlen_q, seqlen_k, window):
+    rng = np.random.default_rng(seqlen_q * 7 + seqlen_k)
+    q, k, v = qkv(rng, np.float64, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=6)
+    run_and_check(executor, q, k, v, family="fwd_v1", window=window, sram_size=4 * 6 * 4)
