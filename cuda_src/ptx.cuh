@@ -61,13 +61,13 @@ __device__ __forceinline__ float exp2_approx(float x) {
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
     __half2 h = __floats2half2_rn(lo, hi);
     uint32_t r;
-    __builtin_memcpy(&r, &h, sizeof(r));
+    memcpy(&r, &h, sizeof(r));
     return r;
 }
 __device__ __forceinline__ uint32_t pack_bf162(float lo, float hi) {
     __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
     uint32_t r;
-    __builtin_memcpy(&r, &h, sizeof(r));
+    memcpy(&r, &h, sizeof(r));
     return r;
 }
 

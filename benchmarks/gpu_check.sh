@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU check: `pytest -m gpu` plus a forward-attention timing table, in under six minutes.
+#
+# Run from anywhere on a machine with a CUDA GPU, CuPy and the checkout (nothing
+# installed: PYTHONPATH points at the checkout):
+#
+#     bash benchmarks/gpu_check.sh
+#
+# Writes benchmarks/results/<date>-<gpu>.json and .md (see benchmarks/gpu_check.py)
+# and, when $OUT is set, copies them and the pytest log there.  Without a usable
+# GPU it says so and exits 0.  Otherwise the exit status is pytest's.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+TEST_SECONDS="${GPU_CHECK_TEST_SECONDS:-210}"
+BENCH_SECONDS="${GPU_CHECK_BENCH_SECONDS:-90}"
+
+if ! reason=$("$PY" - <<'PYEOF' 2>&1
+import cupy
+n = cupy.cuda.runtime.getDeviceCount()
+if n < 1:
+    raise SystemExit("no CUDA device")
+PYEOF
+); then
+    echo "gpu_check: no usable GPU here (${reason##*$'\n'}); nothing run. This script needs CuPy and a CUDA device."
+    exit 0
+fi
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+start=$(date +%s)
+echo "gpu_check: pytest -m gpu (limit ${TEST_SECONDS}s)"
+timeout --signal=INT --kill-after=20 "$TEST_SECONDS" \
+    "$PY" -m pytest -m gpu tests -q -rfEs -p no:cacheprovider --junitxml="$work/junit.xml" \
+    2>&1 | tee "$work/pytest.log"
+test_rc=${PIPESTATUS[0]}
+echo "gpu_check: pytest exit status $test_rc after $(( $(date +%s) - start ))s"
+
+"$PY" benchmarks/gpu_check.py --budget "$BENCH_SECONDS" --junit "$work/junit.xml" \
+    --test-rc "$test_rc" 2>&1 | tee "$work/bench.log"
+bench_rc=${PIPESTATUS[0]}
+
+if [ -n "${OUT:-}" ]; then
+    cp "$work/pytest.log" "$OUT/gpu_check_pytest.log"
+    cp "$work/bench.log" "$OUT/gpu_check_bench.log"
+fi
+echo "gpu_check: done in $(( $(date +%s) - start ))s (pytest $test_rc, timing $bench_rc)"
+[ "$test_rc" -eq 0 ] && exit "$bench_rc"
+exit "$test_rc"

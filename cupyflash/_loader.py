@@ -1,0 +1,447 @@
+"""Kernel loading on the GPU: compile with NVRTC through CuPy, cache per device, launch.
+
+The GPU path of :func:`cupyflash.attention` asks a :class:`CudaExecutor` to
+run one instantiation (a ``cuda_src/`` entry file plus a C++ name expression
+such as ``"cf::fwd_simt_kernel<float, 64, 64>"``).  The executor finds the
+compiled module in the current device's :class:`ModuleCache`, compiling it
+on first use, and launches it on CuPy's current device and stream with one
+params struct (a NumPy structured scalar, which CuPy passes by value).
+
+Granularity: one module per *instantiation*, not per entry file.  A first
+call needs exactly one kernel, and NVRTC's cost grows with the number of
+instantiations in a program (front end once, but ptxas once per kernel), so
+compiling the whole catalogue of an entry file on the first call would make
+the cold start proportional to the catalogue rather than to the work asked
+for.  The module key is ``(entry, name expressions)``, so callers that want a
+batch (e.g. :func:`precompile` with grouped requests) can still ask for one
+module holding several; CuPy's on-disk cache key contains the sorted name
+expressions, so each module is cached on disk under its own key and a second
+process starts in milliseconds.
+
+Nothing here imports CuPy or touches CUDA at import time.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from ._source import assemble
+
+__all__ = [
+    "COMPILE_OPTIONS",
+    "ModuleCache",
+    "CudaExecutor",
+    "module_caches",
+    "module_source",
+    "precompile",
+]
+
+# Options handed to NVRTC by the loader and (with -arch, -ftz=true and the
+# include paths that CuPy itself adds) by the static report.  No fast-math:
+# the kernels use exp2_approx explicitly where they want it, everything else
+# is IEEE.  CuPy appends -arch=sm_XX for the current device, -ftz=true and
+# its include paths itself, so they are not repeated here.
+COMPILE_OPTIONS: tuple[str, ...] = ("-std=c++17",)
+
+# Dynamic shared memory above this needs cudaFuncAttributeMaxDynamicSharedMemorySize.
+_DEFAULT_DYNAMIC_SMEM_LIMIT = 48 * 1024
+
+
+def module_source(entry: str) -> str:
+    """The exact source string compiled for ``entry``: every quoted header inlined.
+
+    The loader and the static report both compile this string, so CuPy's disk
+    cache (keyed by the source text) changes whenever any header changes.
+    """
+    return assemble(entry)
+
+
+class _Pending:
+    """A compile in progress: the first requester compiles, the others wait here."""
+
+    __slots__ = ("_event", "_value", "_error")
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._value = None
+        self._error: BaseException | None = None
+
+    def resolve(self, value=None, error: BaseException | None = None) -> None:
+        self._value, self._error = value, error
+        self._event.set()
+
+    def wait(self):
+        self._event.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+class ModuleCache:
+    """Compiled modules of one device, keyed by ``(entry, name expressions)``.
+
+    Thread-safe: a module is compiled once even when several threads ask for
+    it at the same time (the first compiles outside the lock, the others wait
+    for its result); different modules compile concurrently.  A failed
+    compile is not cached: every waiter sees the exception and the next
+    request tries again.
+
+    Parameters
+    ----------
+    compile_module : callable
+        ``compile_module(entry, name_expressions) -> module``; the module
+        must have ``get_function(name_expression)``.  The GPU path passes a
+        function that builds a ``cupy.RawModule`` on this cache's device;
+        tests pass a fake.
+    device_id : int, optional
+        The device whose modules this cache holds (informational).
+    """
+
+    def __init__(self, compile_module: Callable[[str, tuple[str, ...]], object],
+                 device_id: int | None = None) -> None:
+        self.device_id = device_id
+        self._compile_module = compile_module
+        self._lock = threading.Lock()
+        self._modules: dict[tuple[str, tuple[str, ...]], object] = {}
+        self._pending: dict[tuple[str, tuple[str, ...]], _Pending] = {}
+        # (entry, name_expression) -> kernel function, filled from every module compiled.
+        self._functions: dict[tuple[str, str], object] = {}
+        # kernel function id -> dynamic shared memory limit already set on it.
+        self._smem_limits: dict[int, int] = {}
+
+    @staticmethod
+    def key(entry: str, name_expressions: Iterable[str]) -> tuple[str, tuple[str, ...]]:
+        names = tuple(sorted(set(name_expressions)))
+        if not names:
+            raise ValueError(f"no name expressions given for {entry!r}")
+        return entry, names
+
+    def module(self, entry: str, name_expressions: Iterable[str]):
+        """Return the module holding ``name_expressions`` of ``entry``, compiling it once."""
+        key = self.key(entry, name_expressions)
+        module = self._modules.get(key)
+        if module is not None:
+            return module
+        with self._lock:
+            module = self._modules.get(key)
+            if module is not None:
+                return module
+            pending = self._pending.get(key)
+            owner = pending is None
+            if owner:
+                pending = self._pending[key] = _Pending()
+        if not owner:
+            return pending.wait()
+        try:
+            module = self._compile_module(*key)
+            functions = {(entry, name): module.get_function(name) for name in key[1]}
+        except BaseException as error:
+            with self._lock:
+                del self._pending[key]
+            pending.resolve(error=error)
+            raise
+        with self._lock:
+            self._modules[key] = module
+            for fkey, function in functions.items():
+                self._functions.setdefault(fkey, function)
+            del self._pending[key]
+        pending.resolve(module)
+        return module
+
+    def function(self, entry: str, name_expression: str):
+        """Return the kernel ``name_expression`` of ``entry`` (compiling its module if needed)."""
+        function = self._functions.get((entry, name_expression))
+        if function is None:
+            self.module(entry, (name_expression,))
+            function = self._functions[(entry, name_expression)]
+        return function
+
+    def compiled(self) -> list[tuple[str, tuple[str, ...]]]:
+        """Keys of the modules compiled so far."""
+        with self._lock:
+            return list(self._modules)
+
+    def ensure_dynamic_smem(self, function, nbytes: int,
+                            set_limit: Callable[[object, int], None]) -> None:
+        """Raise ``function``'s dynamic shared memory limit to ``nbytes`` if needed (once)."""
+        if nbytes <= _DEFAULT_DYNAMIC_SMEM_LIMIT:
+            return
+        fid = id(function)
+        if self._smem_limits.get(fid, 0) >= nbytes:
+            return
+        with self._lock:
+            if self._smem_limits.get(fid, 0) < nbytes:
+                set_limit(function, nbytes)
+                self._smem_limits[fid] = nbytes
+
+
+def _compile_rawmodule(device_id: int) -> Callable[[str, tuple[str, ...]], object]:
+    """A compile function building ``cupy.RawModule`` objects on ``device_id``."""
+
+    def compile_module(entry: str, name_expressions: tuple[str, ...]):
+        import cupy
+
+        with cupy.cuda.Device(device_id):
+            module = cupy.RawModule(code=module_source(entry), options=COMPILE_OPTIONS,
+                                    name_expressions=list(name_expressions))
+            try:
+                module.compile()
+            except Exception as error:  # CompileException carries the NVRTC log
+                _add_note(error, f"cupyflash: while compiling {', '.join(name_expressions)} "
+                                 f"from cuda_src/{entry} for device {device_id}")
+                raise
+        return module
+
+    return compile_module
+
+
+class _DeviceCaches:
+    """One :class:`ModuleCache` per CUDA device, created on first use."""
+
+    def __init__(self, make_compile: Callable[[int], Callable] = _compile_rawmodule) -> None:
+        self._make_compile = make_compile
+        self._lock = threading.Lock()
+        self._caches: dict[int, ModuleCache] = {}
+
+    def for_device(self, device_id: int) -> ModuleCache:
+        cache = self._caches.get(device_id)
+        if cache is None:
+            with self._lock:
+                cache = self._caches.get(device_id)
+                if cache is None:
+                    cache = self._caches[device_id] = ModuleCache(
+                        self._make_compile(device_id), device_id)
+        return cache
+
+
+module_caches = _DeviceCaches()
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+
+
+def _dim3(value, what: str) -> tuple[int, int, int]:
+    dims = (value,) if np.isscalar(value) else tuple(value)
+    if not 1 <= len(dims) <= 3:
+        raise ValueError(f"`{what}` must have 1 to 3 dimensions, got {value!r}")
+    dims = tuple(int(d) for d in dims) + (1,) * (3 - len(dims))
+    if any(d < 1 for d in dims):
+        raise ValueError(f"`{what}` dimensions must be >= 1, got {value!r}")
+    return dims
+
+
+class CudaExecutor:
+    """Runs kernel instantiations on CuPy's current device and current stream.
+
+    The executor protocol shared with :class:`cupyflash.emulator.EmulatorExecutor`:
+
+    - ``arch`` : int, compute capability of the device kernels run on (e.g. 90);
+    - ``launch(entry, name_expression, grid, block, shared_mem, params)``.
+
+    Parameters
+    ----------
+    synchronize : bool, default False
+        Synchronize the stream after every launch so that an asynchronous
+        CUDA error (an illegal address, say) is raised by the launch that
+        caused it instead of by a later call.  For tests and debugging.
+    caches : optional
+        The per-device module caches (default: the process-wide one).
+    """
+
+    def __init__(self, *, synchronize: bool = False, caches: _DeviceCaches | None = None) -> None:
+        self.synchronize = synchronize
+        self._caches = module_caches if caches is None else caches
+        self._archs: dict[int, int] = {}
+        self._optin: dict[int, int] = {}
+
+    @staticmethod
+    def _device_id() -> int:
+        import cupy
+
+        return cupy.cuda.runtime.getDevice()
+
+    @property
+    def arch(self) -> int:
+        """Compute capability of CuPy's current device as an int (80, 86, 89, 90, ...)."""
+        device_id = self._device_id()
+        arch = self._archs.get(device_id)
+        if arch is None:
+            import cupy
+
+            arch = self._archs[device_id] = int(cupy.cuda.Device(device_id).compute_capability)
+        return arch
+
+    def _smem_optin(self, device_id: int) -> int:
+        """Most dynamic shared memory one block may opt in to on ``device_id`` (bytes)."""
+        limit = self._optin.get(device_id)
+        if limit is None:
+            import cupy
+
+            limit = self._optin[device_id] = cupy.cuda.runtime.deviceGetAttribute(
+                cupy.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id)
+        return limit
+
+    def cache(self) -> ModuleCache:
+        """The module cache of CuPy's current device."""
+        return self._caches.for_device(self._device_id())
+
+    def launch(self, entry: str, name_expression: str, grid, block, shared_mem: int,
+               params) -> None:
+        """Launch ``name_expression`` of ``cuda_src/<entry>`` with ``params`` as its one argument.
+
+        Parameters
+        ----------
+        entry : str
+            File in ``cuda_src/`` defining the kernel.
+        name_expression : str
+            The C++ name of the instantiation, e.g. ``"cf::fwd_simt_kernel<float, 64, 64>"``.
+        grid, block : int or tuple of int
+            Launch dimensions (1 to 3).
+        shared_mem : int
+            Dynamic shared memory in bytes; above 48 KB the kernel's limit is raised first.
+        params : numpy.void
+            A NumPy structured scalar laid out like the kernel's params struct
+            (a 0-d structured array is accepted too); passed by value.
+
+        Raises
+        ------
+        TypeError
+            ``params`` is not a structured scalar.
+        ValueError
+            Bad launch dimensions, or more shared memory than the device allows per block.
+        cupy.cuda.compiler.CompileException
+            NVRTC rejected the source (the exception carries its log).
+        cupy.cuda.driver.CUDADriverError
+            The launch failed (too many threads, too many registers, ...).
+        cupy.cuda.runtime.CUDARuntimeError
+            With ``synchronize=True``: the kernel failed while running.
+        """
+        import cupy
+
+        grid3, block3 = _dim3(grid, "grid"), _dim3(block, "block")
+        shared_mem = int(shared_mem)
+        if isinstance(params, np.ndarray) and params.ndim == 0:
+            params = params[()]
+        if not isinstance(params, np.void):
+            raise TypeError(f"`params` must be a NumPy structured scalar, got {type(params).__name__}")
+        cache = self.cache()
+        function = cache.function(entry, name_expression)
+        if shared_mem > _DEFAULT_DYNAMIC_SMEM_LIMIT:
+            limit = self._smem_optin(cache.device_id)
+            if shared_mem > limit:
+                raise ValueError(
+                    f"{name_expression} needs {shared_mem} bytes of dynamic shared memory; "
+                    f"this device allows {limit} per block")
+            cache.ensure_dynamic_smem(function, shared_mem, _set_max_dynamic_smem)
+        try:
+            function(grid3, block3, (params,), shared_mem=shared_mem)
+            if self.synchronize:
+                cupy.cuda.get_current_stream().synchronize()
+        except Exception as error:
+            _add_note(error, f"cupyflash: launching {name_expression} (cuda_src/{entry}) "
+                             f"grid={grid3} block={block3} shared_mem={shared_mem}")
+            raise
+
+
+def _set_max_dynamic_smem(function, nbytes: int) -> None:
+    function.max_dynamic_shared_size_bytes = nbytes
+
+
+def _dtype_name(dtype) -> str:
+    if isinstance(dtype, str) and dtype in ("bfloat16", "bf16"):
+        return "bfloat16"
+    return np.dtype(dtype).name
+
+
+def select(instantiations: Sequence, *, dtypes=None, head_dims=None, families=None) -> list:
+    """The catalogue rows :func:`precompile` compiles for the given filters.
+
+    ``head_dims`` are head dims of the caller's data: each selects, per
+    (family, dtype), the smallest instantiation whose compile-time head dim is
+    at least that value (the instantiation the dispatcher runs it with).
+    """
+    rows = list(instantiations)
+    if families is not None:
+        wanted = {families} if isinstance(families, str) else set(families)
+        unknown = wanted - {r.family for r in rows}
+        if unknown:
+            raise ValueError(f"unknown kernel families {sorted(unknown)}; "
+                             f"known: {sorted({r.family for r in rows})}")
+        rows = [r for r in rows if r.family in wanted]
+    if dtypes is not None:
+        if isinstance(dtypes, (str, np.dtype, type)):
+            dtypes = [dtypes]
+        wanted = {_dtype_name(d) for d in dtypes}
+        rows = [r for r in rows if r.dtype in wanted]
+    if head_dims is not None:
+        dims = [head_dims] if np.isscalar(head_dims) else list(head_dims)
+        chosen = []
+        groups: dict[tuple[str, str], list] = {}
+        for r in rows:
+            groups.setdefault((r.family, r.dtype), []).append(r)
+        for group in groups.values():
+            for d in dims:
+                fits = [r for r in group if r.head_dim >= int(d) and r.head_dim_v >= int(d)]
+                if fits:
+                    best = min(r.head_dim for r in fits)
+                    chosen.extend(r for r in fits if r.head_dim == best)
+        rows = [r for r in rows if r in chosen]
+    return rows
+
+
+def precompile(*, dtypes=None, head_dims=None, families=None, device=None,
+               max_workers: int | None = None) -> list:
+    """Compile kernel instantiations ahead of time, so the first call does not wait.
+
+    Parameters
+    ----------
+    dtypes : dtype or sequence of dtypes, optional
+        Only instantiations for these dtypes (``numpy.float16``,
+        ``"bfloat16"``/``ml_dtypes.bfloat16``, ``numpy.float32``, ``numpy.float64``).
+        Default: all.
+    head_dims : int or sequence of int, optional
+        Head dims of the data to be run; each selects the instantiation the
+        dispatcher picks for it (the smallest compile-time head dim that fits).
+        Default: all.
+    families : str or sequence of str, optional
+        Kernel families (``"fwd_simt"``, ``"fwd_v1"``, ...). Default: all.
+    device : int or cupy.cuda.Device, optional
+        Device to compile for. Default: CuPy's current device.
+    max_workers : int, optional
+        Parallel NVRTC compiles (default: up to 8, one per CPU).
+
+    Returns
+    -------
+    list of Instantiation
+        The catalogue rows compiled (already-compiled ones included).
+
+    Notes
+    -----
+    Modules land in CuPy's on-disk kernel cache, so a later process loads them
+    in milliseconds.
+    """
+    import cupy
+
+    from ._kernels import instantiations
+
+    rows = select(instantiations(), dtypes=dtypes, head_dims=head_dims, families=families)
+    if device is None:
+        device_id = cupy.cuda.runtime.getDevice()
+    else:
+        device_id = int(getattr(device, "id", device))
+    cache = module_caches.for_device(device_id)
+
+    def compile_one(row) -> None:
+        cache.module(row.entry, (row.name_expression,))
+
+    workers = max_workers or min(8, os.cpu_count() or 1, max(1, len(rows)))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(compile_one, rows))
+    return rows

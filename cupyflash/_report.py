@@ -1,0 +1,612 @@
+"""The static kernel report: compile every instantiation offline and read what ptxas made of it.
+
+No GPU is needed.  Each ``cuda_src/`` entry file is compiled once per target
+architecture by NVRTC (the compiler CuPy uses, called here directly through
+ctypes, because CuPy's own compile path wants a device and its ``getCUBIN``
+drops the cubin's last byte), with the loader's options plus what CuPy adds
+itself (``-arch=sm_XX``, ``-ftz=true``, ``--device-as-default-execution-space``
+and its include paths), with ``--ptxas-options=-v`` on.  From the result:
+
+- the ptxas log per kernel: registers, spill stores/loads, stack frame,
+  static shared memory, barriers;
+- the cubin's SASS (``cuobjdump -sass``, from the ``nvidia-cuda-cuobjdump``
+  and ``nvidia-cuda-nvdisasm`` wheels) as a histogram of opcodes without
+  modifiers (``HMMA``, ``LDSM``, ``LDGSTS``, ``LDL``, ``STL``, ``FFMA``, ...);
+- theoretical occupancy (resident blocks per SM) from registers, threads and
+  shared memory (static + the dynamic amount the launch configuration asks
+  for on a representative shape), with the arithmetic of CUDA's
+  ``cuda_occupancy.h`` and the per-architecture limits in :data:`SM_LIMITS`;
+- the compile time of each module.
+
+Results are cached in-process by (source text, name expressions, arch,
+options), so tests and the CLI compile each module once.
+
+:func:`main_kernels` is ``python -m cupyflash kernels [--arch ...] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from ._loader import COMPILE_OPTIONS, module_source
+
+__all__ = [
+    "ARCHS",
+    "SM_LIMITS",
+    "SMLimits",
+    "NvrtcError",
+    "FunctionReport",
+    "ModuleReport",
+    "compile_report",
+    "occupancy",
+    "kernel_report",
+    "REQUIRED_KEYS",
+    "format_table",
+    "main_kernels",
+]
+
+ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
+
+# Keys every row of :func:`kernel_report` carries.
+REQUIRED_KEYS = ("name", "family", "dtype", "head_dim", "head_dim_v", "arch", "threads",
+                 "registers", "static_shared_bytes", "dynamic_shared_bytes", "shared_bytes",
+                 "spill_stores", "spill_loads", "stack_bytes", "barriers", "occupancy",
+                 "occupancy_limit", "sass", "compile_seconds")
+
+
+@dataclass(frozen=True)
+class SMLimits:
+    """Per-SM resource limits of one compute capability (what occupancy is computed from)."""
+
+    max_threads_per_sm: int
+    max_blocks_per_sm: int
+    max_threads_per_block: int
+    registers_per_sm: int          # 32-bit registers in the SM's register file
+    registers_per_block: int       # most one block may hold
+    max_registers_per_thread: int  # ptxas never exceeds 255
+    register_alloc_unit: int       # registers are allocated per warp in units of this many
+    sub_partitions: int            # the register file is split evenly over these
+    shared_per_sm: int             # bytes, largest carveout
+    shared_per_block_optin: int    # bytes, with cudaFuncAttributeMaxDynamicSharedMemorySize
+    shared_reserved_per_block: int  # bytes the driver reserves per block (sm_80+)
+    shared_alloc_unit: int         # bytes, shared memory allocation granularity
+    barriers_per_block_slot: int   # block barriers per resident block slot (0: not a limit)
+
+
+# Sources:
+# - CUDA C++ Programming Guide, "Compute Capabilities", table "Technical
+#   Specifications per Compute Capability": max resident threads per SM (2048 for
+#   8.0 and 9.0, 1536 for 8.6 and 8.9), max resident blocks per SM (32, 16, 24,
+#   32), 64 K 32-bit registers per SM and per block, 255 registers per thread,
+#   1024 threads per block, shared memory per SM (164 KB for 8.0, 100 KB for 8.6
+#   and 8.9, 228 KB for 9.0) and per block (163 KB, 99 KB, 99 KB, 227 KB).
+# - NVIDIA Ampere / Ada / Hopper tuning guides, "Shared Memory": the driver
+#   reserves 1 KB of shared memory per thread block.
+# - cuda_occupancy.h (CUDA toolkit): register allocation unit 256 per warp, 4
+#   sub-partitions, shared memory granularity 128 bytes; block barriers limit
+#   occupancy from Hopper on (2 per block slot on 9.0).  tests/test_static_report.py
+#   checks occupancy() against that header's calculator.
+SM_LIMITS: dict[int, SMLimits] = {
+    80: SMLimits(2048, 32, 1024, 65536, 65536, 255, 256, 4, 164 * 1024, 163 * 1024, 1024, 128, 0),
+    86: SMLimits(1536, 16, 1024, 65536, 65536, 255, 256, 4, 100 * 1024, 99 * 1024, 1024, 128, 0),
+    89: SMLimits(1536, 24, 1024, 65536, 65536, 255, 256, 4, 100 * 1024, 99 * 1024, 1024, 128, 0),
+    90: SMLimits(2048, 32, 1024, 65536, 65536, 255, 256, 4, 228 * 1024, 227 * 1024, 1024, 128, 2),
+}
+
+
+def _arch_number(arch) -> int:
+    """``"sm_90"``, ``"90"`` or ``90`` -> 90."""
+    text = str(arch)
+    m = re.fullmatch(r"(?:sm_|compute_)?(\d+)a?", text)
+    if not m:
+        raise ValueError(f"`arch` must look like 'sm_90', got {arch!r}")
+    return int(m.group(1))
+
+
+def occupancy(arch, *, threads: int, registers: int, shared_bytes: int,
+              barriers: int = 1) -> tuple[int, str]:
+    """Theoretical resident blocks per SM and the resource that limits it.
+
+    ``shared_bytes`` is static plus dynamic shared memory per block.
+    Returns ``(blocks, limiter)`` with limiter one of ``"blocks"``,
+    ``"threads"``, ``"registers"``, ``"shared"``, ``"barriers"``; 0 blocks
+    means the kernel cannot launch with these resources.
+    """
+    lim = SM_LIMITS[_arch_number(arch)]
+    if threads > lim.max_threads_per_block or threads < 1:
+        return 0, "threads"
+    warps = -(-threads // 32)
+    candidates = {"blocks": lim.max_blocks_per_sm,
+                  "threads": lim.max_threads_per_sm // 32 // warps}
+    # Registers go to warps in units of register_alloc_unit, evenly over the
+    # sub-partitions; the launch check rounds the warps up to a multiple of them.
+    regs_per_warp = -(-registers * 32 // lim.register_alloc_unit) * lim.register_alloc_unit
+    if registers > lim.max_registers_per_thread or \
+            regs_per_warp * (-(-warps // lim.sub_partitions) * lim.sub_partitions) > lim.registers_per_block:
+        candidates["registers"] = 0
+    elif regs_per_warp:
+        warps_per_partition = lim.registers_per_sm // lim.sub_partitions // regs_per_warp
+        candidates["registers"] = warps_per_partition * lim.sub_partitions // warps
+    smem = shared_bytes + lim.shared_reserved_per_block
+    smem = -(-smem // lim.shared_alloc_unit) * lim.shared_alloc_unit
+    if shared_bytes > lim.shared_per_block_optin:
+        candidates["shared"] = 0
+    else:
+        candidates["shared"] = lim.shared_per_sm // smem
+    if barriers > 0 and lim.barriers_per_block_slot:
+        candidates["barriers"] = lim.barriers_per_block_slot * lim.max_blocks_per_sm // barriers
+    limiter = min(candidates, key=lambda k: candidates[k])
+    return candidates[limiter], limiter
+
+
+# ---- NVRTC through ctypes --------------------------------------------------------
+
+
+class NvrtcError(RuntimeError):
+    """NVRTC failed; the message carries its log."""
+
+
+class _Nvrtc:
+    """The few NVRTC entry points the report needs, loaded with cuda.pathfinder."""
+
+    def __init__(self) -> None:
+        from cuda import pathfinder
+
+        lib = ctypes.CDLL(pathfinder.load_nvidia_dynamic_lib("nvrtc").abs_path)
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        lib.nvrtcGetErrorString.argtypes = [ctypes.c_int]
+        lib.nvrtcCreateProgram.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p,
+                                           ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p,
+                                           ctypes.c_void_p]
+        lib.nvrtcDestroyProgram.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        lib.nvrtcAddNameExpression.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        lib.nvrtcCompileProgram.argtypes = [ctypes.c_void_p, ctypes.c_int,
+                                            ctypes.POINTER(ctypes.c_char_p)]
+        lib.nvrtcGetProgramLogSize.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
+        lib.nvrtcGetProgramLog.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        lib.nvrtcGetCUBINSize.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
+        lib.nvrtcGetCUBIN.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        lib.nvrtcGetLoweredName.argtypes = [ctypes.c_void_p, ctypes.c_char_p,
+                                            ctypes.POINTER(ctypes.c_char_p)]
+        self._lib = lib
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        self._check(lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
+        self.version = (major.value, minor.value)
+
+    def _check(self, status: int, what: str, log: str = "") -> None:
+        if status:
+            message = f"{what}: {self._lib.nvrtcGetErrorString(status).decode()}"
+            raise NvrtcError(message + ("\n" + log if log else ""))
+
+    def compile(self, source: str, name_expressions: Sequence[str], options: Sequence[str],
+                filename: str = "kernel.cu") -> tuple[str, bytes, dict[str, str]]:
+        """Compile to a cubin; return (log, cubin, {name expression: mangled name})."""
+        lib = self._lib
+        prog = ctypes.c_void_p()
+        self._check(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(),
+                                           filename.encode(), 0, None, None),
+                    "nvrtcCreateProgram")
+        try:
+            for name in name_expressions:
+                self._check(lib.nvrtcAddNameExpression(prog, name.encode()),
+                            "nvrtcAddNameExpression")
+            opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+            status = lib.nvrtcCompileProgram(prog, len(options), opts)
+            size = ctypes.c_size_t()
+            self._check(lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size)), "nvrtcGetProgramLogSize")
+            buf = ctypes.create_string_buffer(size.value)
+            self._check(lib.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
+            log = buf.value.decode(errors="replace")
+            self._check(status, f"compiling {filename}", log)
+            self._check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+            cubin = ctypes.create_string_buffer(size.value)
+            self._check(lib.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+            lowered = {}
+            for name in name_expressions:
+                out = ctypes.c_char_p()
+                self._check(lib.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(out)),
+                            f"nvrtcGetLoweredName({name})")
+                lowered[name] = out.value.decode()
+            return log, cubin.raw, lowered
+        finally:
+            lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+@functools.lru_cache(maxsize=1)
+def _nvrtc() -> _Nvrtc:
+    return _Nvrtc()
+
+
+@functools.lru_cache(maxsize=1)
+def _include_options() -> tuple[str, ...]:
+    """The ``-I`` paths CuPy's RawModule adds (CCCL, CuPy's headers, the CUDA headers)."""
+    try:
+        from cupy._core.core import assemble_cupy_compiler_options
+
+        return tuple(o for o in assemble_cupy_compiler_options(()) if o.startswith("-I"))
+    except Exception:  # no CuPy: the CUDA headers and CCCL where cuda.pathfinder finds them
+        from cuda import pathfinder
+
+        dirs = []
+        for name in ("cccl", "cudart"):
+            try:
+                dirs.append(pathfinder.find_nvidia_header_directory(name))
+            except Exception:
+                pass
+        return tuple(f"-I{d}" for d in dirs if d)
+
+
+def nvrtc_options(arch) -> tuple[str, ...]:
+    """The options the report compiles with for ``arch``: the loader's plus CuPy's own."""
+    nvrtc = _nvrtc()
+    extra = ("--no-cache",) if nvrtc.version >= (12, 9) else ()
+    return (COMPILE_OPTIONS + _include_options()
+            + (f"-arch=sm_{_arch_number(arch)}", "--device-as-default-execution-space",
+               "-ftz=true", "--ptxas-options=-v") + extra)
+
+
+# ---- ptxas log and SASS -------------------------------------------------------------
+
+@dataclass
+class FunctionReport:
+    """What ptxas and cuobjdump say about one kernel of a module."""
+
+    name_expression: str
+    mangled: str
+    registers: int = 0
+    barriers: int = 0
+    static_shared_bytes: int = 0
+    stack_bytes: int = 0
+    spill_stores: int = 0
+    spill_loads: int = 0
+    sass: dict[str, int] | None = None
+
+
+@dataclass
+class ModuleReport:
+    """One NVRTC compile (one entry file, one arch) and its kernels."""
+
+    arch: str
+    compile_seconds: float
+    functions: dict[str, FunctionReport]   # by name expression
+    log: str = field(repr=False, default="")
+
+
+_RE_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_RE_PROPS = re.compile(r"Function properties for (\S+)")
+_RE_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_RE_USED = re.compile(r"Used (\d+) registers")
+_RE_BARRIERS = re.compile(r"used (\d+) barriers")
+_RE_SMEM = re.compile(r"(\d+) bytes smem")
+_RE_CUMULATIVE = re.compile(r"(\d+) bytes cumulative stack size")
+
+
+def parse_ptxas_log(log: str) -> dict[str, dict[str, int]]:
+    """Per mangled kernel name: registers, barriers, static_shared_bytes, stack and spill bytes."""
+    stats: dict[str, dict[str, int]] = {}
+    entry = props = None
+    for line in log.splitlines():
+        if m := _RE_ENTRY.search(line):
+            entry = m.group(1)
+            stats.setdefault(entry, dict(registers=0, barriers=0, static_shared_bytes=0,
+                                         stack_bytes=0, spill_stores=0, spill_loads=0))
+            continue
+        if m := _RE_PROPS.search(line):
+            props = m.group(1)
+            continue
+        if (m := _RE_FRAME.search(line)) and props in stats:
+            s = stats[props]
+            s["stack_bytes"] = max(s["stack_bytes"], int(m.group(1)))
+            s["spill_stores"] += int(m.group(2))
+            s["spill_loads"] += int(m.group(3))
+            continue
+        if (m := _RE_USED.search(line)) and entry is not None:
+            s = stats[entry]
+            s["registers"] = int(m.group(1))
+            if b := _RE_BARRIERS.search(line):
+                s["barriers"] = int(b.group(1))
+            if sm := _RE_SMEM.search(line):
+                s["static_shared_bytes"] = int(sm.group(1))
+            if c := _RE_CUMULATIVE.search(line):
+                s["stack_bytes"] = max(s["stack_bytes"], int(c.group(1)))
+    return stats
+
+
+_RE_FUNCTION = re.compile(r"^\s*Function : (\S+)")
+_RE_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
+_RE_PREDICATE = re.compile(r"^@!?U?P[T\d]+\s+")
+
+
+def sass_opcode(instruction: str) -> str:
+    """``"@!P0 HMMA.16816.F32 R4, ..."`` -> ``"HMMA"``."""
+    text = _RE_PREDICATE.sub("", instruction.strip())
+    return text.split(None, 1)[0].split(".", 1)[0] if text else ""
+
+
+def parse_sass(text: str) -> dict[str, dict[str, int]]:
+    """Per mangled function name in ``cuobjdump -sass`` output: opcode -> count."""
+    counts: dict[str, Counter] = {}
+    current = None
+    for line in text.splitlines():
+        if m := _RE_FUNCTION.match(line):
+            current = counts.setdefault(m.group(1), Counter())
+        elif current is not None and (m := _RE_INSTRUCTION.match(line)):
+            op = sass_opcode(m.group(1))
+            if op:
+                current[op] += 1
+    return {name: dict(sorted(c.items())) for name, c in counts.items()}
+
+
+@functools.lru_cache(maxsize=1)
+def _cuobjdump() -> tuple[str, dict] | None:
+    """cuobjdump and an environment in which it finds nvdisasm, or None."""
+    try:
+        from cuda import pathfinder
+
+        cuobjdump = pathfinder.find_nvidia_binary_utility("cuobjdump")
+        nvdisasm = pathfinder.find_nvidia_binary_utility("nvdisasm")
+    except Exception:
+        cuobjdump = nvdisasm = None
+    cuobjdump = cuobjdump or shutil.which("cuobjdump")
+    nvdisasm = nvdisasm or shutil.which("nvdisasm")
+    if not cuobjdump or not nvdisasm:
+        return None
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(Path(nvdisasm).parent), env.get("PATH", "")])
+    return cuobjdump, env
+
+
+def disassemble(cubin: bytes) -> str | None:
+    """``cuobjdump -sass`` of a cubin, or None (with a warning) if the tools are missing."""
+    tools = _cuobjdump()
+    if tools is None:
+        warnings.warn("cupyflash: cuobjdump/nvdisasm not found (pip install "
+                      "nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm); the report has no SASS",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    cuobjdump, env = tools
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "module.cubin"
+        path.write_bytes(cubin)
+        done = subprocess.run([cuobjdump, "-sass", str(path)], env=env, capture_output=True,
+                              text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"cuobjdump -sass failed: {done.stderr.strip()}")
+    return done.stdout
+
+
+# ---- compiling a module ---------------------------------------------------------------
+
+class _ReportCache:
+    """In-process cache of :class:`ModuleReport` objects, compiled once per key."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done: dict[tuple, ModuleReport] = {}
+        self._locks: dict[tuple, threading.Lock] = {}
+
+    def get(self, key: tuple, build) -> ModuleReport:
+        with self._lock:
+            if key in self._done:
+                return self._done[key]
+            lock = self._locks.setdefault(key, threading.Lock())
+        with lock:
+            if key not in self._done:
+                report = build()
+                with self._lock:
+                    self._done[key] = report
+        return self._done[key]
+
+
+_cache = _ReportCache()
+
+
+def compile_report(source: str, name_expressions: Iterable[str], arch="sm_80", *,
+                   sass: bool = True, filename: str = "kernel.cu") -> ModuleReport:
+    """Compile ``source`` for ``arch`` with the report's options; per-kernel resources and SASS.
+
+    The same function reports the catalogue (with :func:`~cupyflash._loader.module_source`
+    as ``source``) and any test source, so a planted spilling kernel checks the parser.
+    Cached in-process by (source, name expressions, arch, sass).
+    """
+    names = tuple(dict.fromkeys(name_expressions))
+    arch_name = f"sm_{_arch_number(arch)}"
+    key = (source, names, arch_name, sass)
+
+    def build() -> ModuleReport:
+        options = nvrtc_options(arch_name)
+        start = time.perf_counter()
+        log, cubin, lowered = _nvrtc().compile(source, names, options, filename)
+        seconds = time.perf_counter() - start
+        stats = parse_ptxas_log(log)
+        histograms = None
+        if sass:
+            text = disassemble(cubin)
+            histograms = parse_sass(text) if text is not None else None
+        functions = {}
+        for name in names:
+            mangled = lowered[name]
+            if mangled not in stats:
+                raise RuntimeError(f"ptxas log has no entry for {name} ({mangled}); "
+                                   f"is it a __global__ function?\n{log}")
+            functions[name] = FunctionReport(
+                name, mangled, **stats[mangled],
+                sass=None if histograms is None else histograms.get(mangled, {}))
+        return ModuleReport(arch_name, seconds, functions, log)
+
+    return _cache.get(key, build)
+
+
+# ---- the catalogue report ---------------------------------------------------------------
+
+def _dynamic_shared_bytes(inst) -> int:
+    """Dynamic shared memory the launch configuration gives ``inst`` on a representative shape."""
+    from ._launch import representative_shared_bytes
+
+    return int(representative_shared_bytes(inst))
+
+
+def kernel_report(archs: Sequence = ("sm_80",), instantiations=None, *,
+                  sass: bool = True, max_workers: int | None = None) -> list[dict]:
+    """One row per (instantiation, arch), compiling each entry file once per arch.
+
+    Parameters
+    ----------
+    archs : sequence of str
+        Targets, from :data:`ARCHS`.
+    instantiations : sequence of Instantiation, optional
+        Default: :func:`cupyflash._kernels.instantiations`.
+    sass : bool, default True
+        Disassemble and count SASS opcodes.
+    max_workers : int, optional
+        Parallel compiles (NVRTC releases the GIL); default one per CPU.
+
+    Returns
+    -------
+    list of dict
+        Keys :data:`REQUIRED_KEYS` plus ``mangled``, ``occupancy_warps`` and ``entry``;
+        rows ordered like the catalogue, arch by arch.
+    """
+    if instantiations is None:
+        from ._kernels import instantiations as catalogue
+
+        instantiations = catalogue()
+    rows_in = list(instantiations)
+    arch_names = [f"sm_{_arch_number(a)}" for a in archs]
+    groups: dict[str, list] = {}
+    for inst in rows_in:
+        groups.setdefault(inst.entry, []).append(inst)
+    jobs = [(entry, arch) for arch in arch_names for entry in groups]
+    sources = {entry: module_source(entry) for entry in groups}
+
+    def run(job):
+        entry, arch = job
+        names = [inst.name_expression for inst in groups[entry]]
+        return job, compile_report(sources[entry], names, arch, sass=sass,
+                                   filename=f"cuda_src/{entry}")
+
+    workers = max_workers or max(1, min(len(jobs), os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        modules = dict(pool.map(run, jobs))
+
+    rows = []
+    for arch in arch_names:
+        for inst in rows_in:
+            module = modules[(inst.entry, arch)]
+            fn = module.functions[inst.name_expression]
+            dynamic = _dynamic_shared_bytes(inst)
+            shared = fn.static_shared_bytes + dynamic
+            blocks, limiter = occupancy(arch, threads=inst.threads, registers=fn.registers,
+                                        shared_bytes=shared, barriers=fn.barriers)
+            rows.append(dict(
+                name=inst.name_expression, family=inst.family, entry=inst.entry,
+                dtype=inst.dtype, head_dim=inst.head_dim, head_dim_v=inst.head_dim_v,
+                arch=arch, threads=inst.threads, registers=fn.registers,
+                static_shared_bytes=fn.static_shared_bytes, dynamic_shared_bytes=dynamic,
+                shared_bytes=shared, spill_stores=fn.spill_stores, spill_loads=fn.spill_loads,
+                stack_bytes=fn.stack_bytes, barriers=fn.barriers, occupancy=blocks,
+                occupancy_limit=limiter, occupancy_warps=blocks * -(-inst.threads // 32),
+                sass=fn.sass, compile_seconds=round(module.compile_seconds, 3),
+                mangled=fn.mangled))
+    return rows
+
+
+# ---- python -m cupyflash kernels --------------------------------------------------------
+
+# All four targets of DESIGN.md's tier 0: the whole catalogue compiles in about
+# 5 s per arch on two cores (one NVRTC compile per entry file and arch), so the
+# full picture is the default; `--arch sm_80` alone is the quick look.
+DEFAULT_ARCHS = ARCHS
+
+# SASS opcodes shown in the table: tensor-core mma, ldmatrix, cp.async,
+# local-memory traffic (must be 0), FP32 FMA, special-function unit (exp2).
+SASS_COLUMNS = ("HMMA", "LDSM", "LDGSTS", "LDL", "STL", "FFMA", "MUFU")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m cupyflash kernels",
+        description="Static report of every kernel instantiation, compiled offline with NVRTC.")
+    p.add_argument("--arch", action="append", metavar="ARCH",
+                   help=f"target ({', '.join(ARCHS)} or 'all'); repeatable; default all")
+    p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
+    p.add_argument("--family", action="append", help="only these kernel families (repeatable)")
+    p.add_argument("--no-sass", action="store_true", help="skip disassembly (faster)")
+    return p
+
+
+def format_table(rows: list[dict]) -> str:
+    """A fixed-width text table of report rows."""
+    header = ["kernel", "arch", "thr", "regs", "smem KB", "spill st/ld", "stack", "blk/SM"] + \
+        list(SASS_COLUMNS) + ["compile s"]
+    body = []
+    for r in rows:
+        sass = r["sass"] or {}
+        body.append([
+            r["name"], r["arch"], str(r["threads"]), str(r["registers"]),
+            f"{r['shared_bytes'] / 1024:.1f}", f"{r['spill_stores']}/{r['spill_loads']}",
+            str(r["stack_bytes"]), f"{r['occupancy']} ({r['occupancy_limit']})",
+        ] + [str(sass.get(op, 0)) if r["sass"] is not None else "-" for op in SASS_COLUMNS]
+          + [f"{r['compile_seconds']:.2f}"])
+    widths = [max(len(row[i]) for row in [header] + body) for i in range(len(header))]
+    align = lambda row: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
+                                  for i, (c, w) in enumerate(zip(row, widths)))
+    lines = [align(header), "  ".join("-" * w for w in widths)] + [align(r) for r in body]
+    return "\n".join(lines)
+
+
+def main_kernels(argv=None) -> int:
+    """Entry point of the ``kernels`` subcommand; returns the exit status."""
+    args = _parser().parse_args(argv)
+    archs = []
+    for a in args.arch or DEFAULT_ARCHS:
+        archs.extend(ARCHS if a == "all" else [a if a.startswith("sm_") else f"sm_{a}"])
+    unknown = [a for a in archs if a not in ARCHS]
+    if unknown:
+        print(f"unknown --arch {', '.join(unknown)}; choose from {', '.join(ARCHS)} or all",
+              file=sys.stderr)
+        return 2
+    try:
+        _nvrtc()
+    except Exception as error:  # ImportError (no cuda-pathfinder), library not found, ...
+        print(f"cupyflash kernels: cannot load NVRTC ({type(error).__name__}: {error}); install "
+              "the test extra (cuda-pathfinder and the NVRTC/CUDA header wheels)", file=sys.stderr)
+        return 1
+    from ._kernels import instantiations
+
+    rows_in = instantiations()
+    if args.family:
+        rows_in = [r for r in rows_in if r.family in set(args.family)]
+    start = time.perf_counter()
+    rows = kernel_report(list(dict.fromkeys(archs)), rows_in, sass=not args.no_sass)
+    if args.json:
+        json.dump(rows, sys.stdout, indent=1)
+        print()
+        return 0
+    print(format_table(rows))
+    bad = [r for r in rows if r["spill_stores"] or r["spill_loads"] or r["stack_bytes"]
+           or r["occupancy"] < 1]
+    print(f"\n{len(rows)} rows, {len({r['entry'] for r in rows})} entry files x "
+          f"{len(set(archs))} archs in {time.perf_counter() - start:.1f} s; "
+          + (f"{len(bad)} with spills, stack or zero occupancy" if bad
+             else "no spills, no stack, every kernel fits"))
+    print("blk/SM: theoretical resident blocks per SM (limiting resource); smem: static + dynamic "
+          "at a representative shape; compile s: wall time of the row's whole entry file for that arch")
+    return 0
