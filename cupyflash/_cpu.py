@@ -104,55 +104,67 @@ def _index_into(x, idx):
     return x[tuple(0 if x.shape[a] == 1 else i for a, i in enumerate(idx))]
 
 
+def _query_block(qf, kf, vf, i0, i1, vec_shape, bc, mask_args, acc_t):
+    """Online softmax over the key blocks for query rows [i0, i1).
+
+    ``qf`` holds the already scaled rows.  Returns the normalised output rows
+    and their lse (float, -inf for rows that saw no key).
+    """
+    lk = kf.shape[-2]
+    rows = vec_shape + (i1 - i0,)
+    m = np.full(rows, -np.inf, dtype=acc_t)                    # running row max
+    l = np.zeros(rows, dtype=acc_t)                            # running row sum of exp
+    acc = np.zeros(rows + (vf.shape[-1],), dtype=acc_t)        # unnormalised output
+    for j0 in range(0, lk, bc):
+        j1 = min(j0 + bc, lk)
+        kind = block_bounds(i0, i1, j0, j1, *mask_args)
+        if kind == "empty":
+            continue
+        s = np.matmul(qf, np.swapaxes(kf[..., j0:j1, :], -1, -2))
+        s = np.broadcast_to(s, rows + (j1 - j0,)).copy() if s.shape[:-1] != rows else s
+        if kind == "partial":
+            np.copyto(s, -np.inf, where=~_visible(i0, i1, j0, j1, *mask_args))
+        m_new = np.maximum(m, s.max(axis=-1))
+        m_safe = np.where(np.isneginf(m_new), 0, m_new)       # rows with no key yet
+        s -= m_safe[..., None]
+        p = np.exp(s, out=s)
+        alpha = np.exp(m - m_safe)
+        l *= alpha
+        l += p.sum(axis=-1)
+        acc *= alpha[..., None]
+        acc += np.matmul(p, vf[..., j0:j1, :])
+        m = m_new
+    empty = l == 0                                              # rows that saw no key
+    acc *= np.where(empty, 0, 1 / np.where(empty, 1, l))[..., None]
+    with np.errstate(divide="ignore"):
+        lse = np.where(empty, -np.inf, m + np.log(l))
+    return acc, lse
+
+
 def forward(problem: Problem, out, lse) -> None:
     """Fill ``out`` (..., Lq, dv) and, if given, ``lse`` (..., Lq) in place."""
     acc_t = problem.accum_dtype
     lq, lk = problem.seqlen_q, problem.seqlen_k
-    offset, left, right = lk - lq, problem.window_left, problem.window_right
+    mask_args = (lk - lq, problem.window_left, problem.window_right)
     (q, o), (k, v) = _split_heads(problem, [problem.q, out], [problem.k, problem.v])
     lse5 = _lse_view(problem, lse) if lse is not None else None
     n_vec = 2 if problem.gqa_ratio > 1 else 1
     batch5 = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     vec_shape = batch5[len(batch5) - n_vec:]
     bq, bc = _block_sizes(int(np.prod(vec_shape)), lq, lk)
+    scale = acc_t.type(problem.scale)
 
     for idx in np.ndindex(*_loop_shape(batch5, n_vec)):
-        qf = _index_into(q, idx).astype(acc_t)
-        qf *= acc_t.type(problem.scale)                    # scale folded into q once
         kf = _index_into(k, idx).astype(acc_t, copy=False)
         vf = _index_into(v, idx).astype(acc_t, copy=False)
-        o_idx = o[idx]
         for i0 in range(0, lq, bq):
             i1 = min(i0 + bq, lq)
-            rows = vec_shape + (i1 - i0,)
-            m = np.full(rows, -np.inf, dtype=acc_t)        # running row max
-            l = np.zeros(rows, dtype=acc_t)                # running row sum of exp
-            acc = np.zeros(rows + (problem.head_dim_v,), dtype=acc_t)  # unnormalised output
-            for j0 in range(0, lk, bc):
-                j1 = min(j0 + bc, lk)
-                kind = block_bounds(i0, i1, j0, j1, offset, left, right)
-                if kind == "empty":
-                    continue
-                s = np.matmul(qf[..., i0:i1, :], np.swapaxes(kf[..., j0:j1, :], -1, -2))
-                s = np.broadcast_to(s, rows + (j1 - j0,)).copy() if s.shape[:-1] != rows else s
-                if kind == "partial":
-                    np.copyto(s, -np.inf, where=~_visible(i0, i1, j0, j1, offset, left, right))
-                m_new = np.maximum(m, s.max(axis=-1))
-                m_safe = np.where(np.isneginf(m_new), 0, m_new)   # rows with no key yet
-                s -= m_safe[..., None]
-                p = np.exp(s, out=s)
-                alpha = np.exp(m - m_safe)
-                l *= alpha
-                l += p.sum(axis=-1)
-                acc *= alpha[..., None]
-                acc += np.matmul(p, vf[..., j0:j1, :])
-                m = m_new
-            empty = l == 0                                  # rows that saw no key
-            inv = np.where(empty, 0, 1 / np.where(empty, 1, l))
-            o_idx[..., i0:i1, :] = acc * inv[..., None]
+            qf = _index_into(q, idx)[..., i0:i1, :].astype(acc_t)
+            qf *= scale                                         # scale folded into q once
+            rows, rows_lse = _query_block(qf, kf, vf, i0, i1, vec_shape, bc, mask_args, acc_t)
+            o[idx][..., i0:i1, :] = rows
             if lse5 is not None:
-                with np.errstate(divide="ignore"):
-                    lse5[idx][..., i0:i1] = np.where(empty, -np.inf, m + np.log(l))
+                lse5[idx][..., i0:i1] = rows_lse
 
 
 def _sum_to(x, shape):
