@@ -15,21 +15,41 @@ __all__ = ["attention", "attention_backward", "precompile", "reference", "__vers
 def precompile(*, dtypes=None, head_dims=None, families=None, device=None):
     """Compile kernel variants ahead of time (needs CuPy and a GPU).
 
+    The first call that needs a kernel instantiation compiles it with NVRTC
+    (seconds); ``precompile`` pays that cost up front, in parallel.
+
     Parameters
     ----------
-    dtypes : sequence of str, optional
-        e.g. ``["float16", "float32"]``; default all.
+    dtypes : sequence of str or dtype, optional
+        e.g. ``["float16", "float32"]`` or ``[numpy.float16]``; default all.
     head_dims : sequence of int, optional
-        Head dims whose kernels to build; default all.
+        Head dims of the data to be run; each selects the kernels the
+        dispatcher picks for it. Default all.
     families : sequence of str, optional
-        Kernel families, e.g. ``["fwd_simt"]``; default every family ``attention`` can pick.
+        Kernel families (``"fwd_simt"``, ``"fwd_mma"``, ``"fwd_v1"``,
+        ``"bwd_simt"``); default all.
     device : int, optional
         CUDA device id; default the current device.
 
     Returns
     -------
     list
-        The instantiations compiled.
+        The instantiations compiled (already compiled ones included).
+
+    Notes
+    -----
+    Compiled modules are kept per device in the process and in CuPy's
+    on-disk kernel cache (``CUPY_CACHE_DIR``, default
+    ``~/.cupy/kernel_cache``), so a later process loads them in
+    milliseconds.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cupyflash
+    >>> rows = cupyflash.precompile(dtypes=[np.float16], head_dims=[128])  # doctest: +SKIP
+    >>> sorted({r.family for r in rows})                                   # doctest: +SKIP
+    ['bwd_simt', 'fwd_mma', 'fwd_simt', 'fwd_v1']
     """
     from ._loader import precompile as _precompile
 

@@ -76,7 +76,14 @@ def array_kind(x, name: str) -> str:
     module = type(x).__module__.split(".")[0]
     if module == "cupy":
         return "cupy"
-    if hasattr(x, "__cuda_array_interface__"):
+    try:
+        has_cai = hasattr(x, "__cuda_array_interface__")
+    except Exception as exc:  # noqa: BLE001 - e.g. torch refuses it for tensors that require grad
+        raise TypeError(
+            f"`{name}` ({type(x).__name__}) cannot be shared with CuPy: {exc} "
+            f"(for a PyTorch tensor, pass {name}.detach())"
+        ) from None
+    if has_cai:
         return "cuda-foreign"
     if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
         try:

@@ -110,6 +110,34 @@ def naive_attention_backward(dout, q, k, v, /, *, scale=None, causal=False, wind
     dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dO ∘ O)), dQ = scale·dS K,
     dK = scale·dSᵀ Q; broadcast and grouped heads are summed back to the
     shapes of k and v.
+
+    Parameters
+    ----------
+    dout : numpy.ndarray, shape (..., Lq, dv)
+        Gradient of the loss with respect to the attention output.
+    q, k, v, scale, causal, window, enable_gqa
+        As in :func:`cupyflash.attention`.
+
+    Returns
+    -------
+    dq, dk, dv : numpy.ndarray
+        float64, with the shapes of q, k and v.
+
+    Examples
+    --------
+    The gradient of ``sum(out)`` with respect to v: each key's row gets the
+    total weight the queries gave it, here 1/2 from each of two queries.
+
+    >>> import numpy as np
+    >>> from cupyflash.reference import naive_attention_backward
+    >>> q = k = v = np.eye(2)
+    >>> dq, dk, dv = naive_attention_backward(np.ones((2, 2)), q, k, v, scale=0.0)
+    >>> dv
+    array([[1., 1.],
+           [1., 1.]])
+    >>> dq
+    array([[0., 0.],
+           [0., 0.]])
     """
     problem, _ = check_forward(q, k, v, scale=scale, causal=causal, window=window,
                                enable_gqa=enable_gqa, backend="numpy")

@@ -382,3 +382,14 @@ def test_mixed_byte_orders_show_in_the_dtype_message(qkv):
     swapped = k.astype(k.dtype.newbyteorder())
     with pytest.raises(TypeError, match=r"k: float32 \(>f4\)"):
         cupyflash.attention(q, swapped, v)
+
+
+def test_a_cuda_array_that_refuses_its_interface_is_a_type_error(qkv):
+    # torch raises RuntimeError (not AttributeError) for tensors that require grad
+    class Refusing:
+        @property
+        def __cuda_array_interface__(self):
+            raise RuntimeError("Can't get __cuda_array_interface__ on Variable that requires grad")
+
+    with pytest.raises(TypeError, match=r"`v`.*detach"):
+        cupyflash.attention(qkv[0], qkv[1], Refusing())

@@ -127,14 +127,28 @@ class EmulatorExecutor:
 
     Examples
     --------
-    Build and run with a params dtype mirroring the kernel's struct (pointers
-    as ``uint64`` holding ``array.ctypes.data``)::
+    A kernel that doubles an array, in a file of its own; its one argument
+    is a struct, mirrored by a NumPy dtype built with ``align=True``
+    (pointers as ``uint64`` holding ``array.ctypes.data``):
 
-        ex = EmulatorExecutor(arch=80, seed=0)
-        dt = np.dtype([("x", np.uint64), ("n", np.int32)], align=True)
-        p = np.array((x.ctypes.data, x.size), dtype=dt)[()]
-        ex.launch(entry="fidelity.cu", name_expression="fid_exp2",
-                  grid=1, block=32, shared_mem=0, params=p)
+    >>> import pathlib, tempfile
+    >>> import numpy as np
+    >>> from cupyflash.emulator import EmulatorExecutor
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "double.cu"
+    >>> _ = path.write_text(
+    ...     "struct P { const float* x; float* y; int n; };\\n"
+    ...     "__global__ void double_it(const P p) {\\n"
+    ...     "    const int i = blockIdx.x * blockDim.x + threadIdx.x;\\n"
+    ...     "    if (i < p.n) p.y[i] = 2.0f * p.x[i];\\n"
+    ...     "}\\n")
+    >>> x = np.arange(100, dtype=np.float32)
+    >>> y = np.zeros_like(x)
+    >>> dt = np.dtype([("x", np.uint64), ("y", np.uint64), ("n", np.int32)], align=True)
+    >>> params = np.array((x.ctypes.data, y.ctypes.data, x.size), dtype=dt)[()]
+    >>> ex = EmulatorExecutor(arch=80, seed=0)
+    >>> ex.launch(str(path), "double_it", grid=4, block=32, shared_mem=0, params=params)
+    >>> bool(np.array_equal(y, 2 * x))
+    True
     """
 
     def __init__(self, arch: int = 80, seed: int = 0, shuffle: bool = True, race_check: bool = True, *,

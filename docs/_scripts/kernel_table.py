@@ -1,0 +1,190 @@
+"""Write the static-report tables of docs/performance.md from ``python -m cupyflash kernels --json``.
+
+    python docs/_scripts/kernel_table.py                    # runs the report for sm_80 and sm_90
+    python docs/_scripts/kernel_table.py sm80.json sm90.json  # or reads saved JSON output
+
+Replaces the text between the ``kernel-report:begin`` and ``kernel-report:end``
+markers of docs/performance.md with one Markdown table per kernel family: per
+instantiation and architecture, registers per thread, shared memory per block
+and theoretical resident blocks per SM (with the limiting resource).  For
+``fwd_mma`` only the tile the dispatcher picks on each architecture is shown.
+Needs no GPU: the report compiles offline with NVRTC (a few minutes on two
+cores for both architectures).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from datetime import date
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGE = ROOT / "docs" / "performance.md"
+BEGIN, END = "<!-- kernel-report:begin -->", "<!-- kernel-report:end -->"
+ARCHS = ("sm_80", "sm_90")
+FAMILIES = (
+    ("fwd_mma", "Tensor-core forward (`fwd_mma`, float16/bfloat16, the tile each GPU class gets)"),
+    ("fwd_simt", "SIMT forward (`fwd_simt`)"),
+    ("bwd_simt", "SIMT backward (`bwd_simt`: delta, dK/dV and dQ kernels)"),
+    ("fwd_v1", "Algorithm 1 (`fwd_v1`; shared memory at d = 64, M = 8192 elements)"),
+)
+DTYPE_ORDER = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
+SHORT_KERNEL = {"bwd_simt_dot_do_o_kernel": "delta", "bwd_simt_dkdv_kernel": "dK/dV",
+                "bwd_simt_dq_kernel": "dQ"}
+
+
+def _load(paths: list[str]) -> list[dict]:
+    if paths:
+        rows = []
+        for p in paths:
+            rows.extend(json.loads(Path(p).read_text()))
+        return rows
+    cmd = [sys.executable, "-m", "cupyflash", "kernels", "--json"]
+    for arch in ARCHS:
+        cmd += ["--arch", arch]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout)
+
+
+def _picked_mma(rows: list[dict]) -> set[tuple[str, str]]:
+    """(arch, name) of the fwd_mma instantiation the dispatcher runs on each arch."""
+    from cupyflash._kernels import MMA_HEAD_DIMS, mma_name_expression, mma_tiles
+
+    picked = set()
+    for arch in {r["arch"] for r in rows}:
+        tiles = mma_tiles(int(arch.removeprefix("sm_")))
+        for dtype in ("float16", "bfloat16"):
+            for d in MMA_HEAD_DIMS:
+                picked.add((arch, mma_name_expression(dtype, d, *tiles[d])))
+    return picked
+
+
+def _kernel(row: dict) -> str:
+    base = row["name"].split("<", 1)[0].removeprefix("cf::")
+    return SHORT_KERNEL.get(base, base)
+
+
+def _tile(row: dict) -> str:
+    args = [a.strip() for a in row["name"].split("<", 1)[1].rstrip(">").split(",")]
+    if row["family"] == "fwd_mma":        # <T, d, block_m, block_n, warps, stages>
+        return f"{args[2]}×{args[3]}, {args[4]} warps, {args[5]} stage{'s' * (args[5] != '1')}"
+    if row["family"] == "fwd_simt":       # <T, d, dv, block_m, block_n>
+        return f"{args[3]}×{args[4]}"
+    if row["family"] == "bwd_simt" and len(args) == 5:   # <T, d, dv, own, streamed>
+        return f"{args[3]}×{args[4]}"
+    return "–"
+
+
+def _cells(row: dict | None) -> list[str]:
+    if row is None:
+        return ["", "", ""]
+    return [str(row["registers"]), f"{row['shared_bytes'] / 1024:.1f}",
+            f"{row['occupancy']} ({row['occupancy_limit']})"]
+
+
+def _family_table(rows: list[dict], family: str, archs: list[str], picked: set) -> list[str]:
+    rows = [r for r in rows if r["family"] == family
+            and (family != "fwd_mma" or (r["arch"], r["name"]) in picked)]
+    # one line per (kernel, dtype, head dim), or per (dtype, head dim, arch-specific tile) for fwd_mma
+    keys: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        if family == "fwd_mma":
+            key = (DTYPE_ORDER[r["dtype"]], r["head_dim"], "", r["dtype"])
+        else:
+            key = (DTYPE_ORDER[r["dtype"]], r["head_dim"], _kernel(r), r["dtype"])
+        keys.setdefault(key, {})[r["arch"]] = r
+    header = ["dtype", "d ≤"] + (["kernel", "tile"] if family == "bwd_simt" else
+                               [] if family == "fwd_mma" else ["tile"])
+    for arch in archs:
+        header += ([f"{arch} tile"] if family == "fwd_mma" else []) + \
+                  [f"{arch} regs", f"{arch} smem KB", f"{arch} blocks/SM"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for key in sorted(keys, key=lambda k: (k[0], k[1], list(SHORT_KERNEL.values()).index(k[2])
+                                            if k[2] in SHORT_KERNEL.values() else 0)):
+        by_arch = keys[key]
+        any_row = next(iter(by_arch.values()))
+        cells = [key[3], str(key[1])]
+        if family == "bwd_simt":
+            cells += [key[2], _tile(any_row)]
+        elif family != "fwd_mma":
+            cells += [_tile(any_row)]
+        for arch in archs:
+            r = by_arch.get(arch)
+            if family == "fwd_mma":
+                cells.append(_tile(r) if r else "")
+            cells += _cells(r)
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _provenance() -> str:
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                                  check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return ""
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = git("status", "--porcelain", "--", "cuda_src", "cupyflash/_kernels.py", "cupyflash/_launch.py")
+    nvrtc = "unknown"
+    try:
+        sys.path.insert(0, str(ROOT))
+        from cupyflash._report import _nvrtc
+
+        nvrtc = ".".join(map(str, _nvrtc().version))
+    except Exception:  # noqa: BLE001 - provenance only
+        pass
+    state = f"commit {commit}" + (" with uncommitted kernel changes" if dirty else "")
+    return f"Generated on {date.today().isoformat()} from {state}, NVRTC {nvrtc}."
+
+
+def render(rows: list[dict]) -> str:
+    archs = [a for a in ARCHS if any(r["arch"] == a for r in rows)]
+    picked = _picked_mma(rows)
+    out = [BEGIN, "", f"*{_provenance()}*", ""]
+    for family, title in FAMILIES:
+        if not any(r["family"] == family for r in rows):
+            continue
+        out += [f"**{title}**", ""] + _family_table(rows, family, archs, picked) + [""]
+    spills = [r for r in rows if r["spill_stores"] or r["spill_loads"] or r["stack_bytes"]]
+    local = [r for r in rows if r.get("sass") and (r["sass"].get("LDL") or r["sass"].get("STL"))]
+    if not spills and not local:
+        out.append(f"Spills, stack frames and local-memory instructions (LDL/STL): none, in all "
+                   f"{len(rows)} compiled kernels (every instantiation of the catalogue, on "
+                   f"{' and '.join(archs)}).")
+    else:
+        flagged = sorted({id(r): r for r in spills + local}.values(), key=lambda r: (r["arch"], r["name"]))
+        out.append(f"Spills, stack frames or local-memory instructions in {len(flagged)} of "
+                   f"{len(rows)} compiled kernels:")
+        out.append("")
+        for r in flagged:
+            unused = r["family"] == "fwd_mma" and (r["arch"], r["name"]) not in picked
+            out.append(f"- `{r['name']}` on {r['arch']}: {r['spill_stores']} B spill stores, "
+                       f"{r['spill_loads']} B spill loads, {r['stack_bytes']} B stack"
+                       + (" (another class's tile: the dispatcher does not run it on this arch)"
+                          if unused else ""))
+    compile_s = {}
+    for r in rows:
+        compile_s[(r["entry"], r["arch"])] = r["compile_seconds"]
+    parts = [f"`{e}` {s:.0f} s" for (e, a), s in sorted(compile_s.items()) if a == archs[0]]
+    out += ["", f"NVRTC wall time per kernel file ({archs[0]}; every instantiation of the file "
+            f"in one compile, files compiled in parallel, one per core, on a {os.cpu_count()}-core "
+            f"machine): " + ", ".join(parts) + ". A first call compiles one instantiation only.",
+            "", END]
+    return "\n".join(out)
+
+
+def main(argv: list[str]) -> None:
+    rows = _load(argv)
+    text = PAGE.read_text()
+    start, end = text.index(BEGIN), text.index(END) + len(END)
+    PAGE.write_text(text[:start] + render(rows) + text[end:])
+    print(f"updated {PAGE.relative_to(ROOT)} ({len(rows)} report rows)")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main(sys.argv[1:])
