@@ -5,10 +5,10 @@
 // owns kBlockM / kWarps of those rows (16 per m16 tile, FA2's split of Q
 // across warps: no reduction between warps).  Q is copied once to shared
 // memory; K and V blocks of kBlockN keys stream through shared memory with
-// cp.async.  Per key block, every warp computes
+// cp.async (KVPipeline).  Per key block, every warp computes
 //     S = Q K^T * scale * log2(e)      ldmatrix + mma, scores stay in registers
 //     mask                             only on blocks that cross a mask boundary
-//     m, l, O rescale, P = exp2(S - m) softmax.cuh, quad shuffles (xor 1, 2)
+//     m, l, O rescale, P = exp2(S - m) softmax.cuh, quad shuffles (xor 2, 1)
 //     O += P V                         P re-packed in registers as the A operand
 // and divides O by l once, at the end.  O is staged through the (no longer
 // needed) Q tile and written with 16-byte stores.
@@ -22,7 +22,7 @@
 // Every shared tile uses the swizzled layout of mma_tile.cuh.  Rows and head
 // dims are padded inside the kernel: tails and columns beyond the run-time d
 // are zero-filled by cp.async and never stored.  The dispatcher guarantees
-// 16-byte aligned row starts (cupyflash/_gpu.py).
+// 16-byte aligned row starts and dv == d (cupyflash/_gpu.py).
 #pragma once
 
 #include "block_info.cuh"
@@ -53,10 +53,9 @@ struct MmaFwdTraits {
     using QTile = SwizzledTile<kBlockM, kHeadDim>;      // Q, later the output staging
     using KVTile = SwizzledTile<kBlockN, kHeadDim>;
 
-    // Shared memory (elements of T): Q, then kStages x (K, V).
-    static constexpr int kQElems = QTile::kElements;
-    static constexpr int kKVElems = KVTile::kElements;
-    static constexpr int kSmemBytes = (kQElems + 2 * kStages * kKVElems) * static_cast<int>(sizeof(T));
+    // Shared memory: Q, then kStages x (K, V) (KVPipeline).
+    static constexpr int kSmemBytes =
+        (QTile::kElements + 2 * kStages * KVTile::kElements) * static_cast<int>(sizeof(T));
     // __launch_bounds__ minimum CTAs per SM: two CTAs of up to 4 warps leave
     // every thread the 255-register maximum, so this never caps registers; it
     // states the occupancy the tile table aims for.
@@ -101,16 +100,38 @@ __device__ __forceinline__ void mma_qk(float (&s)[Tr::kRows][Tr::kSCols], const 
         for (int c = 0; c < Tr::kSCols; ++c) s[r][c] *= scale_log2;
 }
 
+// WindowMask's rule for the rows of one warp and one key block, in 32-bit
+// offsets relative to the block: key n0 + c is admissible for row
+// first_row + ri iff lo(ri) <= c < hi(ri).  The 64-bit bounds (the window
+// sides may be kUnbounded) are clamped to +-2^30 once per block; adding a row
+// offset below 2^16 to a clamped value cannot change whether it lies in
+// [0, kBlockN].  Keeps the masking step, which runs while the scores and the
+// output accumulators are all live, to a few 32-bit registers.
+struct BlockMask {
+    int lo_base, hi_base, keys;
+
+    __device__ BlockMask(const FwdParams& p, int64_t first_row, int64_t n0, int block_n) {
+        const int64_t aligned = first_row + (p.seqlen_k - p.seqlen_q) - n0;  // row 0's diagonal key - n0
+        lo_base = clamp30(aligned - p.window_left);
+        hi_base = clamp30(aligned + p.window_right + 1);
+        keys = static_cast<int>(min64(p.seqlen_k - n0, block_n));
+    }
+    __device__ static int clamp30(int64_t x) {
+        constexpr int64_t kLimit = int64_t(1) << 30;
+        return static_cast<int>(x < -kLimit ? -kLimit : x > kLimit ? kLimit : x);
+    }
+    __device__ int lo(int ri) const { return lo_base + ri; }
+    __device__ int hi(int ri) const { return min(hi_base + ri, keys); }
+};
+
 // Scores of keys a row may not see (window, causal, beyond Lk) -> -inf.
-// first_row is the global index of the warp's first query row.
 template <class Tr>
-__device__ __forceinline__ void apply_mask(float (&s)[Tr::kRows][Tr::kSCols], const WindowMask& mask,
-                                           int64_t first_row, int64_t n0) {
+__device__ __forceinline__ void apply_mask(float (&s)[Tr::kRows][Tr::kSCols], const BlockMask& mask) {
     const int g = lane_id() >> 2, t = lane_id() & 3;
 #pragma unroll
     for (int r = 0; r < Tr::kRows; ++r) {
-        int lo, hi;
-        mask.row_range(first_row + 16 * (r >> 1) + 8 * (r & 1) + g, n0, Tr::kBlockN, lo, hi);
+        const int ri = 16 * (r >> 1) + 8 * (r & 1) + g;
+        const int lo = mask.lo(ri), hi = mask.hi(ri);
 #pragma unroll
         for (int c = 0; c < Tr::kSCols; ++c) {
             const int key = 8 * (c >> 1) + 2 * t + (c & 1);
@@ -119,47 +140,157 @@ __device__ __forceinline__ void apply_mask(float (&s)[Tr::kRows][Tr::kSCols], co
     }
 }
 
-// o += P V, with P (the probabilities in s) as the A operand straight from registers.
+// The key blocks [full_begin, full_end) that every row of the query block
+// sees completely (QueryBlock::needs_mask is false exactly there): the admissible
+// range of keys only grows with the row, so the blocks needing the mask are
+// those below the last row's first key and those past the first row's last
+// key.  Two numbers carried through the main loop instead of the mask state.
+// Key block indices are 32-bit (launch_config checks Lk / block_n < 2^31).
+struct UnmaskedBlocks {
+    int full_begin, full_end;
+
+    __device__ UnmaskedBlocks(const WindowMask& mask, const QueryBlock& block, int block_n)
+        : full_begin(static_cast<int>((mask.first_key(block.m0 + block.rows - 1) + block_n - 1) / block_n)),
+          full_end(static_cast<int>((mask.last_key(block.m0) + 1) / block_n)) {}  // <= 0: none complete
+
+    __device__ bool needs_mask(int n_block) const { return n_block < full_begin || n_block >= full_end; }
+};
+
+// The key blocks [n_begin, n_end) query block m_block visits, and which of them need the mask.
+template <class Tr>
+__device__ __forceinline__ UnmaskedBlocks key_blocks(const FwdParams& p, int m_block, int& n_begin,
+                                                     int& n_end) {
+    const WindowMask mask(p);
+    const QueryBlock block(p, mask, static_cast<int64_t>(m_block) * Tr::kBlockM, Tr::kBlockM);
+    n_begin = static_cast<int>(block.n_begin(Tr::kBlockN));
+    n_end = static_cast<int>(block.n_end(Tr::kBlockN));
+    return UnmaskedBlocks(mask, block, Tr::kBlockN);
+}
+
+// The probabilities as A operands of P V, rounded to T and packed straight
+// from the score accumulators (half the registers of the float scores).
+template <class Tr, typename T>
+__device__ __forceinline__ void scores_to_a(uint32_t (&a)[Tr::kKeySteps][Tr::kMTiles][4],
+                                            const float (&p)[Tr::kRows][Tr::kSCols]) {
+#pragma unroll
+    for (int kk = 0; kk < Tr::kKeySteps; ++kk)
+#pragma unroll
+        for (int mi = 0; mi < Tr::kMTiles; ++mi) accumulator_to_a<T>(a[kk][mi], p, mi, kk);
+}
+
+// o += P V, with P as A operands already in registers.
 template <class Tr, typename T>
 __device__ __forceinline__ void mma_pv(float (&o)[Tr::kRows][Tr::kOCols],
-                                       const float (&p)[Tr::kRows][Tr::kSCols], const T* sV) {
+                                       const uint32_t (&a)[Tr::kKeySteps][Tr::kMTiles][4], const T* sV) {
 #pragma unroll
     for (int kk = 0; kk < Tr::kKeySteps; ++kk) {
-        uint32_t a[Tr::kMTiles][4];
-#pragma unroll
-        for (int mi = 0; mi < Tr::kMTiles; ++mi) accumulator_to_a<T>(a[mi], p, mi, kk);
 #pragma unroll
         for (int np = 0; np < Tr::kHeadDim / 16; ++np) {
             uint32_t b[4];
             ldmatrix_b_kn<typename Tr::KVTile>(b, sV, 16 * kk, np);
 #pragma unroll
             for (int mi = 0; mi < Tr::kMTiles; ++mi) {
-                mma_into<T>(o, mi, 2 * np, a[mi], b[0], b[1]);
-                mma_into<T>(o, mi, 2 * np + 1, a[mi], b[2], b[3]);
+                mma_into<T>(o, mi, 2 * np, a[kk][mi], b[0], b[1]);
+                mma_into<T>(o, mi, 2 * np + 1, a[kk][mi], b[2], b[3]);
             }
         }
     }
 }
 
-// Shared-memory buffers of one CTA.
+// The K/V pipeline: kStages buffer pairs in shared memory after the Q tile,
+// filled by cp.async (keys beyond Lk and columns beyond d zero-filled), with
+// the wait_group / __syncthreads pairing of each schedule (see the top).
+// Every thread has at most one cp.async group in flight, so every wait is
+// wait_group 0.
 template <class Tr, typename T>
-struct MmaSmem {
-    T* q;
-    T* kv;  // kStages x (K, V)
+struct KVPipeline {
+    const FwdParams& p;
+    const T* k_src;
+    const T* v_src;
+    T* buffers;     // kStages x (K, V)
+    int n_end;      // one past the last key block
+    int stage = 0;  // the pair holding the current block (always 0 with one pair)
 
-    __device__ MmaSmem() : q(reinterpret_cast<T*>(dynamic_smem())), kv(q + Tr::kQElems) {}
-    __device__ T* k(int stage) const { return kv + (2 * stage) * Tr::kKVElems; }
-    __device__ T* v(int stage) const { return kv + (2 * stage + 1) * Tr::kKVElems; }
+    __device__ KVPipeline(const FwdParams& params, const T* k, const T* v, T* smem, int end)
+        : p(params), k_src(k), v_src(v), buffers(smem), n_end(end) {}
+
+    __device__ T* k(int s) const { return buffers + (2 * s) * Tr::KVTile::kElements; }
+    __device__ T* v(int s) const { return buffers + (2 * s + 1) * Tr::KVTile::kElements; }
+    __device__ const T* keys() const { return k(stage); }
+    __device__ const T* values() const { return v(stage); }
+
+    __device__ void load(T* dst, const T* src, int64_t row_stride, int n_block) const {
+        const int64_t n0 = static_cast<int64_t>(n_block) * Tr::kBlockN;
+        cp_async_tile<Tr::kThreads, typename Tr::KVTile>(dst, src, n0, row_stride,
+                                                         QueryBlock::keys_in(p, n0, Tr::kBlockN),
+                                                         static_cast<int>(p.head_dim));
+    }
+
+    // Issue the first block's copies (K, and V with two stages) into the caller's open group.
+    __device__ void start(int n_begin) const {
+        load(k(0), k_src, p.k_row_stride, n_begin);
+        if constexpr (Tr::kStages == 2) load(v(0), v_src, p.v_row_stride, n_begin);
+    }
+
+    // Before S = Q K^T of block n_block: its K (and V) visible to every thread,
+    // every warp done with the previous block; then the next copies go out --
+    // block n_block + 1's K and V (two stages) or this block's V (one stage).
+    __device__ void await_keys(int n_block) const {
+        cp_async_wait<0>();
+        __syncthreads();
+        if constexpr (Tr::kStages == 2) {
+            if (n_block + 1 < n_end) {
+                load(k(stage ^ 1), k_src, p.k_row_stride, n_block + 1);
+                load(v(stage ^ 1), v_src, p.v_row_stride, n_block + 1);
+            }
+        } else {
+            load(v(0), v_src, p.v_row_stride, n_block);
+        }
+        cp_async_commit();
+    }
+
+    // Before O += P V of block n_block (one stage only): its V visible to every
+    // thread, every warp done with its K, which then takes block n_block + 1's.
+    __device__ void await_values(int n_block) const {
+        if constexpr (Tr::kStages == 1) {
+            cp_async_wait<0>();
+            __syncthreads();
+            if (n_block + 1 < n_end) {
+                load(k(0), k_src, p.k_row_stride, n_block + 1);
+                cp_async_commit();
+            }
+        }
+    }
+
+    __device__ void advance() {
+        if constexpr (Tr::kStages == 2) stage ^= 1;
+    }
 };
 
-// Issue the copies of the K or V rows of key block n_block (keys beyond Lk and
-// columns beyond d zero-filled).
+// The warp's rows of the normalised output (rounded to T) and their lse.
+// Each warp stages its own rows in its own rows of the Q tile (read by no
+// other warp), then writes whole 16-byte chunks of them; its lanes exchange
+// data through shared memory, hence the warp barriers.
 template <class Tr, typename T>
-__device__ __forceinline__ void load_kv(T* dst, const T* src, int64_t row_stride, const FwdParams& p,
-                                        int64_t n_block, int d) {
-    const int64_t n0 = n_block * Tr::kBlockN;
-    cp_async_tile<Tr::kThreads, typename Tr::KVTile>(dst, src + n0 * row_stride, row_stride,
-                                                     QueryBlock::keys_in(p, n0, Tr::kBlockN), d);
+__device__ __forceinline__ void store_output(const FwdParams& p, int batch, int head, int m_block, int row0,
+                                             T* sQ, const float (&o)[Tr::kRows][Tr::kOCols],
+                                             const float (&lse)[Tr::kRows]) {
+    __syncwarp();
+    store_accumulators<typename Tr::QTile>(sQ, o, row0);
+    __syncwarp();
+    const HeadSlice<T, float> out(p, batch, head);
+    const int64_t first_row = static_cast<int64_t>(m_block) * Tr::kBlockM + row0;
+    const int rows_valid = static_cast<int>(min64(Tr::kWarpRows, p.seqlen_q - first_row));
+    store_rows<Tr::kWarpRows, typename Tr::QTile>(out.out + first_row * p.out_row_stride, p.out_row_stride,
+                                                  sQ, row0, rows_valid, static_cast<int>(p.head_dim_v));
+    if (out.lse != nullptr && (lane_id() & 3) == 0) {
+        const int g = lane_id() >> 2;
+#pragma unroll
+        for (int r = 0; r < Tr::kRows; ++r) {
+            const int row = 16 * (r >> 1) + 8 * (r & 1) + g;
+            if (row < rows_valid) out.lse[(first_row + row) * p.lse_row_stride] = lse[r];
+        }
+    }
 }
 
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages>
@@ -169,86 +300,51 @@ __global__ void __launch_bounds__(
 fwd_mma_kernel(const FwdParams params) {
     using Tr = MmaFwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps, kStages>;
 
-    // Query blocks in reverse order: under a causal mask the last ones see the
-    // most keys, and starting them first evens out the tail of the grid.
+    // The main loop runs at the register limit, so only 32-bit indices and the
+    // K/V pointers live across it; everything else is derived where it is used.
+    // Query blocks go in reverse order: under a causal mask the last ones see
+    // the most keys, and starting them first evens out the tail of the grid.
     const TileIndex tile(params, kBlockM, blockIdx.x);
-    const int64_t num_m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;
-    const HeadSlice<T, float> head(params, tile.batch, tile.head);
-    const WindowMask mask(params);
-    const QueryBlock block(params, mask, (num_m_blocks - 1 - tile.m_block) * kBlockM, kBlockM);
-    const MmaSmem<Tr, T> smem;
-    const int d = static_cast<int>(params.head_dim);
+    const int batch = static_cast<int>(tile.batch), head = static_cast<int>(tile.head);
+    const int m_block = static_cast<int>((params.seqlen_q + kBlockM - 1) / kBlockM - 1 - tile.m_block);
+    const HeadSlice<T, float> in(params, batch, head);  // q, k, v (out and lse: after the loop)
+    T* const sQ = reinterpret_cast<T*>(dynamic_smem());  // Q, later the output staging
     const float scale_log2 = static_cast<float>(params.scale_log2);
     const int row0 = warp_id() * Tr::kWarpRows;  // the warp's first row in the Q tile
 
-    OnlineSoftmax<float, Tr::kRows, 4> softmax;
-    float o[Tr::kRows][Tr::kOCols] = {};
-    float s[Tr::kRows][Tr::kSCols];
-
-    const int64_t n_begin = block.n_begin(kBlockN), n_end = block.n_end(kBlockN);
+    int n_begin, n_end;
+    const UnmaskedBlocks unmasked = key_blocks<Tr>(params, m_block, n_begin, n_end);
+    KVPipeline<Tr, T> kv(params, in.k, in.v, sQ + Tr::QTile::kElements, n_end);
     if (n_begin < n_end) {
-        cp_async_tile<Tr::kThreads, typename Tr::QTile>(smem.q, head.q + block.m0 * params.q_row_stride,
-                                                        params.q_row_stride, block.rows, d);
-        load_kv<Tr>(smem.k(0), head.k, params.k_row_stride, params, n_begin, d);
-        if constexpr (kStages == 2) load_kv<Tr>(smem.v(0), head.v, params.v_row_stride, params, n_begin, d);
+        const int64_t m0 = static_cast<int64_t>(m_block) * kBlockM;
+        const int rows = static_cast<int>(min64(kBlockM, params.seqlen_q - m0));
+        cp_async_tile<Tr::kThreads, typename Tr::QTile>(sQ, in.q, m0, params.q_row_stride, rows,
+                                                        static_cast<int>(params.head_dim));
+        kv.start(n_begin);
         cp_async_commit();
     }
-    for (int64_t n_block = n_begin; n_block < n_end; ++n_block) {
-        const int64_t n0 = n_block * kBlockN;
-        const bool has_next = n_block + 1 < n_end;
-        // With one buffer pair the stage is always 0.
-        const int stage = kStages == 2 ? static_cast<int>((n_block - n_begin) & 1) : 0;
-        const T* sK = smem.k(stage);
-        const T* sV = smem.v(stage);
 
-        cp_async_wait<0>();
-        __syncthreads();  // block j's K (and V) visible to all; every warp done with block j-1
-        if constexpr (kStages == 2) {
-            if (has_next) {
-                load_kv<Tr>(smem.k(stage ^ 1), head.k, params.k_row_stride, params, n_block + 1, d);
-                load_kv<Tr>(smem.v(stage ^ 1), head.v, params.v_row_stride, params, n_block + 1, d);
-            }
-        } else {
-            load_kv<Tr>(smem.v(0), head.v, params.v_row_stride, params, n_block, d);
-        }
-        cp_async_commit();
-
-        mma_qk<Tr>(s, smem.q, sK, row0, scale_log2);
-        if (block.needs_mask(mask, n0, kBlockN)) apply_mask<Tr>(s, mask, block.m0 + row0, n0);
+    OnlineSoftmax<float, Tr::kRows, 4> softmax;
+    float o[Tr::kRows][Tr::kOCols] = {};
+    for (int n_block = n_begin; n_block < n_end; ++n_block) {
+        float s[Tr::kRows][Tr::kSCols];
+        kv.await_keys(n_block);
+        mma_qk<Tr>(s, sQ, kv.keys(), row0, scale_log2);
+        if (unmasked.needs_mask(n_block))
+            apply_mask<Tr>(s, BlockMask(params, static_cast<int64_t>(m_block) * kBlockM + row0,
+                                        static_cast<int64_t>(n_block) * kBlockN, kBlockN));
         softmax.update(s, o);
-
-        if constexpr (kStages == 1) {
-            cp_async_wait<0>();
-            __syncthreads();  // V_j visible to all; every warp done with K_j
-            if (has_next) {
-                load_kv<Tr>(smem.k(0), head.k, params.k_row_stride, params, n_block + 1, d);
-                cp_async_commit();
-            }
-        }
-        mma_pv<Tr>(o, s, sV);
+        uint32_t p[Tr::kKeySteps][Tr::kMTiles][4];
+        scores_to_a<Tr, T>(p, s);
+        kv.await_values(n_block);
+        mma_pv<Tr>(o, p, kv.values());
+        kv.advance();
     }
 
     float lse[Tr::kRows];
     softmax.normalize(o, lse);
 
-    // Each warp stages its own rows in its own rows of the Q tile (read only by
-    // this warp), then writes them out; the warp's lanes swap data, hence the
-    // warp barriers.
-    __syncwarp();
-    store_accumulators<typename Tr::QTile>(smem.q, o, row0);
-    __syncwarp();
-    const int rows_valid = block.rows - row0;
-    store_rows<Tr::kWarpRows, typename Tr::QTile>(head.out + (block.m0 + row0) * params.out_row_stride,
-                                                  params.out_row_stride, smem.q, row0, rows_valid,
-                                                  static_cast<int>(params.head_dim_v));
-    if (head.lse != nullptr && (lane_id() & 3) == 0) {
-        const int g = lane_id() >> 2;
-#pragma unroll
-        for (int r = 0; r < Tr::kRows; ++r) {
-            const int row = 16 * (r >> 1) + 8 * (r & 1) + g;
-            if (row < rows_valid) head.lse[(block.m0 + row0 + row) * params.lse_row_stride] = lse[r];
-        }
-    }
+    store_output<Tr>(params, batch, head, m_block, row0, sQ, o, lse);
 }
 
 }  // namespace cf

@@ -55,40 +55,69 @@ struct SwizzledTile {
     static_assert(kCols % 32 == 0, "SwizzledTile: rows of whole 64-byte half pages");
     static_assert(kRows % 8 == 0, "SwizzledTile: whole 8-row ldmatrix groups");
 
-    // Element offset of the first element of chunk c (elements 8c .. 8c+7) of row r.
-    __device__ static int chunk(int r, int c) {
-        const int page = c >> 3;
-        const int width = page < kFullPages ? 8 : 4;  // chunks per row in this page
-        const int linear = r * width + (c & 7);
-        const int line = linear >> 3;
-        return page * (kRows * 64) + (line << 6) + (((linear & 7) ^ (line & 7)) << 3);
+    // Element offset of the first element of chunk c = c_base + c_lane
+    // (elements 8c .. 8c+7) of row r.  Callers split c into a part known at
+    // compile time once loops are unrolled (c_base) and a lane-dependent part
+    // (c_lane) that stays inside c_base's page: c_lane < 8 - c_base % 8 in a
+    // half-page tile, any c_lane when c_base is a multiple of 8 and every page
+    // is full.  The page, and with it the formula, then folds to a constant.
+    __device__ static int chunk(int r, int c_base, int c_lane = 0) {
+        if (kCols % 64 == 0 || (c_base >> 3) < kFullPages) {  // one 128-byte line per row
+            const int page = (c_base >> 3) + (c_lane >> 3);
+            return page * (kRows * 64) + r * 64 + ((((c_base & 7) + (c_lane & 7)) ^ (r & 7)) << 3);
+        }
+        const int line = r >> 1;  // the half page: two rows per line
+        const int in_line = ((r & 1) << 2) + (c_base & 3) + c_lane;
+        return kFullPages * (kRows * 64) + line * 64 + ((in_line ^ (line & 7)) << 3);
+    }
+
+    // Elements between chunk c of row r and of row r + dr, for dr a multiple of
+    // 16 (of 8 in a full page): whole groups of 8 lines, which leave the
+    // swizzle alone.  Loops over rows therefore compute the lane-dependent
+    // chunk(r, c) once per distinct c and step by compile-time offsets.
+    __device__ static int row_pitch(int c_base) {
+        return kCols % 64 == 0 || (c_base >> 3) < kFullPages ? 64 : 32;
     }
 };
 
 // ---- global -> shared (cp.async) ---------------------------------------------------------------
 
 // Issue (not commit) the cp.async copies of one tile by kThreads threads, all
-// of which must call: row r, column c of the tile takes src[r * row_stride + c]
-// for r < rows_valid and c < cols_valid, zero otherwise (cp.async zero-fill).
-// Every row start src + r * row_stride must be 16-byte aligned (the dispatcher
-// checks it); consecutive threads take consecutive chunks of a row.
+// of which must call: row r, column c of the tile takes
+// src[(first_row + r) * row_stride + c] for r < rows_valid and c < cols_valid,
+// zero otherwise (cp.async zero-fill).  Every row start must be 16-byte
+// aligned (the dispatcher checks it).  kLanes consecutive threads share a row,
+// each taking every kLanes-th chunk (kLanes: the largest power of two dividing
+// the chunks per row, at most 16).  Each row's address is computed afresh
+// from first_row: products of the row stride hoisted out of the caller's loop
+// would hold two registers per row for the whole kernel.
 template <int kThreads, class Tile, typename T>
-__device__ __forceinline__ void cp_async_tile(T* dst, const T* src, int64_t row_stride,
+__device__ __forceinline__ void cp_async_tile(T* dst, const T* src, int64_t first_row, int64_t row_stride,
                                               int rows_valid, int cols_valid) {
     static_assert(sizeof(T) == 2, "16-bit elements: 8 per 16-byte chunk");
-    constexpr int kTotal = Tile::kRows * Tile::kChunks;
-    constexpr int kPasses = (kTotal + kThreads - 1) / kThreads;
+    constexpr int kLanesRaw = Tile::kChunks & -Tile::kChunks;
+    constexpr int kLanes = kLanesRaw < 16 ? kLanesRaw : 16;
+    constexpr int kRowsPerPass = kThreads / kLanes;
+    constexpr int kRowPasses = (Tile::kRows + kRowsPerPass - 1) / kRowsPerPass;
+    static_assert(kThreads % kLanes == 0 && kRowsPerPass % (Tile::kCols % 64 ? 16 : 8) == 0,
+                  "whole rows per pass, and whole swizzle periods (row_pitch)");
+    const int r0 = static_cast<int>(threadIdx.x) / kLanes;
+    const int c0 = static_cast<int>(threadIdx.x) % kLanes;
 #pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) {
-        const int idx = pass * kThreads + static_cast<int>(threadIdx.x);
-        if (kTotal % kThreads == 0 || idx < kTotal) {
-            const int r = idx / Tile::kChunks;
-            const int c = idx % Tile::kChunks;
-            const int valid = cols_valid - 8 * c;  // elements of this chunk inside the row
-            const int bytes = r < rows_valid ? 2 * (valid < 0 ? 0 : valid > 8 ? 8 : valid) : 0;
-            // A zero-byte copy reads nothing; it still gets an aligned address.
-            const T* from = bytes > 0 ? src + r * row_stride + 8 * c : src;
-            cp_async_16(dst + Tile::chunk(r, c), from, bytes);
+    for (int rp = 0; rp < kRowPasses; ++rp) {
+        const int r = r0 + rp * kRowsPerPass;
+        if (Tile::kRows % kRowsPerPass == 0 || r < Tile::kRows) {
+            const T* row = src + (first_row + r) * row_stride + 8 * c0;
+#pragma unroll
+            for (int cp = 0; cp < Tile::kChunks / kLanes; ++cp) {
+                const int c = c0 + cp * kLanes;
+                const int valid = cols_valid - 8 * c;  // elements of this chunk inside the row
+                const int bytes = r < rows_valid ? 2 * (valid < 0 ? 0 : valid > 8 ? 8 : valid) : 0;
+                // A zero-byte copy reads nothing; it still gets an aligned address.
+                T* to = dst + Tile::chunk(r0, cp * kLanes, c0) +
+                        rp * kRowsPerPass * Tile::row_pitch(cp * kLanes);
+                cp_async_16(to, bytes > 0 ? row + 8 * kLanes * cp : src, bytes);
+            }
         }
     }
 }
@@ -97,28 +126,30 @@ __device__ __forceinline__ void cp_async_tile(T* dst, const T* src, int64_t row_
 // Addresses follow ptx-fragments.md section 4 ("FA2 recipes"): lane L supplies
 // the row address of matrix L / 8, row L % 8.
 
-// A operand (16 x 16) from a [m][k] tile: rows m0 .. m0+15, k-columns 16 ks .. 16 ks + 15.
+// A operand (16 x 16) from a [m][k] tile: rows m0 .. m0+15 (m0 a multiple of 16),
+// k-columns 16 ks .. 16 ks + 15.
 template <class Tile, typename T>
 __device__ __forceinline__ void ldmatrix_a(uint32_t (&a)[4], const T* tile, int m0, int ks) {
     const int lane = lane_id();
-    ldmatrix_x4(a, tile + Tile::chunk(m0 + (lane & 15), 2 * ks + (lane >> 4)));
+    ldmatrix_x4(a, tile + Tile::chunk(lane & 15, 2 * ks, lane >> 4) + m0 * Tile::row_pitch(2 * ks));
 }
 
 // B operands of two n8 tiles from a [n][k] tile (K, for S = Q K^T): columns
-// n0 .. n0+7 in b[0..1] and n0+8 .. n0+15 in b[2..3], k-step ks.
+// n0 .. n0+7 in b[0..1] and n0+8 .. n0+15 in b[2..3] (n0 a multiple of 16), k-step ks.
 template <class Tile, typename T>
 __device__ __forceinline__ void ldmatrix_b_nk(uint32_t (&b)[4], const T* tile, int n0, int ks) {
     const int lane = lane_id();
-    ldmatrix_x4(b, tile + Tile::chunk(n0 + (lane & 7) + ((lane >> 4) << 3), 2 * ks + ((lane >> 3) & 1)));
+    ldmatrix_x4(b, tile + Tile::chunk((lane & 7) + ((lane >> 4) << 3), 2 * ks, (lane >> 3) & 1) +
+                       n0 * Tile::row_pitch(2 * ks));
 }
 
 // B operands of two n8 tiles from a [k][n] tile (V, for O = P V), transposed
-// on the way: k-rows k0 .. k0+15, columns 16 np .. 16 np + 7 in b[0..1] and
+// on the way: k-rows k0 .. k0+15 (k0 a multiple of 16), columns 16 np .. 16 np + 7 in b[0..1] and
 // 16 np + 8 .. 16 np + 15 in b[2..3].
 template <class Tile, typename T>
 __device__ __forceinline__ void ldmatrix_b_kn(uint32_t (&b)[4], const T* tile, int k0, int np) {
     const int lane = lane_id();
-    ldmatrix_x4_trans(b, tile + Tile::chunk(k0 + (lane & 7) + (((lane >> 3) & 1) << 3), 2 * np + (lane >> 4)));
+    ldmatrix_x4_trans(b, tile + Tile::chunk(lane & 15, 2 * np, lane >> 4) + k0 * Tile::row_pitch(2 * np));
 }
 
 // acc (m16 tile mi, n8 tile nj) += A * B, acc laid out as described at the top.
@@ -177,7 +208,9 @@ __device__ __forceinline__ void store_rows(T* dst, int64_t row_stride, const T* 
                                            int rows_valid, int cols_valid) {
     constexpr int kTotal = kRowsOut * Tile::kChunks;
     const int lane = lane_id();
-#pragma unroll
+    // Not unrolled: it runs once per CTA, and unrolled copies of the partial-chunk
+    // loop would only lengthen the kernel.
+#pragma unroll 1
     for (int pass = 0; pass < (kTotal + 31) / 32; ++pass) {
         const int idx = 32 * pass + lane;
         const int r = idx / Tile::kChunks;

@@ -17,23 +17,34 @@ import importlib
 
 import numpy as np
 
-from ._kernels import Instantiation, instantiations
+from ._kernels import MMA_HEAD_DIMS, Instantiation, instantiations, mma_name_expression, mma_tiles
 from ._launch import launch_config, v1_block_sizes
-from ._params import fwd_params
+from ._params import data_pointer, fwd_params
 
-__all__ = ["forward", "forward_v1", "select"]
+__all__ = ["forward", "forward_v1", "select", "rows_aligned"]
 
 
 def _dtype_name(dtype) -> str:
     return np.dtype(dtype).name
 
 
-def select(dtype, head_dim: int, head_dim_v: int, arch: int) -> Instantiation:
-    """The fwd_simt instantiation :func:`forward` runs for these arguments.
+def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = False) -> Instantiation:
+    """The instantiation :func:`forward` runs for these arguments.
 
-    The smallest head-dim bucket that holds both ``head_dim`` and
-    ``head_dim_v``.  ``arch`` (e.g. 80) does not change the choice yet: the
-    SIMT kernel runs on every architecture.
+    ``fwd_mma`` (tensor cores, ``cuda_src/fwd_mma.cu``) where it applies:
+
+    - ``arch >= 80`` (mma.sync m16n8k16 with float16/bfloat16 inputs),
+    - ``dtype`` float16 or bfloat16,
+    - ``head_dim == head_dim_v <= 256`` (the kernel's V tile shares Q/K's
+      layout and head dim; ``dv != d`` runs fwd_simt),
+    - ``aligned``: every row of q, k, v and out starts on a 16-byte boundary
+      (see :func:`rows_aligned`), as its 16-byte cp.async copies and stores need;
+
+    with the tile :func:`~cupyflash._kernels.mma_tiles` gives ``arch`` for the smallest of
+    :data:`~cupyflash._kernels.MMA_HEAD_DIMS` holding ``head_dim``.  Otherwise
+    ``fwd_simt`` (any dtype, any strides) in the smallest head-dim bucket that
+    holds both head dims.  ``aligned`` defaults to False: without knowing the
+    arrays, only fwd_simt is safe.
 
     Raises
     ------
@@ -43,16 +54,40 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int) -> Instantiation:
         A head dim above the largest bucket.
     """
     name = _dtype_name(dtype)
+    d, dv = int(head_dim), int(head_dim_v)
+    tiles = mma_tiles(arch)
+    if aligned and tiles and name in ("float16", "bfloat16") and d == dv and d <= MMA_HEAD_DIMS[-1]:
+        bucket = min(b for b in MMA_HEAD_DIMS if b >= d)
+        wanted = mma_name_expression(name, bucket, *tiles[bucket])
+        return next(r for r in instantiations() if r.name_expression == wanted)
     rows = [r for r in instantiations() if r.family == "fwd_simt" and r.dtype == name]
     if not rows:
         raise TypeError(f"no fwd_simt kernel for dtype {name}")
-    need = max(int(head_dim), int(head_dim_v))
+    need = max(d, dv)
     fits = [r for r in rows if r.head_dim >= need]
     if not fits:
         raise ValueError(
             f"head dims up to {max(r.head_dim for r in rows)} are supported; "
             f"got head_dim={head_dim}, head_dim_v={head_dim_v}")
     return min(fits, key=lambda r: r.head_dim)
+
+
+def rows_aligned(*arrays) -> bool:
+    """Whether every row of every array starts on a 16-byte boundary.
+
+    True when each array's first element and its strides in bytes along
+    every axis but the last (skipping axes of length 1, whose stride is
+    never used) are multiples of 16; ``None`` entries are ignored.
+    fwd_mma copies and stores rows in 16-byte chunks and needs this.
+    """
+    for a in arrays:
+        if a is None:
+            continue
+        if data_pointer(a) % 16:
+            return False
+        if any(n > 1 and s % 16 for n, s in zip(a.shape[:-1], a.strides[:-1])):
+            return False
+    return True
 
 
 def _v1_instantiation(dtype) -> Instantiation:
@@ -72,7 +107,10 @@ def _accumulator_dtype(dtype):
 
 
 def forward(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio, executor) -> None:
-    """out (and lse) = attention(q, k, v) with the fwd_simt kernel (FlashAttention-2 order).
+    """out (and lse) = attention(q, k, v) with fwd_mma or fwd_simt (FlashAttention-2 order).
+
+    :func:`select` picks the kernel: fwd_mma for float16/bfloat16 on sm_80+
+    with ``d == dv <= 256`` and 16-byte aligned rows, fwd_simt otherwise.
 
     Rows that see no key (including every row when Lk = 0) get zeros and
     lse = -inf.  Nothing is launched when there are no query rows.
@@ -80,7 +118,7 @@ def forward(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio, e
     batch, heads, seqlen_q, head_dim = q.shape
     if batch == 0 or heads == 0 or seqlen_q == 0:
         return
-    inst = select(q.dtype, head_dim, v.shape[3], executor.arch)
+    inst = select(q.dtype, head_dim, v.shape[3], executor.arch, aligned=rows_aligned(q, k, v, out))
     params = fwd_params(q, k, v, out, lse, scale=scale, window_left=window_left,
                         window_right=window_right, gqa_ratio=gqa_ratio)
     grid, block, shared = launch_config(inst, batch=batch, heads=heads, seqlen_q=seqlen_q,

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Instantiation", "instantiations", "HEAD_DIM_BUCKETS"]
+__all__ = ["Instantiation", "instantiations", "HEAD_DIM_BUCKETS", "MMA_HEAD_DIMS", "mma_arch_class",
+           "mma_tiles", "mma_name_expression"]
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class Instantiation:
     threads: int           # threads per block
     block_m: int = 0       # query rows per CTA (0: chosen at run time, fwd_v1)
     block_n: int = 0       # keys per K/V block (0: chosen at run time, fwd_v1)
+    kv_stages: int = 0     # fwd_mma: K/V buffer pairs in shared memory (1 or 2; 0 otherwise)
 
 
 # C++ spelling of each dtype in name expressions.
@@ -83,4 +85,200 @@ def instantiations() -> list[Instantiation]:
             family="fwd_v1", entry="fwd_v1.cu", name_expression=f"cf::fwd_v1_kernel<{cxx}>",
             dtype=dtype, head_dim=HEAD_DIM_BUCKETS[-1], head_dim_v=HEAD_DIM_BUCKETS[-1],
             threads=_V1_THREADS))
+    rows.extend(_mma_instantiations())
+    rows.extend(_backward_instantiations())
+    return rows
+
+
+
+# ---- fwd_mma: tensor cores (mma.sync m16n8k16), float16 / bfloat16, sm_80 and later -------------
+
+# Compile-time head dims; a run-time d <= 256 runs in the next one up, zero-padded
+# inside the kernel.  fwd_mma needs dv == d (cupyflash/_gpu.py falls back to fwd_simt).
+MMA_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+
+# (block_m, block_n, warps, kv_stages) per architecture class and head dim;
+# each warp owns block_m / warps query rows (16 per m16 tile), kv_stages 2 =
+# K/V double buffer, 1 = FA2's single K and V buffers (less shared memory).
+# Shared memory = (block_m + 2 * kv_stages * block_n) * d * 2 bytes.
+# Registers, spills and occupancy (CTAs/SM x warps) from the static report
+# (python -m cupyflash kernels --family fwd_mma; "(231)" = sm_90 where it
+# differs), float16 and bfloat16 alike; every row compiles without spills or
+# stack for sm_80, sm_86, sm_89 and sm_90 (tests/test_fwd_mma.py checks).
+# Performance is PREDICTED, not measured (no GPU yet): the rule is FA2's --
+# two m16 tiles per warp where registers allow (half the ldmatrix traffic per
+# mma of one tile), 8+ resident warps per SM, then the larger key block.
+# A class takes the archs with its shared memory per SM (mma_arch_class).
+_MMA_TILES = {
+    # A100 / A30 / Orin: 164 KB per SM; 2 CTAs of 4 warps at up to 255 registers.
+    "sm80": {
+        32: (128, 64, 4, 2),    # 167 regs (177), 24 KB: 3 CTAs (registers; sm_90: 2); 128x128: 255 regs, 2
+        64: (128, 64, 4, 2),    # 223 regs (231), 48 KB: 2 CTAs (registers); 128x128 spills with 2 stages
+        96: (128, 64, 4, 1),    # 250 regs (255), 48 KB: 2 CTAs; 2 stages (72 KB) spill 12-20 B
+        128: (128, 64, 4, 1),   # 255 regs, 64 KB: 2 CTAs (FA2's tile); 2 stages = 96 KB -> 1 CTA here
+        160: (64, 64, 4, 1),    # 222 regs (234), 60 KB: 2 CTAs; 2 m16 tiles per warp (160 O registers) spill
+        192: (64, 64, 4, 1),    # 232 regs (236), 72 KB: 2 CTAs
+        224: (64, 32, 4, 1),    # 227 regs (242), 56 KB: 2 CTAs; 64x64 (84 KB) fits 1
+        256: (64, 32, 4, 1),    # 232 regs (244), 64 KB: 2 CTAs; 64x64 (96 KB) fits 1
+    },
+    # RTX 30xx/40xx, A10, L4, L40: 100 KB per SM, 99 KB per block; 2 CTAs need <= 49 KB each.
+    "sm86": {
+        32: (128, 64, 4, 2),    # as sm80 (24 KB)
+        64: (128, 64, 4, 2),    # as sm80 (48 KB: 2 CTAs)
+        96: (128, 64, 4, 1),    # as sm80 (48 KB: 2 CTAs)
+        128: (128, 32, 4, 1),   # 248 regs, 48 KB: 2 CTAs (FA2's sm86 tile); 128x64 (64 KB) fits 1
+        160: (64, 32, 4, 1),    # 201 regs (224), 40 KB: 2 CTAs
+        192: (64, 32, 4, 1),    # 200 regs (234), 48 KB: 2 CTAs
+        224: (128, 32, 8, 1),   # 227 regs (232), 84 KB: 1 CTA of 8 warps; 4-warp tiles in 49 KB need block_n 16
+        256: (128, 32, 8, 1),   # 228 regs (244), 96 KB: 1 CTA of 8 warps
+    },
+    # H100 / H200 / B200: 228 KB per SM; 2 CTAs fit up to 113 KB each.
+    "sm90": {
+        32: (128, 64, 4, 2),    # as sm80
+        64: (128, 64, 4, 2),    # as sm80
+        96: (128, 64, 4, 1),    # as sm80
+        128: (128, 64, 4, 2),   # 255 regs, 96 KB: 2 CTAs; K/V of block j+1 land during all of block j
+        160: (64, 64, 4, 1),    # as sm80
+        192: (64, 64, 4, 1),    # as sm80
+        224: (64, 64, 4, 1),    # 242 regs, 84 KB: 2 CTAs; half the key blocks of 64x32
+        256: (64, 64, 4, 1),    # 249 regs, 96 KB: 2 CTAs (FA2's H100 tile)
+    },
+}
+
+_MMA_DTYPES = ("float16", "bfloat16")
+
+
+def mma_arch_class(arch: int) -> str | None:
+    """The row of ``_MMA_TILES`` serving compute capability ``arch`` (e.g. 80), None below sm_80.
+
+    By shared memory per SM: 164 KB (8.0, 8.7), 100 KB (8.6, 8.9, 12.x),
+    228 KB (9.0, 10.x, 11.x).
+    """
+    arch = int(arch)
+    if arch < 80:
+        return None
+    if arch in (80, 87):
+        return "sm80"
+    if arch in (86, 89) or arch >= 120:
+        return "sm86"
+    return "sm90"
+
+
+def mma_tiles(arch: int) -> dict[int, tuple[int, int, int, int]] | None:
+    """``{head_dim: (block_m, block_n, warps, kv_stages)}`` of fwd_mma on ``arch``; None below sm_80."""
+    tile_class = mma_arch_class(arch)
+    return None if tile_class is None else dict(_MMA_TILES[tile_class])
+
+
+def mma_name_expression(dtype: str, head_dim: int, block_m: int, block_n: int, warps: int,
+                        kv_stages: int) -> str:
+    """``cf::fwd_mma_kernel<T, head_dim, block_m, block_n, warps, kv_stages>``."""
+    return (f"cf::fwd_mma_kernel<{_CXX_TYPE[dtype]}, {head_dim}, {block_m}, {block_n}, {warps}, "
+            f"{kv_stages}>")
+
+
+def _mma_instantiations() -> list[Instantiation]:
+    """fwd_mma rows: every distinct (dtype, head dim, tile) of ``_MMA_TILES``."""
+    rows = {}
+    for dtype in _MMA_DTYPES:
+        for head_dim in MMA_HEAD_DIMS:
+            for tiles in _MMA_TILES.values():
+                block_m, block_n, warps, stages = tiles[head_dim]
+                name = mma_name_expression(dtype, head_dim, block_m, block_n, warps, stages)
+                rows.setdefault(name, Instantiation(
+                    family="fwd_mma", entry="fwd_mma.cu", name_expression=name, dtype=dtype,
+                    head_dim=head_dim, head_dim_v=head_dim, threads=32 * warps, block_m=block_m,
+                    block_n=block_n, kv_stages=stages))
+    return list(rows.values())
+
+# ---- backward ----------------------------------------------------------------------------------
+
+# bwd_simt (cuda_src/bwd_simt.cu): per dtype and head-dim bucket three kernels,
+# launched in this order -- delta = rowsum(dO o O), then dK/dV (a CTA owns
+# block_n keys, streams block_m query rows), then dQ (a CTA owns block_m query
+# rows, streams block_n keys).  Both main kernels keep four tiles in shared
+# memory (own rows x (d + dv), streamed rows x (d + dv), accumulator type) and
+# use the same (own, streamed) shape, 128 threads, 8 lanes per own row: a
+# thread holds own/16 rows of dK+dV (or dQ) and own/16 x streamed/8 entries of
+# S, P, dP, dS.  Every tile stays within 48 KB (3 CTAs/SM on an A100) except
+# float64 at 256, whose smallest tile (16 + 8 rows of 4 KB) needs 96 KB.
+_BWD_SIMT_TILES = {
+    # (own rows, streamed rows)
+    "float": {
+        32: (64, 32),    # 4 x 4 scores, 16 + 16 gradient registers; 24 KB.  (64, 64) spills at 128
+        64: (32, 32),    # 2 x 4, 16 + 16; 32 KB, 4 CTAs/SM.  (64, 32): 48 KB, 3 CTAs/SM at 163-168 registers
+        128: (32, 16),   # 2 x 2, 32 + 32; 48 KB
+        256: (16, 8),    # 1 x 1, 32 + 32; 48 KB
+    },
+    "double": {
+        32: (32, 32),    # 2 x 4, 8 + 8 doubles; 32 KB
+        64: (32, 16),    # 2 x 2, 16 + 16 doubles; 48 KB
+        128: (16, 8),    # 1 x 1, 16 + 16 doubles; 48 KB
+        256: (16, 8),    # 1 x 1, 32 + 32 doubles; 96 KB (opt-in shared memory, 1 CTA/SM on an A100)
+    },
+}
+
+_BWD_SIMT_THREADS = 128
+_BWD_DELTA_ROWS = 16     # bwd_simt_dot_do_o_kernel: 128 threads, 8 lanes per query row
+
+
+# bwd_mma (cuda_src/bwd_mma.cu): float16/bfloat16, sm_80+, d == dv, the head
+# dims of fwd_mma.  4 warps, each owning 16 rows (one m16 tile) of the CTA's
+# own block: dK/dV owns 64 keys and streams query blocks, dQ owns 64 query
+# rows and streams key blocks.  Per head dim: (streamed rows, dK and dV in
+# one launch).  Registers from the static report (sm_80 / sm_90), all without
+# spills; shared memory = (own tiles + 2 streamed) x d x 2 bytes (+ 2 floats
+# per streamed row).  Performance is PREDICTED, not measured (no GPU yet).
+# From 160 on, dK and dV accumulators together (2 x 2d/8 floats per lane on
+# top of S and dP) spill at 255 registers (160: 8 bytes on sm_90; 192: 32;
+# 256: over 1 KB): one launch computes dV, a second dK (S recomputed: 8 block
+# products per block pair instead of 7).
+_BWD_MMA_TILES = {
+    # registers sm_80 / sm_90 (float16 and bfloat16 alike), shared memory, CTAs per SM on an A100
+    32: (64, True),     # dK/dV 221 / 228, 16 KB; dQ 154 / 156, 16 KB
+    64: (64, True),     # dK/dV 254 / 254, 32 KB; dQ 192 / 206, 32 KB
+    96: (32, True),     # dK/dV 238 / 232, 36 KB; dQ 181 / 183, 36 KB
+    128: (32, True),    # dK/dV 255 / 254, 48 KB; dQ 203 / 203, 48 KB
+    160: (32, False),   # dV 188 / 214, 40 KB; dK 224 / 218, 60 KB; dQ 222 / 227, 60 KB
+    192: (32, False),   # dV 210 / 210, 48 KB; dK 220 / 230, 72 KB; dQ 241 / 249, 72 KB
+    224: (32, False),   # dV 242 / 246, 56 KB; dK 254 / 254, 84 KB; dQ 249 / 247, 84 KB: 1 CTA/SM (2 on sm_90)
+    256: (32, False),   # dV 254 / 250, 64 KB; dK 255 / 255, 96 KB; dQ 252 / 250, 96 KB: 1 CTA/SM (2 on sm_90)
+}
+_BWD_MMA_OWN = 64
+_BWD_MMA_WARPS = 4
+# bwd_mma_dkdv_kernel's kGrads: which gradients one launch computes (bwd_mma.cu).
+BWD_GRAD_DV, BWD_GRAD_DK = 1, 2
+
+
+def _backward_instantiations() -> list[Instantiation]:
+    """Backward rows in launch order per (family, dtype, head dim): bwd_simt's delta,
+    dK/dV and dQ kernels; bwd_mma's dK/dV (one or two launches) and dQ kernels
+    (bwd_mma uses bwd_simt's delta kernel)."""
+    rows = []
+    for dtype, cxx in _CXX_TYPE.items():
+        for bucket in HEAD_DIM_BUCKETS:
+            own, streamed = _BWD_SIMT_TILES[_accumulator(dtype)][bucket]
+            common = dict(family="bwd_simt", entry="bwd_simt.cu", dtype=dtype, head_dim=bucket,
+                          head_dim_v=bucket, threads=_BWD_SIMT_THREADS)
+            rows.append(Instantiation(
+                name_expression=f"cf::bwd_simt_dot_do_o_kernel<{cxx}, {bucket}>",
+                block_m=_BWD_DELTA_ROWS, **common))
+            rows.append(Instantiation(
+                name_expression=f"cf::bwd_simt_dkdv_kernel<{cxx}, {bucket}, {bucket}, {own}, {streamed}>",
+                block_m=streamed, block_n=own, **common))
+            rows.append(Instantiation(
+                name_expression=f"cf::bwd_simt_dq_kernel<{cxx}, {bucket}, {bucket}, {own}, {streamed}>",
+                block_m=own, block_n=streamed, **common))
+    own, warps = _BWD_MMA_OWN, _BWD_MMA_WARPS
+    for dtype in ("float16", "bfloat16"):
+        cxx = _CXX_TYPE[dtype]
+        for d, (streamed, together) in _BWD_MMA_TILES.items():
+            common = dict(family="bwd_mma", entry="bwd_mma.cu", dtype=dtype, head_dim=d, head_dim_v=d,
+                          threads=32 * warps)
+            for grads in ([BWD_GRAD_DV | BWD_GRAD_DK] if together else [BWD_GRAD_DV, BWD_GRAD_DK]):
+                name = f"cf::bwd_mma_dkdv_kernel<{cxx}, {d}, {own}, {streamed}, {warps}, {grads}>"
+                rows.append(Instantiation(name_expression=name, block_m=streamed, block_n=own, **common))
+            rows.append(Instantiation(
+                name_expression=f"cf::bwd_mma_dq_kernel<{cxx}, {d}, {own}, {streamed}, {warps}>",
+                block_m=own, block_n=streamed, **common))
     return rows

@@ -3,7 +3,8 @@
 One function, :func:`launch_config`, used by the GPU path and the emulator
 alike, so both run a kernel with the same geometry.  The shared-memory sizes
 mirror the kernels' own arithmetic (``SimtFwdTraits::kSmemBytes`` in
-``cuda_src/fwd_simt.cu``; the buffer list at the top of ``fwd_v1_kernel``).
+``cuda_src/fwd_simt.cu``, ``MmaFwdTraits::kSmemBytes`` in ``cuda_src/fwd_mma.cu``;
+the buffer list at the top of ``fwd_v1_kernel``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import math
 
 from ._kernels import Instantiation
 
-__all__ = ["launch_config", "v1_block_sizes", "representative_shared_bytes"]
+__all__ = ["launch_config", "v1_block_sizes", "representative_shared_bytes", "backward_launch_config",
+           "backward_kernel"]
 
 _MAX_GRID_X = 2**31 - 1
 _ACC_BYTES = {"float16": 4, "bfloat16": 4, "float32": 4, "float64": 8}
@@ -39,6 +41,12 @@ def v1_block_sizes(sram_size: int, head_dim: int, seqlen_q: int, seqlen_k: int) 
 def _simt_shared_bytes(inst: Instantiation) -> int:
     kv_width = max(inst.head_dim, inst.head_dim_v)
     return (inst.block_m * inst.head_dim + inst.block_n * kv_width) * _ACC_BYTES[inst.dtype]
+
+
+def _mma_shared_bytes(inst: Instantiation) -> int:
+    # MmaFwdTraits::kSmemBytes: Q, then kv_stages x (K, V), 16-bit elements; the
+    # output is staged in the Q tile.
+    return (inst.block_m + 2 * inst.kv_stages * inst.block_n) * inst.head_dim * 2
 
 
 def _v1_shared_bytes(inst: Instantiation, block_m: int, block_n: int, head_dim: int,
@@ -82,6 +90,11 @@ def launch_config(inst: Instantiation, *, batch: int, heads: int, seqlen_q: int,
     if inst.family == "fwd_simt":
         ctas = -(-seqlen_q // inst.block_m) * heads * batch
         shared = _simt_shared_bytes(inst)
+    elif inst.family == "fwd_mma":
+        if -(-seqlen_k // inst.block_n) > _MAX_GRID_X:   # the kernel counts key blocks in 32 bits
+            raise ValueError(f"fwd_mma: seqlen_k={seqlen_k} has more than 2**31 - 1 key blocks")
+        ctas = -(-seqlen_q // inst.block_m) * heads * batch
+        shared = _mma_shared_bytes(inst)
     elif inst.family == "fwd_v1":
         if sram_size is None:
             raise ValueError("fwd_v1 needs `sram_size` (Algorithm 1's M, in elements)")
@@ -106,4 +119,86 @@ def representative_shared_bytes(inst: Instantiation) -> int:
     if inst.family == "fwd_v1":
         return launch_config(inst, batch=1, heads=1, seqlen_q=1024, seqlen_k=1024, head_dim=64,
                              head_dim_v=64, sram_size=8192)[2]
+    if inst.family.startswith("bwd_"):
+        return backward_launch_config(inst, batch=1, heads_q=1, heads_kv=1, seqlen_q=1, seqlen_k=1)[2]
     return launch_config(inst, batch=1, heads=1, seqlen_q=1, seqlen_k=1)[2]
+
+
+# ---- backward ------------------------------------------------------------------------------------
+
+def backward_kernel(inst: Instantiation) -> str:
+    """Which backward kernel a catalogue row is: its template name without ``cf::``.
+
+    ``"bwd_simt_dot_do_o_kernel"`` (delta), ``"bwd_simt_dkdv_kernel"``,
+    ``"bwd_simt_dq_kernel"``, ``"bwd_mma_dkdv_kernel"`` or ``"bwd_mma_dq_kernel"``.
+    """
+    return inst.name_expression.split("<", 1)[0].removeprefix("cf::")
+
+
+def _template_args(inst: Instantiation) -> list[str]:
+    return [a.strip() for a in inst.name_expression.split("<", 1)[1].rstrip(">").split(",")]
+
+
+def _bwd_shared_bytes(inst: Instantiation) -> int:
+    kernel = backward_kernel(inst)
+    if kernel == "bwd_simt_dot_do_o_kernel":
+        return 0
+    if kernel.startswith("bwd_simt_"):
+        # SimtBwdTraits::kSmemBytes: own and streamed rows, each a d-wide and a dv-wide tile.
+        return (inst.block_m + inst.block_n) * (inst.head_dim + inst.head_dim_v) * _ACC_BYTES[inst.dtype]
+    # MmaBwdTraits::kSmemBytes: own tiles (K and V, V only when dK is computed;
+    # Q and dO), two streamed tiles of 16-bit elements, two floats per streamed row.
+    if kernel == "bwd_mma_dkdv_kernel":
+        own, streamed, needs_v = inst.block_n, inst.block_m, int(_template_args(inst)[-1]) & 2
+    else:
+        own, streamed, needs_v = inst.block_m, inst.block_n, True
+    return ((2 if needs_v else 1) * own + 2 * streamed) * inst.head_dim * 2 + 2 * streamed * 4
+
+
+def backward_launch_config(inst: Instantiation, *, batch: int, heads_q: int, heads_kv: int,
+                           seqlen_q: int, seqlen_k: int):
+    """Grid, block and dynamic shared memory (bytes) for one backward launch of ``inst``.
+
+    Parameters
+    ----------
+    inst : Instantiation
+        A backward row of :func:`cupyflash._kernels.instantiations`.
+    batch : int
+        Batch size.
+    heads_q, heads_kv : int
+        Query heads and kv heads (``heads_q = gqa_ratio * heads_kv``).
+    seqlen_q, seqlen_k : int
+        Sequence lengths.  The delta and dQ kernels need ``seqlen_q >= 1``
+        (one CTA per block of query rows), the dK/dV kernel ``seqlen_k >= 1``
+        (one CTA per block of keys).
+
+    Returns
+    -------
+    grid : tuple of int
+    block : tuple of int
+    shared_mem : int
+
+    Raises
+    ------
+    ValueError
+        Nothing to launch, more CTAs than a one-dimensional grid allows, or not
+        a backward kernel.
+    """
+    kernel = backward_kernel(inst)
+    if kernel in ("bwd_simt_dot_do_o_kernel", "bwd_simt_dq_kernel", "bwd_mma_dq_kernel"):
+        heads, rows, block_rows = heads_q, seqlen_q, inst.block_m
+    elif kernel in ("bwd_simt_dkdv_kernel", "bwd_mma_dkdv_kernel"):
+        heads, rows, block_rows = heads_kv, seqlen_k, inst.block_n
+    else:
+        raise ValueError(f"no backward launch configuration for {inst.name_expression!r}")
+    if batch < 1 or heads < 1 or rows < 1:
+        raise ValueError(f"{kernel}: nothing to launch: batch={batch}, heads={heads}, "
+                         f"seqlen_q={seqlen_q}, seqlen_k={seqlen_k}")
+    if heads_q > 2**31 - 1:
+        raise ValueError(f"{kernel}: heads_q={heads_q} must be below 2**31")
+    ctas = -(-rows // block_rows) * heads * batch
+    if ctas > _MAX_GRID_X:
+        raise ValueError(
+            f"{kernel}: batch={batch}, heads={heads}, seqlen_q={seqlen_q}, seqlen_k={seqlen_k} needs "
+            f"{ctas} CTAs; a launch allows at most {_MAX_GRID_X}")
+    return (ctas, 1, 1), (inst.threads, 1, 1), _bwd_shared_bytes(inst)
