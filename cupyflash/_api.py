@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from ._dispatch import run_backward, run_forward
 from ._validation import check_backward, check_forward, check_output
 
@@ -102,7 +104,7 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=F
 
 
 def attention_backward(dout, q, k, v, out, lse, /, *, scale=None, causal=False, window=None,
-                       enable_gqa=False, backend="auto"):
+                       enable_gqa=False, deterministic=True, backend="auto"):
     """Gradients of :func:`attention` with respect to q, k and v.
 
     Recomputes the probabilities block by block from ``lse`` (as returned by
@@ -119,8 +121,14 @@ def attention_backward(dout, q, k, v, out, lse, /, *, scale=None, causal=False, 
         The forward output.
     lse : array, shape (..., Lq)
         The forward log-sum-exp (float32 or float64).
-    scale, causal, window, enable_gqa, backend
+    scale, causal, window, enable_gqa
         As passed to :func:`attention`.
+    deterministic : bool, default True
+        Require results that are bit-identical from run to run (same inputs,
+        same device).  ``False`` allows an algorithm whose summation order may
+        vary between runs when one is faster (see Notes).
+    backend : {'auto', 'numpy', 'cuda', 'emulator'}, default 'auto'
+        As for :func:`attention`.
 
     Returns
     -------
@@ -132,9 +140,24 @@ def attention_backward(dout, q, k, v, out, lse, /, *, scale=None, causal=False, 
     ------
     TypeError, ValueError
         As :func:`attention`; also for ``dout``/``out``/``lse`` of the wrong
-        shape or dtype.
-    NotImplementedError
-        For CUDA arrays until the GPU backward kernels exist.
+        shape or dtype, and a ``deterministic`` that is not a bool.
+
+    Notes
+    -----
+    Gradients are accumulated in float32 (float64 for float64 inputs) and
+    rounded to the input dtype once.  On the GPU (tensor cores for
+    float16/bfloat16 with ``d == dv`` on sm_80+, CUDA cores otherwise) a pass
+    computes ``rowsum(dout * out)``, a kernel that owns blocks of keys sums
+    dk and dv over the query blocks (and, with ``enable_gqa``, over the
+    group's query heads in order), and one that owns blocks of queries sums
+    dq over the key blocks.  Each gradient element is summed by one thread in
+    a fixed order, so the results are bit-identical from run to run; the
+    price is that the scores and their gradient are computed twice (7 block
+    products per pair of query and key blocks instead of the 5 of a kernel
+    that adds dq contributions with atomics, whose order, and hence rounding,
+    changes from run to run).  Every current backend is deterministic, so
+    ``deterministic=False`` runs the same code today.  Broadcast batch dims
+    are summed back onto q, k and v in a fixed order too.
 
     Examples
     --------
@@ -147,8 +170,10 @@ def attention_backward(dout, q, k, v, out, lse, /, *, scale=None, causal=False, 
     >>> dq.shape, dk.shape, dv.shape
     ((2, 16, 8), (2, 16, 8), (2, 16, 8))
     """
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"`deterministic` must be a bool, got {type(deterministic).__name__}")
     problem, dout, out, lse = check_backward(
         dout, q, k, v, out, lse, scale=scale, causal=causal, window=window,
         enable_gqa=enable_gqa, backend=backend,
     )
-    return run_backward(problem, dout, out, lse)
+    return run_backward(problem, dout, out, lse, deterministic=bool(deterministic))

@@ -1,7 +1,8 @@
 """Routing a checked call to a backend.
 
 ``numpy`` runs the CPU path (:mod:`cupyflash._cpu`).  ``cuda`` and
-``emulator`` run the CUDA kernels (:mod:`cupyflash._gpu`) through an executor:
+``emulator`` run the CUDA kernels (:mod:`cupyflash._gpu`, backward
+:mod:`cupyflash._gpu_bwd`) through an executor:
 :class:`cupyflash._loader.CudaExecutor` on the current CuPy device and stream,
 or :class:`cupyflash.emulator.EmulatorExecutor` on the CPU.  The kernels take
 (B, H, L, d) strided views; this module builds them from the broadcast batch
@@ -82,13 +83,15 @@ def run_forward_v1(problem: Problem, sram_size: int, return_lse: bool):
     return (out, lse) if return_lse else out
 
 
-def run_backward(problem: Problem, dout, out, lse):
-    if problem.backend != "numpy":
-        raise NotImplementedError(
-            f"attention_backward has no {problem.backend!r} backend yet; "
-            "pass NumPy arrays (backend='numpy')"
-        )
-    return _cpu.backward(problem, dout, out, lse)
+def run_backward(problem: Problem, dout, out, lse, *, deterministic: bool = True):
+    """(dq, dk, dv) with the shapes and dtypes of q, k and v.
+
+    The CPU path is deterministic whatever ``deterministic`` says; so are the
+    CUDA backward kernels, bwd_simt and bwd_mma (:mod:`cupyflash._gpu_bwd`).
+    """
+    if problem.backend == "numpy":
+        return _cpu.backward(problem, dout, out, lse)
+    return _run_backward_kernels(problem, dout, out, lse, deterministic)
 
 
 # ---- (B, H, L, d) views for the kernels ------------------------------------------
@@ -174,3 +177,45 @@ def _run_kernel(problem: Problem, out, lse, *, sram_size):
             _gpu.forward_v1(qv, kv, vv, ov, lv, sram_size=sram_size, **common)
     if target is not out:
         out[...] = target
+
+
+def _sum_to_shape(x, shape):
+    """Sum a full-shape gradient over the axes broadcasting added or expanded (a
+    fixed-order reduction: deterministic on NumPy and CuPy alike)."""
+    lead = x.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(
+        lead + a for a, n in enumerate(shape) if n == 1 and x.shape[lead + a] != 1)
+    return (x.sum(axis=axes) if axes else x).reshape(shape)
+
+
+def _run_backward_kernels(problem: Problem, dout, out, lse, deterministic: bool):
+    from . import _gpu_bwd
+
+    xp = _xp(problem.kind)
+    g = problem.gqa_ratio
+    batch = problem.batch_shape
+    kv_batch = batch[:-1] + (batch[-1] // g,) if g > 1 else batch
+    acc = problem.accum_dtype
+
+    def unit_last(x):   # the kernels need a unit stride along the head dim
+        return x if x.shape[-1] == 1 or x.strides[-1] == x.itemsize else xp.ascontiguousarray(x)
+
+    q = xp.broadcast_to(unit_last(problem.q), batch + problem.q.shape[-2:])
+    k = xp.broadcast_to(unit_last(problem.k), kv_batch + problem.k.shape[-2:])
+    v = xp.broadcast_to(unit_last(problem.v), kv_batch + problem.v.shape[-2:])
+    out, dout = unit_last(out), unit_last(dout)
+    lse = lse if lse.dtype == acc else lse.astype(acc)
+    # Gradients of the full broadcast shapes in the accumulator type: every
+    # (batch, head) of the kernels owns its slice (a kv head's slice already
+    # sums its GQA group); broadcast axes are summed below, then cast.
+    dq = xp.empty(q.shape, dtype=acc)
+    dk = xp.empty(k.shape, dtype=acc)
+    dv = xp.empty(v.shape, dtype=acc)
+    executor = executor_for(problem.backend)
+    for qv, kv, vv, ov, dov, lv, dqv, dkv, dvv in _kernel_views(
+            problem, [q, k, v, out, dout, lse, dq, dk, dv]):
+        _gpu_bwd.backward(dov, qv, kv, vv, ov, lv, dqv, dkv, dvv, scale=problem.scale,
+                          window_left=problem.window_left, window_right=problem.window_right,
+                          gqa_ratio=g, deterministic=deterministic, executor=executor)
+    return tuple(_sum_to_shape(grad, x.shape).astype(problem.dtype, copy=False)
+                 for grad, x in ((dq, problem.q), (dk, problem.k), (dv, problem.v)))

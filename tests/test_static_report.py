@@ -76,6 +76,7 @@ INTENDED_SASS = {
     "fwd_v1": {"float": ("FFMA", "MUFU"), "double": ("DFMA",)},
     "fwd_mma": {"float": ("HMMA", "LDSM", "LDGSTS", "MUFU")},
     "bwd_simt": {"float": ("FFMA",), "double": ("DFMA",)},
+    "bwd_mma": {"float": ("HMMA", "LDSM", "LDGSTS", "MUFU")},
 }
 ABSENT_SASS = {"fwd_simt": ("HMMA",), "fwd_v1": ("HMMA",), "bwd_simt": ("HMMA",)}
 

@@ -1,0 +1,372 @@
+// bwd_mma.cu -- the tensor-core backward kernels: FlashAttention-2's backward
+// with mma.sync m16n8k16 (float16 / bfloat16 inputs, float32 accumulation),
+// sm_80 and later.
+//
+// The algorithm and the split into kernels are bwd_simt.cu's (see there):
+// delta = rowsum(dO o O) by bwd_simt_dot_do_o_kernel, then
+//   bwd_mma_dkdv_kernel  a CTA owns kBlockN keys of one kv head; each of its
+//                        kWarps warps owns kBlockN / kWarps of them (16 per
+//                        m16 tile).  K and V stay in shared memory, dK and dV
+//                        in registers; the query blocks that see the keys
+//                        stream through shared memory, head by head through
+//                        the kv head's query group.  Per query block a warp
+//                        computes, for its keys,
+//                            S^T = K Q^T                 ldmatrix + mma
+//                            P^T = exp2(S^T c - lse c)   lse, delta staged in shared memory
+//                            dV += P^T dO                P^T re-packed in registers as the A operand
+//                            dP^T = V dO^T
+//                            dS^T = P^T o (dP^T - delta)
+//                            dK += dS^T Q                dS^T re-packed likewise
+//   bwd_mma_dq_kernel    a CTA owns kBlockM query rows, each warp 16 per
+//                        m16 tile; Q and dO stay in shared memory, dQ in
+//                        registers; the key blocks its rows see stream through
+//                        S = Q K^T, P, dP = dO V^T, dS, dQ += dS K.
+// No warp ever needs another warp's scores, so the only barriers are those
+// around the streamed tiles.  Every gradient element is summed by one lane in
+// a fixed order: results are bit-identical from run to run.  From head dim
+// 160 on, dK and dV accumulators together (2 x 80+ floats per lane on top of
+// the scores) spill, so the dK/dV kernel is launched twice, with
+// kGrads = kGradDV and then kGradDK (S recomputed once more).
+//
+// Tiles are mma_tile.cuh's swizzled tiles, filled by cp.async with tails and
+// columns beyond the run-time d zero-filled; the dispatcher guarantees
+// 16-byte aligned rows (cupyflash/_gpu.py rows_aligned).  Gradients are
+// float32 and written straight from the accumulators.
+#pragma once
+
+#include "block_info.cuh"
+#include "block_info_bwd.cuh"
+#include "mask.cuh"
+#include "mma_tile.cuh"
+#include "params_bwd.cuh"
+#include "ptx.cuh"
+#include "softmax.cuh"
+
+namespace cf {
+
+// Which gradients a bwd_mma_dkdv_kernel launch computes (a bit set).
+constexpr int kGradDV = 1;
+constexpr int kGradDK = 2;
+
+// Every compile-time quantity of one instantiation.  kBlockOwn rows stay in
+// shared memory for the whole CTA and are split across the warps; kBlockStream
+// rows are reloaded per block.  The tile table, with the reason for each row,
+// is _BWD_MMA_TILES in cupyflash/_kernels.py.
+template <typename T, int kHeadDim_, int kBlockOwn_, int kBlockStream_, int kWarps_, int kGrads_>
+struct MmaBwdTraits {
+    static constexpr int kHeadDim = kHeadDim_, kBlockOwn = kBlockOwn_, kBlockStream = kBlockStream_;
+    static constexpr int kWarps = kWarps_, kGrads = kGrads_;
+    static constexpr int kThreads = 32 * kWarps;
+    static constexpr int kWarpRows = kBlockOwn / kWarps;   // own rows per warp
+    static constexpr int kMTiles = kWarpRows / 16;         // m16 tiles per warp
+    static constexpr int kRows = 2 * kMTiles;              // accumulator rows per lane
+    static constexpr int kSCols = 2 * (kBlockStream / 8);  // score columns per lane and row
+    static constexpr int kGCols = 2 * (kHeadDim / 8);      // gradient columns per lane and row
+    static constexpr int kKSteps = kHeadDim / 16;          // k16 steps over the head dim
+    static constexpr int kStreamSteps = kBlockStream / 16; // k16 steps over the streamed rows
+
+    using OwnTile = SwizzledTile<kBlockOwn, kHeadDim>;
+    using StreamTile = SwizzledTile<kBlockStream, kHeadDim>;
+
+    // Shared memory: two own tiles (K, V or Q, dO; V only when dK is
+    // computed), two streamed tiles (elements of T), then the streamed rows'
+    // lse * log2(e) and delta (floats; used by the dK/dV kernel).
+    static constexpr bool kNeedsV = (kGrads & kGradDK) != 0;
+    static constexpr int kOwnElems = OwnTile::kElements;
+    static constexpr int kStreamElems = StreamTile::kElements;
+    static constexpr int kStatsOffset = ((kNeedsV ? 2 : 1) * kOwnElems + 2 * kStreamElems) * 2;  // bytes
+    static constexpr int kSmemBytes = kStatsOffset + 2 * kBlockStream * 4;
+    // Two CTAs of up to 4 warps leave every thread the 255-register maximum
+    // (as fwd_mma): this states the occupancy aimed for, it caps nothing.
+    static constexpr int kMinBlocksPerSm = kWarps <= 4 ? 2 : 1;
+
+    static_assert(sizeof(T) == 2, "float16 / bfloat16 only");
+    static_assert(kBlockOwn % (16 * kWarps) == 0, "own block: whole m16 tiles per warp");
+    static_assert(kBlockStream % 16 == 0, "streamed block: whole k16 steps");
+    static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "head dim bucket: 32 .. 256, multiple of 32");
+    static_assert(kGrads >= 1 && kGrads <= 3, "kGrads: kGradDV, kGradDK or both");
+    static_assert(kSmemBytes <= 99 * 1024, "within sm_86 / sm_89's 99 KB per block");
+};
+
+// Row and column, within the warp's tile, of accumulator element [r][c] of
+// this lane (mma_tile.cuh's register-tile layout).
+__device__ __forceinline__ int fragment_row(int r) { return 16 * (r >> 1) + 8 * (r & 1) + (lane_id() >> 2); }
+__device__ __forceinline__ int fragment_col(int c) { return 8 * (c >> 1) + 2 * (lane_id() & 3) + (c & 1); }
+
+// ---- block products ------------------------------------------------------------------------
+
+// s = X Y^T for the warp's own rows (from row0 of the own tile X) and every
+// row of the streamed tile Y; both tiles [row][head dim].
+template <class Tr, typename T>
+__device__ __forceinline__ void mma_own_stream(float (&s)[Tr::kRows][Tr::kSCols], const T* sX, const T* sY,
+                                               int row0) {
+#pragma unroll
+    for (int r = 0; r < Tr::kRows; ++r)
+#pragma unroll
+        for (int c = 0; c < Tr::kSCols; ++c) s[r][c] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < Tr::kKSteps; ++ks) {
+        uint32_t a[Tr::kMTiles][4];
+#pragma unroll
+        for (int mi = 0; mi < Tr::kMTiles; ++mi)
+            ldmatrix_a<typename Tr::OwnTile>(a[mi], sX, row0 + 16 * mi, ks);
+#pragma unroll
+        for (int np = 0; np < Tr::kBlockStream / 16; ++np) {
+            uint32_t b[4];
+            ldmatrix_b_nk<typename Tr::StreamTile>(b, sY, 16 * np, ks);
+#pragma unroll
+            for (int mi = 0; mi < Tr::kMTiles; ++mi) {
+                mma_into<T>(s, mi, 2 * np, a[mi], b[0], b[1]);
+                mma_into<T>(s, mi, 2 * np + 1, a[mi], b[2], b[3]);
+            }
+        }
+    }
+}
+
+// g += s Z: s (the warp's own rows x the streamed rows) re-packed as A
+// operands, Z the streamed tile [streamed row][head dim].
+template <class Tr, typename T>
+__device__ __forceinline__ void mma_accumulate(float (&g)[Tr::kRows][Tr::kGCols],
+                                               const float (&s)[Tr::kRows][Tr::kSCols], const T* sZ) {
+#pragma unroll
+    for (int kk = 0; kk < Tr::kStreamSteps; ++kk) {
+        uint32_t a[Tr::kMTiles][4];
+#pragma unroll
+        for (int mi = 0; mi < Tr::kMTiles; ++mi) accumulator_to_a<T>(a[mi], s, mi, kk);
+#pragma unroll
+        for (int np = 0; np < Tr::kHeadDim / 16; ++np) {
+            uint32_t b[4];
+            ldmatrix_b_kn<typename Tr::StreamTile>(b, sZ, 16 * kk, np);
+#pragma unroll
+            for (int mi = 0; mi < Tr::kMTiles; ++mi) {
+                mma_into<T>(g, mi, 2 * np, a[mi], b[0], b[1]);
+                mma_into<T>(g, mi, 2 * np + 1, a[mi], b[2], b[3]);
+            }
+        }
+    }
+}
+
+// ---- probabilities and their gradient ------------------------------------------------------
+// A query row's statistics come from `stat(r, c)`, a callable giving the value
+// for accumulator element [r][c]: indexed by the row in the dQ kernel (one
+// register per accumulator row), by the column in the dK/dV kernel (staged in
+// shared memory, one float per streamed query row).
+
+// lse * log2(e) and delta of query row i; +inf and 0 past Lq and for a row
+// that sees no key (lse = -inf), whose probabilities are then exp2(-inf) = 0.
+__device__ __forceinline__ void query_stats(float& lse_log2, float& delta, const float* lse,
+                                            int64_t lse_row_stride, const float* delta_in,
+                                            int64_t delta_row_stride, int64_t i, int64_t seqlen_q) {
+    constexpr float kLog2e = 1.44269504088896340736f;
+    lse_log2 = -neg_inf<float>();
+    delta = 0.0f;
+    if (i < seqlen_q) {
+        const float l = lse[i * lse_row_stride];
+        if (l != neg_inf<float>()) lse_log2 = l * kLog2e;
+        delta = delta_in[i * delta_row_stride];
+    }
+}
+
+// s (raw scores) -> P = exp2(s * scale_log2 - lse_log2(r, c)).
+template <class Tr, class Stat>
+__device__ __forceinline__ void probabilities(float (&s)[Tr::kRows][Tr::kSCols], const Stat& lse_log2,
+                                              float scale_log2) {
+#pragma unroll
+    for (int r = 0; r < Tr::kRows; ++r)
+#pragma unroll
+        for (int c = 0; c < Tr::kSCols; ++c) s[r][c] = exp2_approx(s[r][c] * scale_log2 - lse_log2(r, c));
+}
+
+// P of pairs (query, key) that are not admissible (window, causal, past Lq or
+// Lk) -> 0, by a select.  The element [r][c] is query first_query + (row or
+// column) and key first_key + (column or row), the key relative to n0.
+template <bool kQueryRows, class Tr>
+__device__ __forceinline__ void apply_mask(float (&p)[Tr::kRows][Tr::kSCols], const WindowMask& mask,
+                                           int64_t first_query, int64_t n0, int first_key, int block_n,
+                                           int64_t seqlen_q) {
+#pragma unroll
+    for (int r = 0; r < Tr::kRows; ++r)
+#pragma unroll
+        for (int c = 0; c < Tr::kSCols; ++c) {
+            const int64_t i = first_query + (kQueryRows ? fragment_row(r) : fragment_col(c));
+            const int j = first_key + (kQueryRows ? fragment_col(c) : fragment_row(r));
+            int lo, hi;
+            mask.row_range(i, n0, block_n, lo, hi);
+            if (i >= seqlen_q || j < lo || j >= hi) p[r][c] = 0.0f;
+        }
+}
+
+// dp (dO V^T) -> dS = P o (dP - delta(r, c)).
+template <class Tr, class Stat>
+__device__ __forceinline__ void score_gradient(float (&dp)[Tr::kRows][Tr::kSCols],
+                                               const float (&p)[Tr::kRows][Tr::kSCols], const Stat& delta) {
+#pragma unroll
+    for (int r = 0; r < Tr::kRows; ++r)
+#pragma unroll
+        for (int c = 0; c < Tr::kSCols; ++c) dp[r][c] = p[r][c] * (dp[r][c] - delta(r, c));
+}
+
+// Write factor * g for the warp's rows below rows_valid and columns below
+// cols_valid; dst points at the warp's first row.
+template <class Tr>
+__device__ __forceinline__ void store_gradient(float* dst, int64_t row_stride,
+                                               const float (&g)[Tr::kRows][Tr::kGCols], float factor,
+                                               int rows_valid, int cols_valid) {
+#pragma unroll
+    for (int r = 0; r < Tr::kRows; ++r) {
+        const int row = fragment_row(r);
+        if (row >= rows_valid) continue;
+#pragma unroll
+        for (int c = 0; c < Tr::kGCols; ++c) {
+            const int col = fragment_col(c);
+            if (col < cols_valid) dst[row * row_stride + col] = g[r][c] * factor;
+        }
+    }
+}
+
+// ---- kernels ---------------------------------------------------------------------------------
+
+// dK and/or dV (kGrads) of kBlockN keys of one (batch, kv head).
+template <typename T, int kHeadDim, int kBlockN, int kBlockM, int kWarps, int kGrads>
+__global__ void __launch_bounds__(
+    (MmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarps, kGrads>::kThreads),
+    (MmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarps, kGrads>::kMinBlocksPerSm))
+bwd_mma_dkdv_kernel(const BwdParams params) {
+    using Tr = MmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarps, kGrads>;
+    using Own = typename Tr::OwnTile;
+    using Stream = typename Tr::StreamTile;
+    constexpr bool kDV = (kGrads & kGradDV) != 0, kDK = (kGrads & kGradDK) != 0;
+    const FwdParams& p = params.fwd;
+
+    const KeyTileIndex tile(p, kBlockN, blockIdx.x);
+    const WindowMask mask(p);
+    const KeyBlock block(p, mask, tile.n_block * kBlockN, kBlockN);
+    const float scale_log2 = static_cast<float>(p.scale_log2);
+    const int d = static_cast<int>(p.head_dim);
+    const int row0 = warp_id() * Tr::kWarpRows;  // the warp's first key in the K tile
+    const int64_t first_head = tile.head_kv * p.gqa_ratio;
+
+    T* sK = reinterpret_cast<T*>(dynamic_smem());
+    T* sV = sK + Tr::kOwnElems;  // only when kDK
+    T* sQ = sK + (Tr::kNeedsV ? 2 : 1) * Tr::kOwnElems;
+    T* sdO = sQ + Tr::kStreamElems;
+    float* sLse = reinterpret_cast<float*>(dynamic_smem() + Tr::kStatsOffset);
+    float* sDelta = sLse + kBlockM;
+
+    const HeadSlice<T, float> kv(p, tile.batch, first_head);
+    cp_async_tile<Tr::kThreads, Own>(sK, kv.k, block.n0, p.k_row_stride, block.keys, d);
+    if constexpr (kDK) cp_async_tile<Tr::kThreads, Own>(sV, kv.v, block.n0, p.v_row_stride, block.keys, d);
+    cp_async_commit();
+
+    float dk[Tr::kRows][Tr::kGCols] = {};
+    float dv[Tr::kRows][Tr::kGCols] = {};
+    float s[Tr::kRows][Tr::kSCols];
+    const auto lse_of = [sLse](int, int c) { return sLse[fragment_col(c)]; };       // by query column
+    const auto delta_of = [sDelta](int, int c) { return sDelta[fragment_col(c)]; };
+    const int64_t m_end = block.m_end(kBlockM);
+    for (int64_t head = first_head; head < first_head + p.gqa_ratio; ++head) {
+        const HeadSlice<T, float> qo(p, tile.batch, head);
+        const GradSlice<T, float> grad(params, tile.batch, head);
+        for (int64_t m_block = block.m_begin(kBlockM); m_block < m_end; ++m_block) {
+            const int64_t m0 = m_block * kBlockM;
+            const int rows = static_cast<int>(min64(kBlockM, p.seqlen_q - m0));
+            cp_async_tile<Tr::kThreads, Stream>(sQ, qo.q, m0, p.q_row_stride, rows, d);
+            cp_async_tile<Tr::kThreads, Stream>(sdO, grad.dout, m0, params.dout_row_stride, rows, d);
+            cp_async_commit();
+            for (int i = static_cast<int>(threadIdx.x); i < kBlockM; i += Tr::kThreads)
+                query_stats(sLse[i], sDelta[i], qo.lse, p.lse_row_stride, grad.delta,
+                            params.delta_row_stride, m0 + i, p.seqlen_q);
+            cp_async_wait<0>();
+            __syncthreads();  // Q, dO, lse, delta (and, the first time, K, V) visible to all
+
+            mma_own_stream<Tr>(s, sK, sQ, row0);                               // S^T = K Q^T
+            probabilities<Tr>(s, lse_of, scale_log2);                          // P^T
+            if (block.needs_mask(p, mask, m0, kBlockM, kBlockN))
+                apply_mask<false, Tr>(s, mask, m0, block.n0, row0, kBlockN, p.seqlen_q);
+            if constexpr (kDV) mma_accumulate<Tr>(dv, s, sdO);                 // dV += P^T dO
+            if constexpr (kDK) {
+                float dp[Tr::kRows][Tr::kSCols];
+                mma_own_stream<Tr>(dp, sV, sdO, row0);                         // dP^T = V dO^T
+                score_gradient<Tr>(dp, s, delta_of);                              // dS^T
+                mma_accumulate<Tr>(dk, dp, sQ);                                // dK += dS^T Q
+            }
+            __syncthreads();  // Q, dO, lse, delta fully read: their buffers take the next block
+        }
+    }
+    cp_async_wait<0>();  // without a query block, K and V were never waited for
+
+    const GradSlice<T, float> kv_grad(params, tile.batch, first_head);
+    const int keys_valid = block.keys - row0;
+    if constexpr (kDK)
+        store_gradient<Tr>(kv_grad.dk + (block.n0 + row0) * params.dk_row_stride, params.dk_row_stride, dk,
+                           static_cast<float>(p.scale), keys_valid, d);
+    if constexpr (kDV)
+        store_gradient<Tr>(kv_grad.dv + (block.n0 + row0) * params.dv_row_stride, params.dv_row_stride, dv,
+                           1.0f, keys_valid, static_cast<int>(p.head_dim_v));
+}
+
+// dQ of kBlockM query rows of one (batch, query head).
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps>
+__global__ void __launch_bounds__(
+    (MmaBwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps, kGradDV | kGradDK>::kThreads),
+    (MmaBwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps, kGradDV | kGradDK>::kMinBlocksPerSm))
+bwd_mma_dq_kernel(const BwdParams params) {
+    using Tr = MmaBwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps, kGradDV | kGradDK>;
+    using Own = typename Tr::OwnTile;
+    using Stream = typename Tr::StreamTile;
+    const FwdParams& p = params.fwd;
+
+    const TileIndex tile(p, kBlockM, blockIdx.x);
+    const HeadSlice<T, float> head(p, tile.batch, tile.head);
+    const GradSlice<T, float> grad(params, tile.batch, tile.head);
+    const WindowMask mask(p);
+    const QueryBlock block(p, mask, tile.m_block * kBlockM, kBlockM);
+    const float scale_log2 = static_cast<float>(p.scale_log2);
+    const int d = static_cast<int>(p.head_dim);
+    const int row0 = warp_id() * Tr::kWarpRows;  // the warp's first row in the Q tile
+
+    T* sQ = reinterpret_cast<T*>(dynamic_smem());
+    T* sdO = sQ + Tr::kOwnElems;
+    T* sK = sdO + Tr::kOwnElems;
+    T* sV = sK + Tr::kStreamElems;
+    cp_async_tile<Tr::kThreads, Own>(sQ, head.q, block.m0, p.q_row_stride, block.rows, d);
+    cp_async_tile<Tr::kThreads, Own>(sdO, grad.dout, block.m0, params.dout_row_stride, block.rows, d);
+    cp_async_commit();
+
+    float lse_log2[Tr::kRows], delta[Tr::kRows];
+#pragma unroll
+    for (int r = 0; r < Tr::kRows; ++r)
+        query_stats(lse_log2[r], delta[r], head.lse, p.lse_row_stride, grad.delta, params.delta_row_stride,
+                    block.m0 + row0 + fragment_row(r), p.seqlen_q);
+
+    const auto lse_of = [&lse_log2](int r, int) { return lse_log2[r]; };          // by query row
+    const auto delta_of = [&delta](int r, int) { return delta[r]; };
+
+    float dq[Tr::kRows][Tr::kGCols] = {};
+    float s[Tr::kRows][Tr::kSCols], dp[Tr::kRows][Tr::kSCols];
+    const int64_t n_end = block.n_end(kBlockN);
+    for (int64_t n_block = block.n_begin(kBlockN); n_block < n_end; ++n_block) {
+        const int64_t n0 = n_block * kBlockN;
+        const int keys = QueryBlock::keys_in(p, n0, kBlockN);
+        cp_async_tile<Tr::kThreads, Stream>(sK, head.k, n0, p.k_row_stride, keys, d);
+        cp_async_tile<Tr::kThreads, Stream>(sV, head.v, n0, p.v_row_stride, keys, d);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();  // K, V (and, the first time, Q, dO) visible to all
+
+        mma_own_stream<Tr>(s, sQ, sK, row0);                                   // S = Q K^T
+        probabilities<Tr>(s, lse_of, scale_log2);                             // P
+        if (block.needs_mask(mask, n0, kBlockN))
+            apply_mask<true, Tr>(s, mask, block.m0 + row0, n0, 0, kBlockN, p.seqlen_q);
+        mma_own_stream<Tr>(dp, sdO, sV, row0);                                 // dP = dO V^T
+        score_gradient<Tr>(dp, s, delta_of);                                  // dS
+        mma_accumulate<Tr>(dq, dp, sK);                                        // dQ += dS K
+        __syncthreads();  // K, V fully read: their buffers take the next block
+    }
+    cp_async_wait<0>();  // without a key block, Q and dO were never waited for
+
+    store_gradient<Tr>(grad.dq + (block.m0 + row0) * params.dq_row_stride, params.dq_row_stride, dq,
+                       static_cast<float>(p.scale), block.rows - row0, d);
+}
+
+}  // namespace cf

@@ -1,0 +1,416 @@
+// bwd_simt.cu -- the portable backward kernels: FlashAttention-2's backward on CUDA cores.
+//
+// Any float type (half, bfloat16, float, double), any head dims up to the
+// compile-time bucket; products in the accumulator type (float, double for
+// double), so float32 is IEEE float32 and float64 is float64 throughout.
+// The probabilities are recomputed from the forward's lse, never stored:
+//     P  = exp2(S * scale * log2(e) - lse * log2(e))      S = Q K^T
+//     dV = P^T dO        dP = dO V^T        dS = P o (dP - delta)
+//     dK = scale * dS^T Q                   dQ = scale * dS K
+// with delta = rowsum(dO o O).  Three kernels, launched in this order:
+//   bwd_simt_dot_do_o_kernel  delta, one 8-lane group per query row;
+//   bwd_simt_dkdv_kernel      a CTA owns kBlockN keys of one kv head, keeps
+//                             K, V in shared memory and dK, dV in registers,
+//                             and streams the query blocks that see its keys,
+//                             head by head through the kv head's query group;
+//   bwd_simt_dq_kernel        a CTA owns kBlockM query rows, keeps Q, dO in
+//                             shared memory and dQ in registers, and streams
+//                             the key blocks its rows see.
+// Every gradient element is summed by one thread in a fixed order (dK, dV
+// over the group's query heads in order, then over query blocks in order), so
+// results are bit-identical from run to run: no atomics.  The dQ pass pays
+// for that by recomputing S and dP (7 block products per block pair instead
+// of 5).
+//
+// Thread layout (kThreads = 128), as fwd_simt: 8 consecutive lanes share
+// kRowsPerThread of the CTA's own rows (keys in dkdv, queries in dq) and
+// split the streamed rows among themselves --
+//   own row       ii * 16 + row_group      (row_group = tid / 8)
+//   streamed row  jj * 8 + lane_in_group   (a column of the S, P, dP, dS tiles)
+//   chunk         qq * 8 + lane_in_group   (16-byte chunks of a gradient row)
+// A gradient row's update sums over the streamed rows; their P / dS values
+// travel across the 8 lanes by shuffles.  Shared tiles hold the accumulator
+// type in XOR-swizzled rows (tile_io.cuh), conflict-free both for the 8
+// different rows of the score products and the 8 chunks of one row of the
+// gradient updates.
+#pragma once
+
+#include "block_info.cuh"
+#include "block_info_bwd.cuh"
+#include "mask.cuh"
+#include "params_bwd.cuh"
+#include "ptx.cuh"
+#include "softmax.cuh"
+#include "tile_io.cuh"
+
+namespace cf {
+
+// Every compile-time quantity of one instantiation.  kBlockOwn rows stay in
+// shared memory for the whole CTA, kBlockStream rows are reloaded per block.
+// The tile table, with the reason for each row, is _BWD_SIMT_TILES in
+// cupyflash/_kernels.py.
+template <typename T, int kHeadDim, int kHeadDimV, int kBlockOwn, int kBlockStream>
+struct SimtBwdTraits {
+    using Acc = acc_t<T>;
+    static constexpr int kThreads = 128;
+    static constexpr int kLanesPerRow = 8;
+    static constexpr int kRowGroups = kThreads / kLanesPerRow;
+    static constexpr int kRowsPerThread = kBlockOwn / kRowGroups;
+    static constexpr int kColsPerThread = kBlockStream / kLanesPerRow;
+    static constexpr int kVec = Vec16<Acc>::kSize;
+    static constexpr int kChunks = kHeadDim / kVec / kLanesPerRow;    // per thread, d-wide row
+    static constexpr int kChunksV = kHeadDimV / kVec / kLanesPerRow;  // per thread, dv-wide row
+
+    using Layout = SwizzledRows<Acc, kHeadDim>;    // Q, K
+    using LayoutV = SwizzledRows<Acc, kHeadDimV>;  // dO, V
+
+    // Shared memory (elements of Acc): the own rows' d- and dv-wide tiles,
+    // then the streamed rows' d- and dv-wide tiles.
+    static constexpr int kOwnD = kBlockOwn * kHeadDim;
+    static constexpr int kOwnDv = kBlockOwn * kHeadDimV;
+    static constexpr int kStreamD = kBlockStream * kHeadDim;
+    static constexpr int kStreamDv = kBlockStream * kHeadDimV;
+    static constexpr int kSmemBytes =
+        (kOwnD + kOwnDv + kStreamD + kStreamDv) * static_cast<int>(sizeof(Acc));
+    // Occupancy target, which sets the register cap (65536 / (128 * n)): as
+    // fwd_simt, 4 CTAs per SM (128 registers) up to 32 KB, 3 (168) up to
+    // 48 KB; the one tile above (float64, bucket 256) runs 1 per SM on an A100.
+    static constexpr int kMinBlocksPerSm = kSmemBytes > 48 * 1024 ? 1 : kSmemBytes > 32 * 1024 ? 3 : 4;
+
+    static_assert(kBlockOwn % kRowGroups == 0, "own block: a multiple of 16 rows");
+    static_assert(kBlockStream % kLanesPerRow == 0, "streamed block: a multiple of 8 rows");
+    static_assert(kHeadDim % (kVec * kLanesPerRow) == 0, "head_dim bucket: whole chunks per lane");
+    static_assert(kHeadDimV % (kVec * kLanesPerRow) == 0, "head_dim_v bucket: whole chunks per lane");
+    static_assert(kSmemBytes <= 99 * 1024, "within the opt-in shared memory of every sm_80+ GPU");
+};
+
+// This thread's place in the layout described at the top of the file.
+template <class Tr>
+struct SimtBwdThread {
+    int row_group, lane_in_group;
+
+    __device__ SimtBwdThread()
+        : row_group(static_cast<int>(threadIdx.x) / Tr::kLanesPerRow),
+          lane_in_group(static_cast<int>(threadIdx.x) % Tr::kLanesPerRow) {}
+
+    __device__ int row(int ii) const { return ii * Tr::kRowGroups + row_group; }
+    __device__ int col(int jj) const { return jj * Tr::kLanesPerRow + lane_in_group; }
+    __device__ int chunk(int qq) const { return qq * Tr::kLanesPerRow + lane_in_group; }
+};
+
+// ---- block products ------------------------------------------------------------------------
+
+// s[ii][jj] = <X[row(ii)], Y[col(jj)]>: X the own tile, Y the streamed tile,
+// both `Layout`, walked in 16-byte chunks up to the run-time width (the tiles
+// are zero beyond it).
+template <class Tr, class Layout, typename Acc>
+__device__ __forceinline__ void dot_rows(Acc (&s)[Tr::kRowsPerThread][Tr::kColsPerThread],
+                                         const Acc* sX, const Acc* sY, const SimtBwdThread<Tr>& me,
+                                         int width) {
+    constexpr int TR = Tr::kRowsPerThread, TC = Tr::kColsPerThread;
+#pragma unroll
+    for (int ii = 0; ii < TR; ++ii)
+#pragma unroll
+        for (int jj = 0; jj < TC; ++jj) s[ii][jj] = Acc(0);
+    const int chunks = (width + Tr::kVec - 1) / Tr::kVec;
+    // One chunk per iteration keeps TR + TC vectors live, within the register cap.
+#pragma unroll 1
+    for (int q = 0; q < chunks; ++q) {
+        Vec16<Acc> a[TR], b[TC];
+#pragma unroll
+        for (int ii = 0; ii < TR; ++ii) a[ii] = load_vec16(sX + Layout::chunk(me.row(ii), q));
+#pragma unroll
+        for (int jj = 0; jj < TC; ++jj) b[jj] = load_vec16(sY + Layout::chunk(me.col(jj), q));
+#pragma unroll
+        for (int ii = 0; ii < TR; ++ii)
+#pragma unroll
+            for (int jj = 0; jj < TC; ++jj)
+#pragma unroll
+                for (int e = 0; e < Tr::kVec; ++e) s[ii][jj] += a[ii].x[e] * b[jj].x[e];
+    }
+}
+
+// acc[ii] += sum_jj s[ii][jj] * Z[col(jj)]: this thread's chunks of its own
+// rows' gradient.  The streamed row jj * 8 + src of s lives in lane `src` of
+// the 8-lane group; a shuffle broadcasts it to the group.
+template <class Tr, class Layout, int kChunks, typename Acc>
+__device__ __forceinline__ void accumulate_rows(
+    Acc (&acc)[Tr::kRowsPerThread][kChunks][Tr::kVec],
+    const Acc (&s)[Tr::kRowsPerThread][Tr::kColsPerThread], const Acc* sZ,
+    const SimtBwdThread<Tr>& me) {
+    constexpr int TR = Tr::kRowsPerThread;
+    const int group_base = lane_id() & ~(Tr::kLanesPerRow - 1);
+#pragma unroll
+    for (int jj = 0; jj < Tr::kColsPerThread; ++jj) {
+        // One streamed row per iteration keeps one row slice of Z live.
+#pragma unroll 1
+        for (int src = 0; src < Tr::kLanesPerRow; ++src) {
+            const int z_row = jj * Tr::kLanesPerRow + src;
+            Acc sk[TR];
+#pragma unroll
+            for (int ii = 0; ii < TR; ++ii) sk[ii] = shfl(s[ii][jj], group_base + src);
+#pragma unroll
+            for (int qq = 0; qq < kChunks; ++qq) {
+                const Vec16<Acc> z = load_vec16(sZ + Layout::chunk(z_row, me.chunk(qq)));
+#pragma unroll
+                for (int ii = 0; ii < TR; ++ii)
+#pragma unroll
+                    for (int e = 0; e < Tr::kVec; ++e) acc[ii][qq][e] += sk[ii] * z.x[e];
+            }
+        }
+    }
+}
+
+// ---- probabilities and their gradient ------------------------------------------------------
+// The query rows' statistics (lse * log2(e), delta) are indexed by the own
+// row in the dQ pass (kQueryRows) and by the streamed row in the dK/dV pass.
+
+template <bool kQueryRows, typename Acc, int N>
+__device__ __forceinline__ Acc query_stat(const Acc (&x)[N], int ii, int jj) {
+    return x[kQueryRows ? ii : jj];
+}
+
+// Statistics of query row i: lse in base 2, and delta.  A row that sees no
+// key (lse = -inf) and a row past Lq get lse_log2 = +inf: their
+// probabilities exp2(s - inf) are 0, never inf or NaN.
+template <typename Acc>
+__device__ __forceinline__ void load_query_stats(Acc& lse_log2, Acc& delta, const Acc* lse,
+                                                 int64_t lse_row_stride, const Acc* delta_in,
+                                                 int64_t delta_row_stride, int64_t i,
+                                                 int64_t seqlen_q) {
+    constexpr double kLog2e = 1.44269504088896340736;
+    lse_log2 = -neg_inf<Acc>();
+    delta = Acc(0);
+    if (i < seqlen_q) {
+        const Acc l = lse[i * lse_row_stride];
+        if (l != neg_inf<Acc>()) lse_log2 = l * Acc(kLog2e);
+        delta = delta_in[i * delta_row_stride];
+    }
+}
+
+// s (raw scores) -> P = exp2(s * scale_log2 - lse_log2).
+template <bool kQueryRows, class Tr, typename Acc, int N>
+__device__ __forceinline__ void probabilities(Acc (&s)[Tr::kRowsPerThread][Tr::kColsPerThread],
+                                              const Acc (&lse_log2)[N], Acc scale_log2) {
+#pragma unroll
+    for (int ii = 0; ii < Tr::kRowsPerThread; ++ii)
+#pragma unroll
+        for (int jj = 0; jj < Tr::kColsPerThread; ++jj)
+            s[ii][jj] = exp2_acc(s[ii][jj] * scale_log2 - query_stat<kQueryRows>(lse_log2, ii, jj));
+}
+
+// P of pairs (query i, key j) that are not admissible (window, causal, past
+// Lq or Lk) -> 0.  A select, not a product, so whatever the padded or masked
+// scores held never reaches the gradients.
+template <bool kQueryRows, class Tr, typename Acc>
+__device__ __forceinline__ void apply_mask(Acc (&p)[Tr::kRowsPerThread][Tr::kColsPerThread],
+                                           const WindowMask& mask, int64_t m0, int64_t n0,
+                                           int block_n, int64_t seqlen_q,
+                                           const SimtBwdThread<Tr>& me) {
+#pragma unroll
+    for (int ii = 0; ii < Tr::kRowsPerThread; ++ii)
+#pragma unroll
+        for (int jj = 0; jj < Tr::kColsPerThread; ++jj) {
+            const int64_t i = m0 + (kQueryRows ? me.row(ii) : me.col(jj));
+            const int j = kQueryRows ? me.col(jj) : me.row(ii);  // key j relative to n0
+            int lo, hi;
+            mask.row_range(i, n0, block_n, lo, hi);
+            if (i >= seqlen_q || j < lo || j >= hi) p[ii][jj] = Acc(0);
+        }
+}
+
+// dp (dO V^T) -> dS = P o (dP - delta).
+template <bool kQueryRows, class Tr, typename Acc, int N>
+__device__ __forceinline__ void score_gradient(Acc (&dp)[Tr::kRowsPerThread][Tr::kColsPerThread],
+                                               const Acc (&p)[Tr::kRowsPerThread][Tr::kColsPerThread],
+                                               const Acc (&delta)[N]) {
+#pragma unroll
+    for (int ii = 0; ii < Tr::kRowsPerThread; ++ii)
+#pragma unroll
+        for (int jj = 0; jj < Tr::kColsPerThread; ++jj)
+            dp[ii][jj] = p[ii][jj] * (dp[ii][jj] - query_stat<kQueryRows>(delta, ii, jj));
+}
+
+// Write factor * acc for this thread's own rows below rows_valid and columns
+// below cols_valid (the gradients are of the accumulator type).
+template <class Tr, int kChunks, typename Acc>
+__device__ __forceinline__ void store_gradient(Acc* dst, int64_t row_stride,
+                                               Acc (&acc)[Tr::kRowsPerThread][kChunks][Tr::kVec],
+                                               Acc factor, int rows_valid, int cols_valid,
+                                               const SimtBwdThread<Tr>& me) {
+#pragma unroll
+    for (int ii = 0; ii < Tr::kRowsPerThread; ++ii) {
+        if (me.row(ii) >= rows_valid) continue;
+        Acc* row = dst + me.row(ii) * row_stride;
+#pragma unroll
+        for (int qq = 0; qq < kChunks; ++qq) {
+            const int col = me.chunk(qq) * Tr::kVec;
+            scale_in_place(acc[ii][qq], factor);
+            store_run(row + col, acc[ii][qq], cols_valid - col);
+        }
+    }
+}
+
+// ---- kernels ---------------------------------------------------------------------------------
+
+// delta[i] = sum_c dout[i][c] * out[i][c] for kRows query rows per CTA (the
+// grid is fwd_simt's TileIndex with block_m = kRows).
+template <typename T, int kHeadDimV>
+__global__ void __launch_bounds__(128) bwd_simt_dot_do_o_kernel(const BwdParams params) {
+    using Acc = acc_t<T>;
+    constexpr int kLanes = 8, kRows = 128 / kLanes;
+    const FwdParams& p = params.fwd;
+    const TileIndex tile(p, kRows, blockIdx.x);
+    const HeadSlice<T, Acc> head(p, tile.batch, tile.head);
+    const GradSlice<T, Acc> grad(params, tile.batch, tile.head);
+    const int64_t i = tile.m_block * kRows + static_cast<int>(threadIdx.x) / kLanes;
+    const int lane = static_cast<int>(threadIdx.x) % kLanes;
+
+    Acc sum = Acc(0);
+    if (i < p.seqlen_q) {
+        const T* o = head.out + i * p.out_row_stride;
+        const T* d_o = grad.dout + i * params.dout_row_stride;
+#pragma unroll
+        for (int qq = 0; qq < kHeadDimV / kLanes; ++qq) {
+            const int c = qq * kLanes + lane;
+            if (c < p.head_dim_v) sum += to_acc(d_o[c]) * to_acc(o[c]);
+        }
+    }
+    sum = group_sum<kLanes>(sum);  // every lane takes part, rows past Lq too
+    if (i < p.seqlen_q && lane == 0) grad.delta[i * params.delta_row_stride] = sum;
+}
+
+// dK, dV of kBlockN keys of one (batch, kv head).
+template <typename T, int kHeadDim, int kHeadDimV, int kBlockN, int kBlockM>
+__global__ void __launch_bounds__(
+    (SimtBwdTraits<T, kHeadDim, kHeadDimV, kBlockN, kBlockM>::kThreads),
+    (SimtBwdTraits<T, kHeadDim, kHeadDimV, kBlockN, kBlockM>::kMinBlocksPerSm))
+bwd_simt_dkdv_kernel(const BwdParams params) {
+    using Tr = SimtBwdTraits<T, kHeadDim, kHeadDimV, kBlockN, kBlockM>;
+    using Acc = typename Tr::Acc;
+    using Layout = typename Tr::Layout;
+    using LayoutV = typename Tr::LayoutV;
+    constexpr int TR = Tr::kRowsPerThread, TC = Tr::kColsPerThread;
+    const FwdParams& p = params.fwd;
+
+    const KeyTileIndex tile(p, kBlockN, blockIdx.x);
+    const WindowMask mask(p);
+    const KeyBlock block(p, mask, tile.n_block * kBlockN, kBlockN);
+    const SimtBwdThread<Tr> me;
+    const Acc scale_log2 = static_cast<Acc>(p.scale_log2);
+    const int d = static_cast<int>(p.head_dim), dv = static_cast<int>(p.head_dim_v);
+    const int64_t first_head = tile.head_kv * p.gqa_ratio;  // the kv head's query group
+
+    Acc* sK = reinterpret_cast<Acc*>(dynamic_smem());
+    Acc* sV = sK + Tr::kOwnD;
+    Acc* sQ = sV + Tr::kOwnDv;
+    Acc* sdO = sQ + Tr::kStreamD;
+    const HeadSlice<T, Acc> kv(p, tile.batch, first_head);
+    load_tile<Tr::kThreads>(sK, Layout{}, kv.k + block.n0 * p.k_row_stride, p.k_row_stride, kBlockN,
+                            kHeadDim, block.keys, d);
+    load_tile<Tr::kThreads>(sV, LayoutV{}, kv.v + block.n0 * p.v_row_stride, p.v_row_stride,
+                            kBlockN, kHeadDimV, block.keys, dv);
+
+    Acc dk[TR][Tr::kChunks][Tr::kVec] = {};
+    Acc dv_acc[TR][Tr::kChunksV][Tr::kVec] = {};
+    Acc s[TR][TC], dp[TR][TC];
+    for (int64_t head = first_head; head < first_head + p.gqa_ratio; ++head) {
+        const HeadSlice<T, Acc> qo(p, tile.batch, head);
+        const GradSlice<T, Acc> grad(params, tile.batch, head);
+        const int64_t m_end = block.m_end(kBlockM);
+        for (int64_t m_block = block.m_begin(kBlockM); m_block < m_end; ++m_block) {
+            const int64_t m0 = m_block * kBlockM;
+            const int rows = static_cast<int>(min64(kBlockM, p.seqlen_q - m0));
+            load_tile<Tr::kThreads>(sQ, Layout{}, qo.q + m0 * p.q_row_stride, p.q_row_stride,
+                                    kBlockM, kHeadDim, rows, d);
+            load_tile<Tr::kThreads>(sdO, LayoutV{}, grad.dout + m0 * params.dout_row_stride,
+                                    params.dout_row_stride, kBlockM, kHeadDimV, rows, dv);
+            Acc lse_log2[TC], delta[TC];
+#pragma unroll
+            for (int jj = 0; jj < TC; ++jj)
+                load_query_stats(lse_log2[jj], delta[jj], qo.lse, p.lse_row_stride, grad.delta,
+                                 params.delta_row_stride, m0 + me.col(jj), p.seqlen_q);
+            __syncthreads();
+
+            dot_rows<Tr, Layout>(s, sK, sQ, me, d);                        // S^T = K Q^T
+            probabilities<false, Tr>(s, lse_log2, scale_log2);              // P^T
+            if (block.needs_mask(p, mask, m0, kBlockM, kBlockN))
+                apply_mask<false, Tr>(s, mask, m0, block.n0, kBlockN, p.seqlen_q, me);
+            dot_rows<Tr, LayoutV>(dp, sV, sdO, me, dv);                    // dP^T = V dO^T
+            accumulate_rows<Tr, LayoutV>(dv_acc, s, sdO, me);               // dV += P^T dO
+            score_gradient<false, Tr>(dp, s, delta);                        // dS^T
+            accumulate_rows<Tr, Layout>(dk, dp, sQ, me);                    // dK += dS^T Q
+            __syncthreads();  // Q, dO fully read: their buffers take the next block
+        }
+    }
+
+    const GradSlice<T, Acc> kv_grad(params, tile.batch, first_head);
+    store_gradient<Tr>(kv_grad.dk + block.n0 * params.dk_row_stride, params.dk_row_stride, dk,
+                       static_cast<Acc>(p.scale), block.keys, d, me);
+    store_gradient<Tr>(kv_grad.dv + block.n0 * params.dv_row_stride, params.dv_row_stride, dv_acc,
+                       Acc(1), block.keys, dv, me);
+}
+
+// dQ of kBlockM query rows of one (batch, query head).
+template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN>
+__global__ void __launch_bounds__(
+    (SimtBwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>::kThreads),
+    (SimtBwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>::kMinBlocksPerSm))
+bwd_simt_dq_kernel(const BwdParams params) {
+    using Tr = SimtBwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>;
+    using Acc = typename Tr::Acc;
+    using Layout = typename Tr::Layout;
+    using LayoutV = typename Tr::LayoutV;
+    constexpr int TR = Tr::kRowsPerThread, TC = Tr::kColsPerThread;
+    const FwdParams& p = params.fwd;
+
+    const TileIndex tile(p, kBlockM, blockIdx.x);
+    const HeadSlice<T, Acc> head(p, tile.batch, tile.head);
+    const GradSlice<T, Acc> grad(params, tile.batch, tile.head);
+    const WindowMask mask(p);
+    const QueryBlock block(p, mask, tile.m_block * kBlockM, kBlockM);
+    const SimtBwdThread<Tr> me;
+    const Acc scale_log2 = static_cast<Acc>(p.scale_log2);
+    const int d = static_cast<int>(p.head_dim), dv = static_cast<int>(p.head_dim_v);
+
+    Acc* sQ = reinterpret_cast<Acc*>(dynamic_smem());
+    Acc* sdO = sQ + Tr::kOwnD;
+    Acc* sK = sdO + Tr::kOwnDv;
+    Acc* sV = sK + Tr::kStreamD;
+    load_tile<Tr::kThreads>(sQ, Layout{}, head.q + block.m0 * p.q_row_stride, p.q_row_stride,
+                            kBlockM, kHeadDim, block.rows, d);
+    load_tile<Tr::kThreads>(sdO, LayoutV{}, grad.dout + block.m0 * params.dout_row_stride,
+                            params.dout_row_stride, kBlockM, kHeadDimV, block.rows, dv);
+    Acc lse_log2[TR], delta[TR];
+#pragma unroll
+    for (int ii = 0; ii < TR; ++ii)
+        load_query_stats(lse_log2[ii], delta[ii], head.lse, p.lse_row_stride, grad.delta,
+                         params.delta_row_stride, block.m0 + me.row(ii), p.seqlen_q);
+
+    Acc dq[TR][Tr::kChunks][Tr::kVec] = {};
+    Acc s[TR][TC], dp[TR][TC];
+    const int64_t n_end = block.n_end(kBlockN);
+    for (int64_t n_block = block.n_begin(kBlockN); n_block < n_end; ++n_block) {
+        const int64_t n0 = n_block * kBlockN;
+        const int keys = QueryBlock::keys_in(p, n0, kBlockN);
+        load_tile<Tr::kThreads>(sK, Layout{}, head.k + n0 * p.k_row_stride, p.k_row_stride, kBlockN,
+                                kHeadDim, keys, d);
+        load_tile<Tr::kThreads>(sV, LayoutV{}, head.v + n0 * p.v_row_stride, p.v_row_stride,
+                                kBlockN, kHeadDimV, keys, dv);
+        __syncthreads();
+
+        dot_rows<Tr, Layout>(s, sQ, sK, me, d);                            // S = Q K^T
+        probabilities<true, Tr>(s, lse_log2, scale_log2);                   // P
+        if (block.needs_mask(mask, n0, kBlockN))
+            apply_mask<true, Tr>(s, mask, block.m0, n0, kBlockN, p.seqlen_q, me);
+        dot_rows<Tr, LayoutV>(dp, sdO, sV, me, dv);                        // dP = dO V^T
+        score_gradient<true, Tr>(dp, s, delta);                             // dS
+        accumulate_rows<Tr, Layout>(dq, dp, sK, me);                        // dQ += dS K
+        __syncthreads();  // K, V fully read: their buffers take the next block
+    }
+
+    store_gradient<Tr>(grad.dq + block.m0 * params.dq_row_stride, params.dq_row_stride, dq,
+                       static_cast<Acc>(p.scale), block.rows, d, me);
+}
+
+}  // namespace cf

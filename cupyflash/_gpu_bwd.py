@@ -1,0 +1,123 @@
+"""Running the CUDA backward kernels through an executor.
+
+The caller (:mod:`cupyflash._dispatch`) hands over canonical 4-D views, as for
+:func:`cupyflash._gpu.forward`: q ``(B, Hq, Lq, d)``, k ``(B, Hkv, Lk, d)``,
+v ``(B, Hkv, Lk, dv)``, out and dout ``(B, Hq, Lq, dv)``, lse ``(B, Hq, Lq)``
+(the accumulator type), with a unit-stride last axis and any other strides
+(0 for broadcast axes), all NumPy (emulator) or all CuPy (GPU); and the
+gradients dq, dk, dv of those shapes in the **accumulator type** (float32,
+float64 for float64 inputs), any strides with a unit-stride last axis.  dk and
+dv receive, per (batch, kv head), the sum over the kv head's group of query
+heads; reducing broadcast axes back to the shapes of k and v (and casting to
+the input dtype) is the caller's job.
+
+Three or four launches, in order: ``delta = rowsum(dout * out)`` into a
+workspace allocated here (``cuda_src/bwd_simt.cu``), then dK/dV (one launch,
+or dV and dK apart for bwd_mma's large head dims), then dQ, by the SIMT
+kernels or the tensor-core ones (``cuda_src/bwd_mma.cu``; :func:`select`).
+Every gradient element is summed by one thread in a fixed order, so the
+results are bit-identical from run to run.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._gpu import _accumulator_dtype, _array_module, rows_aligned
+from ._kernels import MMA_HEAD_DIMS, Instantiation, instantiations
+from ._launch import backward_kernel, backward_launch_config
+from ._params_bwd import bwd_params
+
+__all__ = ["backward", "select"]
+
+# bwd_simt's kernels of one bucket, in launch order.
+_SIMT_KERNELS = ("bwd_simt_dot_do_o_kernel", "bwd_simt_dkdv_kernel", "bwd_simt_dq_kernel")
+
+
+def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = False
+           ) -> tuple[Instantiation, ...]:
+    """The instantiations :func:`backward` launches for these arguments, in launch order.
+
+    bwd_mma (tensor cores, ``cuda_src/bwd_mma.cu``) where it applies -- the
+    conditions of fwd_mma (:func:`cupyflash._gpu.select`): ``arch >= 80``,
+    float16 or bfloat16, ``head_dim == head_dim_v <= 256`` and ``aligned``
+    (every row of q, k, v and dout starts on a 16-byte boundary) -- with the
+    smallest of :data:`~cupyflash._kernels.MMA_HEAD_DIMS` holding
+    ``head_dim``: bwd_simt's delta kernel, then bwd_mma's dK/dV kernel (two
+    launches, dV then dK, from head dim 160 on) and dQ kernel.  Otherwise
+    bwd_simt (any dtype, any strides) in the smallest head-dim bucket that
+    holds both head dims: delta, dK/dV, dQ.
+
+    Raises
+    ------
+    TypeError
+        ``dtype`` is not float16, bfloat16, float32 or float64.
+    ValueError
+        A head dim above the largest bucket.
+    """
+    name = np.dtype(dtype).name
+    rows = [r for r in instantiations() if r.family == "bwd_simt" and r.dtype == name]
+    if not rows:
+        raise TypeError(f"no bwd_simt kernels for dtype {name}")
+    d, dv = int(head_dim), int(head_dim_v)
+    fits = [r for r in rows if r.head_dim >= max(d, dv)]
+    if not fits:
+        raise ValueError(
+            f"head dims up to {max(r.head_dim for r in rows)} are supported; "
+            f"got head_dim={head_dim}, head_dim_v={head_dim_v}")
+    bucket = min(r.head_dim for r in fits)
+    simt = {backward_kernel(r): r for r in fits if r.head_dim == bucket}
+    if aligned and arch >= 80 and name in ("float16", "bfloat16") and d == dv <= MMA_HEAD_DIMS[-1]:
+        mma_dim = min(m for m in MMA_HEAD_DIMS if m >= d)
+        mma = (r for r in instantiations() if r.family == "bwd_mma" and r.dtype == name)
+        return (simt["bwd_simt_dot_do_o_kernel"],) + tuple(r for r in mma if r.head_dim == mma_dim)
+    return tuple(simt[k] for k in _SIMT_KERNELS)
+
+
+def backward(dout, q, k, v, out, lse, dq, dk, dv, *, scale, window_left, window_right, gqa_ratio,
+             deterministic=True, executor) -> None:
+    """dq, dk, dv = gradients of attention(q, k, v) with bwd_mma or bwd_simt (:func:`select`).
+
+    Parameters
+    ----------
+    dout, q, k, v, out, lse, dq, dk, dv : arrays
+        Canonical views as described in the module docstring; dq, dk and dv
+        (accumulator type) are overwritten entirely.
+    scale, window_left, window_right, gqa_ratio
+        As for :func:`cupyflash._gpu.forward` (``causal`` folded into the window).
+    deterministic : bool, default True
+        Accepted for the API; every backward kernel is deterministic (no
+        atomics), so both values run the same kernels.
+    executor
+        :class:`cupyflash._loader.CudaExecutor` or
+        :class:`cupyflash.emulator.EmulatorExecutor`.
+
+    Rows that see no key (lse = -inf) contribute nothing: their dq rows are
+    zero.  Keys no query row sees get zero dk and dv rows; with Lq = 0 every
+    dk, dv row is zero, with Lk = 0 every dq row.
+    """
+    del deterministic  # every backward launch is deterministic
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    heads_kv, seqlen_k, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
+    if batch == 0 or heads_q == 0:
+        return
+    acc = np.dtype(_accumulator_dtype(q.dtype))
+    for name, g in (("dq", dq), ("dk", dk), ("dv", dv)):
+        if np.dtype(g.dtype) != acc:
+            raise TypeError(f"`{name}` must have the accumulator dtype {acc.name}, "
+                            f"got {np.dtype(g.dtype).name}")
+    if np.dtype(lse.dtype) != acc:
+        raise TypeError(f"`lse` must have the accumulator dtype {acc.name}, got {np.dtype(lse.dtype).name}")
+    xp = _array_module(q)
+    delta = xp.empty((batch, heads_q, seqlen_q), dtype=acc)
+    params = bwd_params(dout, q, k, v, out, lse, dq, dk, dv, delta, scale=scale,
+                        window_left=window_left, window_right=window_right, gqa_ratio=gqa_ratio)
+    sizes = dict(batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen_q,
+                 seqlen_k=seqlen_k)
+    kernels = select(q.dtype, head_dim, head_dim_v, executor.arch,
+                     aligned=rows_aligned(q, k, v, dout))
+    # delta first (the others read it); a dK/dV launch needs keys, the others query rows.
+    for inst in kernels:
+        if (seqlen_k if "dkdv" in backward_kernel(inst) else seqlen_q) > 0:
+            grid, block, shared = backward_launch_config(inst, **sizes)
+            executor.launch(inst.entry, inst.name_expression, grid, block, shared, params)

@@ -1,0 +1,92 @@
+"""Backward-pass test helpers: the half-precision yardstick shared by the emulated and GPU tiers.
+
+A float16/bfloat16 backward cannot be compared with the float64 oracle at a
+fixed tolerance that means anything: its error is set by how the inputs and
+the intermediate matrices are rounded.  The yardstick is what a framework
+computing the backward naively in half precision gets (products of half
+operands accumulated in float32, every matrix it produces stored in the half
+dtype); a flash backward must not be more than twice as far from the oracle.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def visible(seqlen_q: int, seqlen_k: int, window) -> np.ndarray:
+    """(Lq, Lk) bool: query i may see key j (window bottom-right aligned, None = unbounded)."""
+    left, right = window
+    diff = np.arange(seqlen_k)[None, :] - np.arange(seqlen_q)[:, None] - (seqlen_k - seqlen_q)
+    ok = np.ones((seqlen_q, seqlen_k), dtype=bool)
+    if left is not None:
+        ok &= diff >= -left
+    if right is not None:
+        ok &= diff <= right
+    return ok
+
+
+def naive_half_backward(dout, q, k, v, out, *, scale, window=(None, None), gqa_ratio=1):
+    """(dq, dk, dv) in the half dtype of q, computed naively in half precision.
+
+    q, dout, out ``(..., Hq, Lq, ·)``; k, v ``(..., Hkv, Lk, ·)`` with
+    ``Hq = gqa_ratio * Hkv``; batch dims broadcast.  S, P, dV, dP, dS, dQ, dK
+    are rounded to the half dtype as they are produced; delta = rowsum(dO o O)
+    is float32 from the stored (half) O; dk and dv are summed over each kv
+    head's group of query heads, and every gradient over the batch dims its
+    input was broadcast along (in float32, rounded once).
+    """
+    dtype = np.dtype(q.dtype)
+
+    def f32(x):
+        return np.asarray(x).astype(np.float32)
+
+    def stored(x):
+        return x.astype(dtype).astype(np.float32)
+
+    g = gqa_ratio
+    q32, do, o = f32(q), f32(dout), f32(out)
+    heads_kv = q32.shape[-3] // g     # a broadcast (size-1) kv head axis first takes Hkv heads
+
+    def per_query_head(x):
+        x = np.broadcast_to(f32(x), x.shape[:-3] + (heads_kv,) + x.shape[-2:])
+        return np.repeat(x, g, axis=-3)
+
+    k32, v32 = per_query_head(k), per_query_head(v)
+    s = stored(q32 @ np.swapaxes(k32, -1, -2)) * np.float32(scale)
+    s = np.where(visible(q32.shape[-2], k32.shape[-2], window), s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
+    with np.errstate(invalid="ignore"):
+        e = np.exp(s - np.where(np.isfinite(m), m, 0))
+        p = stored(np.nan_to_num(e / e.sum(axis=-1, keepdims=True), nan=0.0))
+    dv = stored(np.swapaxes(p, -1, -2) @ do)
+    dp = stored(do @ np.swapaxes(v32, -1, -2))
+    ds = stored(p * (dp - np.sum(do * o, axis=-1, keepdims=True)))
+    dq = stored(ds @ k32 * np.float32(scale))
+    dk = stored(np.swapaxes(ds, -1, -2) @ q32 * np.float32(scale))
+
+    def group_sum(x):
+        return x.reshape(x.shape[:-3] + (x.shape[-3] // g, g) + x.shape[-2:]).sum(axis=-3)
+
+    return (sum_to_shape(dq, np.shape(q)).astype(dtype),
+            sum_to_shape(group_sum(dk), np.shape(k)).astype(dtype),
+            sum_to_shape(group_sum(dv), np.shape(v)).astype(dtype))
+
+
+def sum_to_shape(x, shape):
+    """Sum a broadcast gradient back to ``shape``."""
+    lead = x.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(
+        lead + a for a, n in enumerate(shape) if n == 1 and x.shape[lead + a] != 1)
+    return (x.sum(axis=axes) if axes else x).reshape(shape)
+
+
+def assert_within_twice_naive_half_error(actual, expected, naive, *, what="gradient"):
+    """max |actual - oracle| <= 2 max |naive - oracle| (plus a float32 rounding floor)."""
+    actual = np.asarray(actual).astype(np.float64)
+    naive = np.asarray(naive).astype(np.float64)
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    err = np.abs(actual - expected).max(initial=0.0)
+    naive_err = np.abs(naive - expected).max(initial=0.0)
+    floor = 1e-6 * max(1.0, np.abs(expected).max(initial=0.0))
+    assert err <= 2 * naive_err + floor, (
+        f"{what}: max error {err:.3g} exceeds twice the naive half-precision backward's {naive_err:.3g}")

@@ -1,0 +1,613 @@
+"""The CUDA backward kernels (bwd_simt, bwd_mma) run on the CPU emulator.
+
+Each case calls :func:`cupyflash._gpu_bwd.backward` exactly as the GPU path
+does, but through :class:`cupyflash.emulator.EmulatorExecutor` (threads and
+blocks in shuffled order, shared-memory race and bounds checks on), with the
+gradients poisoned with NaN before the launch so that an element no kernel
+writes shows.  The forward's out and lse come from the float64 oracle (rounded
+to the input and accumulator dtypes, as the forward returns them), so a
+backward case costs only the backward's launches.  Gradients are compared
+with the float64 oracle :func:`~cupyflash.reference.naive_attention_backward`:
+float32 and float64 to rounding (``assert_grad_close``), float16 and
+bfloat16 against twice the error of a naive half-precision backward with
+float32 accumulation (``tests/_backward_util.py``).  The executor is sm_80,
+so float16/bfloat16 inputs with d == dv and 16-byte aligned rows run bwd_mma
+(asserted where a test means it), everything else bwd_simt.  Together the
+cases cover every instantiation in the catalogue and every branch of the
+kernels: partial query and key blocks, masked, unmasked and skipped block
+pairs, rows that see no key, keys no row sees, GQA groups, broadcast
+(stride-0) and transposed or reversed strides, Lq or Lk of 0.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+import cupyflash
+from cupyflash import _gpu_bwd
+from cupyflash._gpu import rows_aligned
+from cupyflash._kernels import HEAD_DIM_BUCKETS, MMA_HEAD_DIMS, instantiations
+from cupyflash._launch import backward_kernel, backward_launch_config, representative_shared_bytes
+from cupyflash._params import FWD_PARAMS, UNBOUNDED
+from cupyflash._params_bwd import BWD_PARAMS, bwd_params
+from cupyflash._source import cuda_src_dir
+from cupyflash.emulator import EmulatorExecutor, emulator_available
+from cupyflash.reference import naive_attention, naive_attention_backward
+
+from _backward_util import assert_within_twice_naive_half_error, naive_half_backward
+from _util import DTYPES, accum_dtype, assert_grad_close, poisoned, random_array
+
+DTYPE_IDS = [np.dtype(d).name for d in DTYPES]
+HALF = [d for d in DTYPES if np.dtype(d).itemsize == 2]
+
+_OK, _WHY = emulator_available()
+needs_emulator = pytest.mark.skipif(not _OK, reason=f"CPU emulator unavailable: {_WHY}")
+
+
+@pytest.fixture(scope="module")
+def executor():
+    return EmulatorExecutor(arch=80, seed=1234, shuffle=True, race_check=True)
+
+
+# ---- running a backward and judging it ------------------------------------------------------------
+
+
+def qkv(rng, dtype, *, batch=1, heads_kv=1, gqa_ratio=1, seqlen_q, seqlen_k, head_dim,
+        head_dim_v=None, scale=1.0):
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    return (random_array(rng, (batch, gqa_ratio * heads_kv, seqlen_q, head_dim), dtype, scale),
+            random_array(rng, (batch, heads_kv, seqlen_k, head_dim), dtype, scale),
+            random_array(rng, (batch, heads_kv, seqlen_k, head_dim_v), dtype, scale))
+
+
+class Case:
+    """One backward problem: inputs, the forward's out/lse as the forward returns them, dout."""
+
+    def __init__(self, rng, q, k, v, *, window=(None, None), gqa_ratio=1, scale=None, dout=None):
+        self.q, self.k, self.v = q, k, v
+        self.dtype = np.dtype(q.dtype)
+        self.window, self.gqa_ratio = window, gqa_ratio
+        self.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        out, lse = naive_attention(q, k, v, scale=self.scale, window=window,
+                                   enable_gqa=gqa_ratio > 1, return_lse=True)
+        self.out = out.astype(self.dtype)
+        self.lse = lse.astype(accum_dtype(self.dtype))
+        self.dout = random_array(rng, out.shape, self.dtype) if dout is None else dout
+
+    def grads(self):
+        acc = accum_dtype(self.dtype)
+        return (poisoned(self.q.shape, acc), poisoned(self.k.shape, acc), poisoned(self.v.shape, acc))
+
+    def run(self, executor, grads=None, *, out=None, dout=None, lse=None):
+        """The kernels' dq, dk, dv (accumulator dtype, shapes of q, k, v)."""
+        dq, dk, dv = self.grads() if grads is None else grads
+        _gpu_bwd.backward(self.dout if dout is None else dout, self.q, self.k, self.v,
+                          self.out if out is None else out, self.lse if lse is None else lse,
+                          dq, dk, dv, scale=self.scale, window_left=self.window[0],
+                          window_right=self.window[1], gqa_ratio=self.gqa_ratio, executor=executor)
+        return dq, dk, dv
+
+    def expected(self):
+        return naive_attention_backward(self.dout, self.q, self.k, self.v, scale=self.scale,
+                                        window=self.window, enable_gqa=self.gqa_ratio > 1)
+
+    def check(self, grads):
+        expected = self.expected()
+        naive_half = (naive_half_backward(self.dout, self.q, self.k, self.v, self.out, scale=self.scale,
+                                          window=self.window, gqa_ratio=self.gqa_ratio)
+                      if self.dtype.itemsize == 2 else (None,) * 3)
+        for name, g, e, h in zip(("dq", "dk", "dv"), grads, expected, naive_half):
+            g = np.asarray(g)
+            assert g.shape == e.shape, f"{name}: shape {g.shape} != {e.shape}"
+            assert not np.isnan(g.astype(np.float64)).any(), f"{name}: element left unwritten (NaN)"
+            if h is None:
+                assert_grad_close(g, e, self.dtype, what=name)
+            else:
+                assert_within_twice_naive_half_error(g, e, h, what=name)
+
+
+# ---- the params struct, the catalogue and the launch configuration -----------------------------
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_bwd_params_dtype_matches_cxx_struct_layout(tmp_path):
+    top = [n for n in BWD_PARAMS.names if n != "fwd"]
+    nested = list(FWD_PARAMS.names)
+    prints = "\n".join(
+        [f'    std::printf("{n} %zu\\n", offsetof(cf::BwdParams, {n}));' for n in ["fwd"] + top]
+        + [f'    std::printf("fwd.{n} %zu\\n", offsetof(cf::BwdParams, fwd) + offsetof(cf::FwdParams, {n}));'
+           for n in nested])
+    src = tmp_path / "layout.cpp"
+    src.write_text(f'#include <cstddef>\n#include <cstdio>\n#include "params_bwd.cuh"\n'
+                   f'int main() {{\n{prints}\n'
+                   f'    std::printf("sizeof %zu\\n", sizeof(cf::BwdParams));\n'
+                   f'    std::printf("alignof %zu\\n", alignof(cf::BwdParams));\n}}\n')
+    exe = tmp_path / "layout"
+    subprocess.run(["g++", "-std=c++17", f"-I{cuda_src_dir()}", str(src), "-o", str(exe)],
+                   check=True, capture_output=True)
+    lines = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")
+    cxx = dict(line.split() for line in lines if line)
+    assert [n for n in cxx if n not in ("sizeof", "alignof") and "." not in n] == list(BWD_PARAMS.names)
+    for n in BWD_PARAMS.names:
+        assert int(cxx[n]) == BWD_PARAMS.fields[n][1], n
+    fwd_offset = BWD_PARAMS.fields["fwd"][1]
+    for n in nested:
+        assert int(cxx[f"fwd.{n}"]) == fwd_offset + FWD_PARAMS.fields[n][1], n
+    assert int(cxx["sizeof"]) == BWD_PARAMS.itemsize
+    assert int(cxx["alignof"]) == BWD_PARAMS.alignment
+
+
+def test_bwd_params_hold_pointers_strides_and_the_forward_problem():
+    q = np.zeros((2, 4, 5, 8), np.float32)
+    k = np.zeros((2, 3, 2, 6, 8), np.float32)[:, :, 0]
+    v = np.broadcast_to(np.zeros((1, 1, 6, 3), np.float32), (2, 2, 6, 3))
+    out = np.zeros((2, 4, 5, 3), np.float32)
+    dout = np.zeros((2, 5, 4, 3), np.float32).transpose(0, 2, 1, 3)
+    lse = np.zeros((2, 4, 5), np.float32)
+    dq, dk, dv = np.zeros_like(q), np.zeros((2, 2, 6, 8), np.float32), np.zeros((2, 2, 6, 3), np.float32)
+    delta = np.zeros((2, 4, 5), np.float32)
+    p = bwd_params(dout, q, k, v, out, lse, dq, dk, dv, delta, scale=0.5, window_left=None,
+                   window_right=0, gqa_ratio=2)
+    assert p["fwd"]["q"] == q.ctypes.data and p["fwd"]["lse"] == lse.ctypes.data
+    assert p["fwd"]["ws_o"] == 0 and p["fwd"]["block_m"] == 0
+    assert (p["fwd"]["window_left"], p["fwd"]["window_right"]) == (UNBOUNDED, 0)
+    assert p["fwd"]["gqa_ratio"] == 2 and p["fwd"]["scale"] == 0.5
+    assert p["dout"] == dout.ctypes.data and p["delta"] == delta.ctypes.data
+    assert (p["dout_batch_stride"], p["dout_head_stride"], p["dout_row_stride"]) == (60, 3, 12)
+    assert (p["dk_batch_stride"], p["dk_head_stride"], p["dk_row_stride"]) == (96, 48, 8)
+    assert (p["fwd"]["v_batch_stride"], p["fwd"]["v_head_stride"]) == (0, 0)
+    assert (p["delta_batch_stride"], p["delta_head_stride"], p["delta_row_stride"]) == (20, 5, 1)
+
+
+def _bwd_rows():
+    return [r for r in instantiations() if r.family == "bwd_simt"]
+
+
+def test_catalogue_has_delta_dkdv_and_dq_kernels_for_every_dtype_and_bucket():
+    rows = _bwd_rows()
+    kernels = {"bwd_simt_dot_do_o_kernel", "bwd_simt_dkdv_kernel", "bwd_simt_dq_kernel"}
+    for dtype in ("float16", "bfloat16", "float32", "float64"):
+        for bucket in HEAD_DIM_BUCKETS:
+            found = {backward_kernel(r) for r in rows if (r.dtype, r.head_dim) == (dtype, bucket)}
+            assert found == kernels, (dtype, bucket)
+    assert len({r.name_expression for r in instantiations()}) == len(instantiations())
+    for r in rows:
+        assert r.entry == "bwd_simt.cu" and r.threads == 128, r
+        shared = representative_shared_bytes(r)
+        if backward_kernel(r) == "bwd_simt_dot_do_o_kernel":
+            assert shared == 0
+            continue
+        own = r.block_n if backward_kernel(r) == "bwd_simt_dkdv_kernel" else r.block_m
+        streamed = r.block_m if backward_kernel(r) == "bwd_simt_dkdv_kernel" else r.block_n
+        assert own % 16 == 0 and streamed % 8 == 0, r
+        # 48 KB (no opt-in) except float64 at 256; all within sm_86/sm_89's 99 KB
+        assert shared <= (99 if (r.dtype, r.head_dim) == ("float64", 256) else 48) * 1024, r
+
+
+def test_backward_launch_config_grids_and_shared_memory():
+    delta, dkdv, dq = _gpu_bwd.select(np.float32, 64, 64, 80)
+    sizes = dict(batch=3, heads_q=8, heads_kv=2, seqlen_q=130, seqlen_k=70)
+    grid, block, shared = backward_launch_config(delta, **sizes)
+    assert grid == (3 * 8 * math.ceil(130 / 16), 1, 1) and block == (128, 1, 1) and shared == 0
+    grid, _, shared = backward_launch_config(dkdv, **sizes)
+    assert grid == (3 * 2 * math.ceil(70 / dkdv.block_n), 1, 1)
+    assert shared == (dkdv.block_m + dkdv.block_n) * (64 + 64) * 4
+    grid, _, shared = backward_launch_config(dq, **sizes)
+    assert grid == (3 * 8 * math.ceil(130 / dq.block_m), 1, 1)
+    assert shared == (dq.block_m + dq.block_n) * (64 + 64) * 4
+    with pytest.raises(ValueError, match="CTAs"):
+        backward_launch_config(dq, batch=2**16, heads_q=2**10, heads_kv=1, seqlen_q=2**12, seqlen_k=1)
+    with pytest.raises(ValueError, match="nothing to launch"):
+        backward_launch_config(dkdv, batch=1, heads_q=1, heads_kv=1, seqlen_q=5, seqlen_k=0)
+    fwd = next(r for r in instantiations() if r.family == "fwd_simt")
+    with pytest.raises(ValueError, match="no backward launch configuration"):
+        backward_launch_config(fwd, **sizes)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_select_picks_the_smallest_bucket_holding_both_head_dims(dtype):
+    for d, dv, bucket in [(1, 1, 32), (32, 3, 32), (33, 8, 64), (8, 65, 128), (200, 1, 256),
+                          (256, 256, 256)]:
+        rows = _gpu_bwd.select(dtype, d, dv, 80)
+        assert [backward_kernel(r) for r in rows] == [
+            "bwd_simt_dot_do_o_kernel", "bwd_simt_dkdv_kernel", "bwd_simt_dq_kernel"]
+        assert {(r.dtype, r.head_dim, r.head_dim_v) for r in rows} == {(np.dtype(dtype).name, bucket, bucket)}
+    with pytest.raises(ValueError, match="256"):
+        _gpu_bwd.select(dtype, 1, 257, 80)
+    with pytest.raises(TypeError, match="int32"):
+        _gpu_bwd.select(np.int32, 8, 8, 80)
+
+
+# ---- every instantiation, every dtype -------------------------------------------------------------
+
+
+@needs_emulator
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("head_dim, head_dim_v", [(1, 1), (32, 19), (33, 64), (100, 7), (256, 129)],
+                         ids=["d1", "d32-dv19", "d33-dv64", "d100-dv7", "d256-dv129"])
+def test_every_instantiation_matches_oracle(executor, dtype, head_dim, head_dim_v):
+    # Several query and key blocks per bucket's tiles, partial ones in both axes.
+    rng = np.random.default_rng(head_dim * 1000 + head_dim_v)
+    q, k, v = qkv(rng, dtype, batch=2, seqlen_q=37, seqlen_k=45, head_dim=head_dim,
+                  head_dim_v=head_dim_v)
+    case = Case(rng, q, k, v)
+    case.check(case.run(executor))
+
+
+@needs_emulator
+@pytest.mark.parametrize("dtype", HALF, ids=[np.dtype(d).name for d in HALF])
+def test_half_precision_through_the_api_within_twice_the_naive_half_error(dtype):
+    rng = np.random.default_rng(21)
+    q, k, v = qkv(rng, dtype, heads_kv=2, gqa_ratio=2, seqlen_q=40, seqlen_k=33, head_dim=24,
+                  head_dim_v=40)
+    case = Case(rng, q, k, v, window=(None, 0), gqa_ratio=2)
+    grads = cupyflash.attention_backward(case.dout, q, k, v, case.out, case.lse, causal=True,
+                                         enable_gqa=True, backend="emulator")
+    for g, x in zip(grads, (q, k, v)):
+        assert g.dtype == x.dtype and g.shape == x.shape
+    case.check(grads)
+
+
+# ---- masks ------------------------------------------------------------------------------------------
+
+
+@needs_emulator
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(150, 100), (70, 133)], ids=["lq>lk", "lq<lk"])
+@pytest.mark.parametrize("window", [(None, 0), (None, None), (16, 0), (0, 0), (5, 40), (None, 9),
+                                    (31, None), (0, None)],
+                         ids=["causal", "full", "w16-0", "w0-0", "w5-40", "wN-9", "w31-N", "w0-N"])
+def test_masks_match_oracle(executor, seqlen_q, seqlen_k, window):
+    rng = np.random.default_rng(seqlen_q + seqlen_k)
+    q, k, v = qkv(rng, np.float64, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=16)
+    case = Case(rng, q, k, v, window=window)
+    case.check(case.run(executor))
+
+
+@needs_emulator
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_rows_with_no_key_get_zero_dq_and_unseen_keys_zero_dk_dv(executor, dtype):
+    # Causal with Lq > Lk: rows i < Lq - Lk see no key (lse = -inf), a whole
+    # query block of them too.  Window (2, 0) with Lq < Lk: keys 0 .. 40 are
+    # seen by no row, whole key blocks of them.
+    rng = np.random.default_rng(7)
+    q, k, v = qkv(rng, dtype, seqlen_q=150, seqlen_k=20, head_dim=8)
+    case = Case(rng, q, k, v, window=(None, 0))
+    assert np.isneginf(case.lse[:, :, :130]).all()
+    dq, dk, dv = case.run(executor)
+    case.check((dq, dk, dv))
+    assert (dq[:, :, :130] == 0).all()
+
+    q, k, v = qkv(rng, dtype, seqlen_q=30, seqlen_k=73, head_dim=8)
+    case = Case(rng, q, k, v, window=(2, 0))
+    dq, dk, dv = case.run(executor)
+    case.check((dq, dk, dv))
+    assert (dk[:, :, :41] == 0).all() and (dv[:, :, :41] == 0).all()
+
+
+@needs_emulator
+def test_fully_masked_blocks_are_skipped(executor):
+    # The query row sees keys 189..199 only.  Keys 0..127 fill key blocks no
+    # row sees and query rows 0..63 of the second case query blocks that see
+    # no key: were they read, their NaN would reach the gradients (0 * NaN).
+    rng = np.random.default_rng(9)
+    q, k, v = qkv(rng, np.float32, seqlen_q=1, seqlen_k=200, head_dim=16)
+    case = Case(rng, q, k[:, :, 128:], v[:, :, 128:], window=(10, 0), scale=0.25)
+    expected = case.expected()
+    k[:, :, :128] = np.nan
+    v[:, :, :128] = np.nan
+    case.k, case.v = k, v
+    dq, dk, dv = case.run(executor)
+    assert_grad_close(dq, expected[0], np.float32, what="dq")
+    assert_grad_close(dk[:, :, 128:], expected[1], np.float32, what="dk")
+    assert_grad_close(dv[:, :, 128:], expected[2], np.float32, what="dv")
+    assert (dk[:, :, :128] == 0).all() and (dv[:, :, :128] == 0).all()
+
+    # Lq > Lk, causal: rows 0..79 see nothing; NaN there must not reach dk, dv.
+    q, k, v = qkv(rng, np.float32, seqlen_q=100, seqlen_k=20, head_dim=16)
+    case = Case(rng, q, k, v, window=(None, 0))
+    expected = case.expected()
+    for x in (case.q, case.dout, case.out):
+        x[:, :, :64] = np.nan
+    dq, dk, dv = case.run(executor)
+    assert_grad_close(dk, expected[1], np.float32, what="dk")
+    assert_grad_close(dv, expected[2], np.float32, what="dv")
+    assert_grad_close(dq[:, :, 80:], expected[0][:, :, 80:], np.float32, what="dq")
+    assert (dq[:, :, :80] == 0).all()
+
+
+# ---- GQA, MQA, strides ------------------------------------------------------------------------------
+
+
+@needs_emulator
+@pytest.mark.parametrize("gqa_ratio, heads_kv", [(2, 2), (4, 1)], ids=["gqa2", "mqa4"])
+def test_gqa_dk_dv_sum_over_the_group(executor, gqa_ratio, heads_kv):
+    rng = np.random.default_rng(10 + gqa_ratio)
+    q, k, v = qkv(rng, np.float32, batch=2, heads_kv=heads_kv, gqa_ratio=gqa_ratio, seqlen_q=33,
+                  seqlen_k=41, head_dim=12, head_dim_v=20)
+    case = Case(rng, q, k, v, gqa_ratio=gqa_ratio, window=(None, 3))
+    case.check(case.run(executor))
+
+
+@needs_emulator
+def test_broadcast_kv_and_batch_with_zero_strides(executor):
+    # A stride-0 head or batch axis is just another slot: each (batch, head)
+    # slot of dk and dv gets that head's own gradient; the dispatcher sums them.
+    rng = np.random.default_rng(11)
+    q = np.broadcast_to(random_array(rng, (1, 3, 29, 10), np.float32), (2, 3, 29, 10))
+    k = np.broadcast_to(random_array(rng, (2, 1, 35, 10), np.float32), (2, 3, 35, 10))
+    v = np.broadcast_to(random_array(rng, (1, 1, 35, 6), np.float32), (2, 3, 35, 6))
+    assert q.strides[0] == 0 and k.strides[1] == 0 and v.strides[0] == v.strides[1] == 0
+    case = Case(rng, q, k, v, window=(7, 2))
+    case.check(case.run(executor))
+
+
+@needs_emulator
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+def test_mqa_by_broadcasting_through_the_api(dtype):
+    rng = np.random.default_rng(12)
+    q = random_array(rng, (2, 4, 21, 8), dtype)
+    k = random_array(rng, (2, 1, 26, 8), dtype)        # one kv head for four query heads
+    v = random_array(rng, (1, 1, 26, 5), dtype)        # ... and one batch for two
+    out, lse = cupyflash.attention(q, k, v, causal=True, return_lse=True)
+    dout = random_array(rng, out.shape, dtype)
+    grads = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True, backend="emulator")
+    expected = naive_attention_backward(dout, q, k, v, causal=True)
+    for name, g, e, x in zip(("dq", "dk", "dv"), grads, expected, (q, k, v)):
+        assert g.shape == x.shape and g.dtype == x.dtype, name
+        assert_grad_close(g, e, dtype, what=name)
+
+
+@needs_emulator
+def test_transposed_reversed_and_strided_views_in_and_out(executor):
+    rng = np.random.default_rng(13)
+    b, h, lq, lk, d, dv = 2, 3, 40, 70, 24, 40
+    # (B, L, H, d) storage seen as (B, H, L, d); every other key row; reversed value rows.
+    q = random_array(rng, (b, lq, h, d), np.float64).transpose(0, 2, 1, 3)
+    k = random_array(rng, (b, h, 2 * lk, d), np.float64)[:, :, ::2]
+    v = random_array(rng, (b, h, lk, dv), np.float64)[:, :, ::-1]
+    dout = random_array(rng, (b, lq, h, dv), np.float64).transpose(0, 2, 1, 3)
+    case = Case(rng, q, k, v, window=(20, 5), dout=dout)
+    out = np.empty((b, lq, h, dv), np.float64).transpose(0, 2, 1, 3)
+    out[...] = case.out
+    lse = np.empty((b, lq, h), np.float64).transpose(0, 2, 1)
+    lse[...] = case.lse
+    grads = (poisoned((b, lq, h, d), np.float64).transpose(0, 2, 1, 3),
+             poisoned((lk, b, h, d), np.float64).transpose(1, 2, 0, 3),
+             poisoned((b, h, 2 * lk, dv), np.float64)[:, :, 1::2])
+    case.check(case.run(executor, grads, out=out, lse=lse))
+
+
+# ---- determinism, sizes, scales ---------------------------------------------------------------------
+
+
+@needs_emulator
+def test_bit_identical_across_runs_with_different_thread_and_block_orders():
+    rng = np.random.default_rng(14)
+    q, k, v = qkv(rng, np.float32, batch=2, heads_kv=2, gqa_ratio=3, seqlen_q=70, seqlen_k=90,
+                  head_dim=20)
+    case = Case(rng, q, k, v, gqa_ratio=3, window=(50, 0))
+    runs = [case.run(EmulatorExecutor(arch=80, seed=seed, shuffle=True, race_check=False))
+            for seed in (1, 2)]
+    case.check(runs[0])
+    for a, b in zip(*runs):
+        assert a.tobytes() == b.tobytes()
+
+
+@needs_emulator
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 1), (1, 50), (50, 1), (3, 0), (0, 5)],
+                         ids=["1x1", "1x50", "50x1", "lk0", "lq0"])
+def test_tiny_and_empty_sequences(executor, seqlen_q, seqlen_k):
+    rng = np.random.default_rng(seqlen_q * 100 + seqlen_k)
+    q, k, v = qkv(rng, np.float32, batch=2, heads_kv=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                  head_dim=7, head_dim_v=3)
+    case = Case(rng, q, k, v)
+    dq, dk, dv = case.run(executor)
+    case.check((dq, dk, dv))
+    if seqlen_k == 0:
+        assert (dq == 0).all()
+    if seqlen_q == 0:
+        assert (dk == 0).all() and (dv == 0).all()
+
+
+@needs_emulator
+@pytest.mark.parametrize("scale", [12.0, -0.7, 0.0], ids=["large", "negative", "zero"])
+def test_extreme_and_negative_scales(executor, scale):
+    # Large logits: P is recomputed from lse against scores of size ~100, so
+    # float32 gradients are only as accurate as ~100 ulps of them.
+    rng = np.random.default_rng(15)
+    q, k, v = qkv(rng, np.float32, seqlen_q=45, seqlen_k=77, head_dim=9)
+    case = Case(rng, q, k, v, scale=scale, window=(None, 0))
+    dq, dk, dv = case.run(executor)
+    expected = case.expected()
+    for name, g, e in zip(("dq", "dk", "dv"), (dq, dk, dv), expected):
+        assert_grad_close(g, e, np.float32, what=name)  # magnitude-relative
+        if scale == 0.0 and name != "dv":
+            assert (g == 0).all(), name
+
+
+# ---- bwd_mma: tensor cores -------------------------------------------------------------------------
+
+MMA_ROWS = [r for r in instantiations() if r.family == "bwd_mma"]
+
+
+def _families(case: Case, arch=80):
+    rows = _gpu_bwd.select(case.dtype, case.q.shape[-1], case.v.shape[-1], arch,
+                           aligned=rows_aligned(case.q, case.k, case.v, case.dout))
+    return {r.family for r in rows}
+
+
+def test_mma_catalogue_covers_every_fwd_mma_head_dim_for_both_dtypes():
+    for dtype in ("float16", "bfloat16"):
+        for d in MMA_HEAD_DIMS:
+            rows = [r for r in MMA_ROWS if (r.dtype, r.head_dim) == (dtype, d)]
+            kernels = [backward_kernel(r) for r in rows]
+            # dK and dV in one launch up to 128, dV then dK from 160 on
+            assert kernels == (["bwd_mma_dkdv_kernel", "bwd_mma_dq_kernel"] if d <= 128 else
+                               ["bwd_mma_dkdv_kernel"] * 2 + ["bwd_mma_dq_kernel"]), (dtype, d)
+            if d > 128:
+                assert rows[0].name_expression.endswith(", 1>") and rows[1].name_expression.endswith(", 2>")
+            for r in rows:
+                assert r.threads == 128 and r.head_dim_v == d
+                assert representative_shared_bytes(r) <= 99 * 1024, r
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=[np.dtype(d).name for d in HALF])
+def test_select_picks_bwd_mma_only_where_it_applies(dtype):
+    def families(*args, **kw):
+        return [r.family for r in _gpu_bwd.select(dtype, *args, **kw)]
+
+    assert families(64, 64, 80, aligned=True) == ["bwd_simt", "bwd_mma", "bwd_mma"]
+    assert families(200, 200, 90, aligned=True) == ["bwd_simt"] + ["bwd_mma"] * 3
+    assert {r.head_dim for r in _gpu_bwd.select(dtype, 200, 200, 90, aligned=True)[1:]} == {224}
+    assert _gpu_bwd.select(dtype, 200, 200, 90, aligned=True)[0].head_dim == 256   # delta: simt bucket
+    for args, kw in [((64, 64, 80), {}),                     # alignment unknown
+                     ((64, 64, 80), dict(aligned=False)),    # rows not 16-byte aligned
+                     ((64, 32, 80), dict(aligned=True)),     # dv != d
+                     ((64, 64, 75), dict(aligned=True))]:    # no mma.sync m16n8k16 before sm_80
+        assert families(*args, **kw) == ["bwd_simt"] * 3, (args, kw)
+    for other in (np.float32, np.float64):
+        assert {r.family for r in _gpu_bwd.select(other, 64, 64, 90, aligned=True)} == {"bwd_simt"}
+
+
+def test_mma_launch_config_shared_memory_matches_the_tiles():
+    for r in MMA_ROWS:
+        grid, block, shared = backward_launch_config(r, batch=2, heads_q=6, heads_kv=3, seqlen_q=100,
+                                                     seqlen_k=200)
+        d = r.head_dim
+        if backward_kernel(r) == "bwd_mma_dkdv_kernel":
+            assert grid == (2 * 3 * math.ceil(200 / r.block_n), 1, 1)
+            own_tiles = 1 if r.name_expression.endswith(", 1>") else 2     # V only for dK
+            assert shared == (own_tiles * r.block_n + 2 * r.block_m) * d * 2 + 2 * r.block_m * 4
+        else:
+            assert grid == (2 * 6 * math.ceil(100 / r.block_m), 1, 1)
+            assert shared == (2 * r.block_m + 2 * r.block_n) * d * 2 + 2 * r.block_n * 4
+        assert block == (128, 1, 1)
+
+
+def _mma_row_id(r):
+    return r.name_expression.removeprefix("cf::bwd_mma_")
+
+
+# One case per (dtype, head dim): run-time d below the bucket where it can be
+# (zero-filled columns), GQA, partial query and key blocks; causal on every
+# other case.  Each case runs all the bucket's bwd_mma kernels.
+MMA_CASES = [(dtype, d, run_d) for dtype in HALF for d, run_d in
+             zip(MMA_HEAD_DIMS, (24, 64, 88, 128, 152, 192, 200, 256))]
+
+
+@needs_emulator
+@pytest.mark.parametrize("dtype, bucket, head_dim", MMA_CASES,
+                         ids=[f"{np.dtype(c[0]).name}-d{c[2]}" for c in MMA_CASES])
+def test_mma_every_instantiation_matches_oracle(executor, dtype, bucket, head_dim):
+    rng = np.random.default_rng(bucket + head_dim)
+    q, k, v = qkv(rng, dtype, heads_kv=1, gqa_ratio=2, seqlen_q=70, seqlen_k=83, head_dim=head_dim)
+    case = Case(rng, q, k, v, gqa_ratio=2, window=(None, 0) if bucket % 64 else (None, None))
+    assert _families(case) == {"bwd_simt", "bwd_mma"}
+    assert {r.head_dim for r in _gpu_bwd.select(dtype, head_dim, head_dim, 80, aligned=True)[1:]} == {bucket}
+    case.check(case.run(executor))
+
+
+@needs_emulator
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(150, 100), (70, 133)], ids=["lq>lk", "lq<lk"])
+@pytest.mark.parametrize("window", [(None, 0), (16, 0), (0, 0), (5, 40), (31, None)],
+                         ids=["causal", "w16-0", "w0-0", "w5-40", "w31-N"])
+def test_mma_masks_match_oracle(executor, seqlen_q, seqlen_k, window):
+    rng = np.random.default_rng(seqlen_q * 3 + seqlen_k)
+    q, k, v = qkv(rng, np.float16, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=32)
+    case = Case(rng, q, k, v, window=window)
+    assert _families(case) == {"bwd_simt", "bwd_mma"}
+    case.check(case.run(executor))
+
+
+@needs_emulator
+def test_mma_strided_broadcast_views_and_bit_identical_runs():
+    # (B, L, H, d) storage seen as (B, H, L, d); k broadcast over heads (stride 0);
+    # v every other row; gradients written through transposed views.
+    rng = np.random.default_rng(17)
+    b, h, lq, lk, d = 2, 3, 45, 70, 64
+    dtype = np.dtype(HALF[-1])
+    q = random_array(rng, (b, lq, h, d), dtype).transpose(0, 2, 1, 3)
+    k = np.broadcast_to(random_array(rng, (b, 1, lk, d), dtype), (b, h, lk, d))
+    v = random_array(rng, (b, h, 2 * lk, d), dtype)[:, :, ::2]
+    dout = random_array(rng, (b, lq, h, d), dtype).transpose(0, 2, 1, 3)
+    case = Case(rng, q, k, v, window=(30, 4), dout=dout)
+    assert _families(case) == {"bwd_simt", "bwd_mma"}
+    acc = accum_dtype(dtype)
+    runs = []
+    for seed in (3, 4):
+        grads = (poisoned((b, lq, h, d), acc).transpose(0, 2, 1, 3), poisoned((b, h, lk, d), acc),
+                 poisoned((lk, b, h, d), acc).transpose(1, 2, 0, 3))
+        runs.append(case.run(EmulatorExecutor(arch=80, seed=seed, shuffle=True, race_check=True), grads))
+    case.check(runs[0])
+    for a, c in zip(*runs):
+        assert np.array_equal(a, c)
+
+
+@needs_emulator
+def test_mma_keys_no_row_sees_and_rows_that_see_no_key(executor):
+    # Window (2, 0), Lq < Lk: keys 0 .. 40 are seen by no row (whole key blocks);
+    # causal, Lq > Lk: rows 0 .. 99 see no key (whole query blocks).
+    rng = np.random.default_rng(18)
+    q, k, v = qkv(rng, np.float16, seqlen_q=30, seqlen_k=73, head_dim=16)
+    case = Case(rng, q, k, v, window=(2, 0))
+    assert _families(case) == {"bwd_simt", "bwd_mma"}
+    dq, dk, dv = case.run(executor)
+    case.check((dq, dk, dv))
+    assert (dk[:, :, :41] == 0).all() and (dv[:, :, :41] == 0).all()
+    q, k, v = qkv(rng, np.float16, seqlen_q=150, seqlen_k=50, head_dim=16)
+    case = Case(rng, q, k, v, window=(None, 0))
+    dq, dk, dv = case.run(executor)
+    case.check((dq, dk, dv))
+    assert (dq[:, :, :100] == 0).all()
+
+
+# ---- the public API ---------------------------------------------------------------------------------
+
+# name: (q shape, k shape, v shape, options): the layouts the dispatcher must map onto the kernels.
+API_CASES = {
+    "two_dim": ((7, 5), (11, 5), (11, 3), {}),
+    "gqa_broadcast_kv": ((3, 4, 9, 8), (1, 2, 11, 8), (3, 1, 11, 5), dict(enable_gqa=True)),
+    "batch_broadcast": ((3, 1, 9, 4), (1, 2, 11, 4), (11, 3), {}),
+    "q_broadcast_window": ((9, 4), (3, 11, 4), (3, 11, 3), dict(window=(4, 4))),
+    "five_dims_causal": ((2, 2, 3, 10, 6), (2, 1, 3, 7, 6), (2, 2, 1, 7, 6), dict(causal=True)),
+}
+
+
+@needs_emulator
+@pytest.mark.parametrize("case", list(API_CASES), ids=list(API_CASES))
+def test_attention_backward_on_the_emulator_matches_oracle(case):
+    q_shape, k_shape, v_shape, kw = API_CASES[case]
+    rng = np.random.default_rng(len(case))
+    q, k, v = (random_array(rng, s, np.float32) for s in (q_shape, k_shape, v_shape))
+    out, lse = cupyflash.attention(q, k, v, return_lse=True, **kw)
+    dout = random_array(rng, out.shape, np.float32)
+    grads = cupyflash.attention_backward(dout, q, k, v, out, lse, backend="emulator", **kw)
+    cpu = cupyflash.attention_backward(dout, q, k, v, out, lse, backend="numpy", **kw)
+    expected = naive_attention_backward(dout, q, k, v, **kw)
+    for name, g, c, e, x in zip(("dq", "dk", "dv"), grads, cpu, expected, (q, k, v)):
+        assert g.shape == x.shape and g.dtype == x.dtype, name
+        assert_grad_close(g, e, np.float32, what=name)
+        assert_grad_close(g, c, np.float32, what=f"{name} vs the CPU path")
+
+
+@needs_emulator
+def test_attention_backward_deterministic_keyword():
+    rng = np.random.default_rng(16)
+    q, k, v = (random_array(rng, (2, 17, 8), np.float64) for _ in range(3))
+    out, lse = cupyflash.attention(q, k, v, return_lse=True)
+    dout = random_array(rng, out.shape, np.float64)
+    a = cupyflash.attention_backward(dout, q, k, v, out, lse, backend="emulator")
+    b = cupyflash.attention_backward(dout, q, k, v, out, lse, backend="emulator", deterministic=False)
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(x, y, rtol=1e-12, atol=1e-13)
+    with pytest.raises(TypeError, match="deterministic"):
+        cupyflash.attention_backward(dout, q, k, v, out, lse, backend="emulator", deterministic=1)
+    # lse in float32 for float64 inputs is accepted (converted to the accumulator type)
+    c = cupyflash.attention_backward(dout, q, k, v, out, lse.astype(np.float32), backend="emulator")
+    for x, y in zip(a, c):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
