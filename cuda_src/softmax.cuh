@@ -34,7 +34,9 @@ __device__ __forceinline__ double exp2_acc(double x) { return exp2(x); }
 __device__ __forceinline__ float log2_acc(float x) { return log2f(x); }
 __device__ __forceinline__ double log2_acc(double x) { return log2(x); }
 
-template <typename Acc> __device__ __forceinline__ Acc max_acc(Acc a, Acc b) { return a > b ? a : b; }
+// One FMNMX (DMNMX) instruction; a compare-and-select would take two.
+__device__ __forceinline__ float max_acc(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ double max_acc(double a, double b) { return fmax(a, b); }
 
 // The reference point a row is exponentiated against: its max, or 0 while
 // the max is -inf (so that -inf - (-inf) never happens).
