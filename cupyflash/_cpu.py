@@ -26,10 +26,17 @@ _SCORE_BLOCK_ELEMENTS = 1 << 21
 _MAX_KEY_BLOCK = 512
 
 
-def _block_sizes(n_vec: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
-    """Query and key block sizes so that one score block stays within budget."""
+def _block_sizes(n_vec: int, seqlen_q: int, seqlen_k: int, masked: bool) -> tuple[int, int]:
+    """Query and key block sizes so that one score block stays within budget.
+
+    Under a causal or window mask the query block is no taller than the key
+    block is wide, so that blocks entirely outside the band are skipped
+    (a causal square problem then computes about half of the blocks).
+    """
     bc = max(1, min(_MAX_KEY_BLOCK, seqlen_k))
     bq = max(1, min(seqlen_q, _SCORE_BLOCK_ELEMENTS // (bc * max(n_vec, 1))))
+    if masked:
+        bq = min(bq, bc)
     return bq, bc
 
 
@@ -151,7 +158,8 @@ def forward(problem: Problem, out, lse) -> None:
     n_vec = 2 if problem.gqa_ratio > 1 else 1
     batch5 = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     vec_shape = batch5[len(batch5) - n_vec:]
-    bq, bc = _block_sizes(int(np.prod(vec_shape)), lq, lk)
+    masked = problem.window_left is not None or problem.window_right is not None
+    bq, bc = _block_sizes(int(np.prod(vec_shape)), lq, lk, masked)
     scale = acc_t.type(problem.scale)
 
     for idx in np.ndindex(*_loop_shape(batch5, n_vec)):
@@ -184,7 +192,8 @@ def backward(problem: Problem, dout, out, lse):
     n_vec = 2 if problem.gqa_ratio > 1 else 1
     batch5 = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     vec_shape = batch5[len(batch5) - n_vec:]
-    bq, bc = _block_sizes(int(np.prod(vec_shape)), lq, lk)
+    masked = problem.window_left is not None or problem.window_right is not None
+    bq, bc = _block_sizes(int(np.prod(vec_shape)), lq, lk, masked)
 
     dq = np.zeros(q.shape, dtype=acc_t)
     dk = np.zeros(k.shape, dtype=acc_t)
