@@ -34,9 +34,10 @@ __device__ __forceinline__ double exp2_acc(double x) { return exp2(x); }
 __device__ __forceinline__ float log2_acc(float x) { return log2f(x); }
 __device__ __forceinline__ double log2_acc(double x) { return log2(x); }
 
-// One FMNMX (DMNMX) instruction; a compare-and-select would take two.
+// float: one FMNMX instead of a compare and a select.  double keeps the
+// compare-and-select: fmax's NaN handling made fwd_v1<double> spill on sm_80.
 __device__ __forceinline__ float max_acc(float a, float b) { return fmaxf(a, b); }
-__device__ __forceinline__ double max_acc(double a, double b) { return fmax(a, b); }
+__device__ __forceinline__ double max_acc(double a, double b) { return a > b ? a : b; }
 
 // The reference point a row is exponentiated against: its max, or 0 while
 // the max is -inf (so that -inf - (-inf) never happens).
@@ -71,10 +72,11 @@ __device__ __forceinline__ void scale_in_place(E (&x)[N], Acc factor) {
     for (int i = 0; i < N; ++i) scale_in_place(x[i], factor);
 }
 
-// ln(2) * (m + log2(l)): the natural-log log-sum-exp of a row, -inf if it saw no key.
+// ln(2) * (m + log2(l)): the natural-log log-sum-exp of a row, -inf if it saw no
+// key.  Tested as l == 0, not l > 0, so that a NaN sum (NaN in q or k) gives NaN.
 template <typename Acc> __device__ __forceinline__ Acc row_lse(Acc m, Acc l) {
     constexpr double kLn2 = 0.69314718055994530942;
-    return l > Acc(0) ? Acc(kLn2) * (m + log2_acc(l)) : neg_inf<Acc>();
+    return l == Acc(0) ? neg_inf<Acc>() : Acc(kLn2) * (m + log2_acc(l));
 }
 
 // State of kRows query rows, each spread over kLanes lanes of one warp (every
@@ -127,7 +129,7 @@ struct OnlineSoftmax {
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
             const Acc total = group_sum<kLanes>(l[r]);
-            scale_in_place(o[r], total > Acc(0) ? Acc(1) / total : Acc(0));
+            scale_in_place(o[r], total == Acc(0) ? Acc(0) : Acc(1) / total);
             lse[r] = row_lse(m[r], total);
         }
     }
