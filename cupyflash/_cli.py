@@ -5,6 +5,7 @@ Subcommands
 (none)     versions, GPUs, a correctness check of every available backend against
            the float64 oracle, and a small timing table.
 kernels    the static kernel report (see ``python -m cupyflash kernels --help``).
+bench      cupyflash beside naive attention and PyTorch (``python -m cupyflash bench --help``).
 """
 
 from __future__ import annotations
@@ -172,4 +173,8 @@ def main(argv=None) -> int:
         from ._report import main_kernels
 
         return main_kernels(argv[1:])
+    if argv and argv[0] == "bench":
+        from ._bench import main_bench
+
+        return main_bench(argv[1:])
     return check(argv)

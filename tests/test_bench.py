@@ -1,0 +1,170 @@
+"""``python -m cupyflash bench`` and the function behind it, on tiny sizes on the CPU."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cupyflash import _bench
+from cupyflash._bench import Case, bench, flop_count
+from cupyflash.reference import naive_attention, naive_attention_backward
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+TORCH_CPU = {"torch-sdpa", "torch-flash", "torch-math"}
+
+
+def test_flop_count_is_flashattentions():
+    assert flop_count(2, 3, 128, 256, 64) == 4 * 2 * 3 * 128 * 256 * 64
+    assert flop_count(2, 3, 128, 256, 64, causal=True) == 2 * 2 * 3 * 128 * 256 * 64
+    assert flop_count(2, 3, 128, 256, 64, backward=True) == 2.5 * 4 * 2 * 3 * 128 * 256 * 64
+    assert flop_count(1, 1, 64, 64, 32, causal=True, backward=True) == 2.5 * 2 * 64 * 64 * 32
+    assert Case("float32", 2, 3, 128, 256, 64, True, True).flops == \
+        flop_count(2, 3, 128, 256, 64, causal=True, backward=True)
+
+
+def test_cases_are_the_product_of_the_options_forward_first():
+    got = _bench.cases(dtypes=["float32", "float64"], batch=[1], heads=[2], seqlens=[64, 128],
+                       head_dims=[16], causal=(False, True), backward=True)
+    assert len(got) == 2 * 2 * 2 * 2
+    assert [c.backward for c in got] == [False] * 8 + [True] * 8
+    assert {(c.seqlen_q, c.seqlen_k) for c in got} == {(64, 64), (128, 128)}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_naive_peers_match_the_oracle(causal):
+    rng = np.random.default_rng(1)
+    q, k, v, do = (rng.standard_normal((2, 3, n, 8)) for n in (5, 9, 9, 5))
+    np.testing.assert_allclose(_bench.naive_attention(q, k, v, causal=causal),
+                               naive_attention(q, k, v, causal=causal), atol=1e-12)
+    for got, want in zip(_bench.naive_attention_backward(do, q, k, v, causal=causal),
+                         naive_attention_backward(do, q, k, v, causal=causal)):
+        np.testing.assert_allclose(got, want, atol=1e-12)
+
+
+def test_random_inputs_are_the_same_for_every_dtype_and_never_zero():
+    case = Case("float64", 1, 2, 16, 24, 8)
+    q, k, v, dout = _bench.random_inputs(case)
+    assert q.shape == dout.shape == (1, 2, 16, 8) and k.shape == v.shape == (1, 2, 24, 8)
+    assert np.count_nonzero(q) == q.size and not np.array_equal(k, v)
+    q32 = _bench.random_inputs(Case("float32", 1, 2, 16, 24, 8))[0]
+    np.testing.assert_array_equal(q, q32.astype(np.float64))
+
+
+@pytest.fixture(scope="module")
+def doc():
+    cases = _bench.cases(dtypes=["float32"], batch=[1], heads=[2], seqlens=[64], head_dims=[16],
+                         causal=(False, True), backward=True)
+    return bench(cases, device="cpu", repeat=2, memory=False, gemm=True, settle_s=0)
+
+
+def test_results_document_has_the_required_keys(doc):
+    assert set(_bench.REQUIRED_KEYS) <= set(doc)
+    assert doc["gpu"] is None and doc["device"] == "cpu" and doc["schema"] == _bench.SCHEMA
+    assert doc["numpy"] == np.__version__ and doc["cpu"]
+    json.loads(json.dumps(doc))                                    # serialisable as is
+    for row in doc["rows"]:
+        assert set(row) == set(_bench.ROW_KEYS)
+
+
+def test_every_case_times_cupyflash_and_naive_numpy_and_they_agree(doc):
+    for pass_name in ("forward", "backward"):
+        for causal in (False, True):
+            rows = {r["impl"]: r for r in doc["rows"]
+                    if r["pass"] == pass_name and r["causal"] == causal}
+            assert {"cupyflash", "numpy-naive"} <= set(rows)
+            for r in rows.values():
+                assert r["error"] is None, r
+                assert r["ms"] > 0 and r["ms_min"] <= r["ms"] and r["repeats"] == 2
+                assert r["flops"] == flop_count(1, 2, 64, 64, 16, causal=causal,
+                                                backward=pass_name == "backward")
+                assert r["tflops"] == pytest.approx(r["flops"] / (r["ms"] * 1e-3) / 1e12)
+                assert r["max_abs_diff"] < 1e-4, r
+                assert r["of_gemm"] > 0
+            best = max(r["vs_best_peer"] for n, r in rows.items() if not n.startswith("cupyflash"))
+            assert best == pytest.approx(1.0)
+
+
+def test_pytorch_rows_present_iff_torch_is_importable(doc):
+    impls = {r["impl"] for r in doc["rows"]}
+    assert (impls & TORCH_CPU == TORCH_CPU) if HAS_TORCH else not impls & TORCH_CPU
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="PyTorch is not installed")
+def test_pytorch_cpu_memory_is_measured_in_a_subprocess():
+    got = bench([Case("float32", 1, 1, 512, 512, 16)], device="cpu", repeat=1, gemm=False,
+                impls=["torch-*"], settle_s=0)
+    assert {r["impl"] for r in got["rows"]} == TORCH_CPU
+    for r in got["rows"]:
+        assert r["peak_method"] == "peak RSS (subprocess)", r
+        assert 0 <= r["peak_bytes"] < 2**30, r
+    math = next(r for r in got["rows"] if r["impl"] == "torch-math")
+    assert math["peak_bytes"] >= 512 * 512 * 4                    # its score matrix
+
+
+def test_float64_results_are_compared_in_float64():
+    got = bench([Case("float64", 1, 2, 128, 128, 16)], device="cpu", repeat=1, memory=False,
+                gemm=False, settle_s=0)
+    diffs = [r["max_abs_diff"] for r in got["rows"] if r["impl"] != "cupyflash"]
+    assert diffs and all(0 <= d < 1e-12 for d in diffs)
+    assert any(d > 0 for d in diffs)          # not rounded away through float32
+
+
+def test_causal_with_lq_not_lk_runs_without_pytorch_and_says_why():
+    got = bench([Case("float32", 1, 1, 32, 48, 16, causal=True)], device="cpu", repeat=1,
+                memory=False, gemm=False, settle_s=0)
+    assert {r["impl"] for r in got["rows"]} == {"cupyflash", "numpy-naive"}
+    if HAS_TORCH:
+        assert _bench.PEER_NOTE in got["notes"]
+        assert "top-left" in _bench.markdown(got)
+
+
+def test_cpu_path_needs_less_memory_than_naive():
+    got = bench([Case("float32", 1, 1, 2048, 2048, 16)], device="cpu", repeat=1, gemm=False,
+                impls=["cupyflash", "numpy-naive"], settle_s=0)
+    peak = {r["impl"]: r["peak_bytes"] for r in got["rows"]}
+    assert {r["peak_method"] for r in got["rows"]} == {"tracemalloc"}
+    assert peak["numpy-naive"] >= 2048 * 2048 * 4                 # the score matrix
+    assert peak["cupyflash"] < peak["numpy-naive"] / 2
+
+
+def test_markdown_table_has_the_documented_columns(doc):
+    text = _bench.markdown(doc)
+    header = next(line for line in text.splitlines() if line.startswith("| pass"))
+    cells = [c.strip() for c in header.strip("|").split("|")]
+    assert cells == [("GFLOP/s" if c == "FLOP/s" else c) for c in _bench.COLUMNS]
+    table = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(table) == 1 + len(doc["rows"])
+    assert all(line.count("|") == len(cells) + 1 for line in table)
+    assert "no GPU" in text and "4·B·H·Lq·Lk·d" in text
+
+
+def test_command_line_exits_0_without_a_gpu_and_writes_json(tmp_path):
+    device = "cpu" if _bench.gpu_available() else "auto"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "cupyflash", "bench", "--device", device, "--seqlen", "32,64",
+         "--head-dim", "16", "--heads", "2", "--repeat", "1", "--causal", "both", "--backward",
+         "--no-memory", "--no-gemm", "--settle", "0", "--impls", "cupyflash,numpy-naive",
+         "--json", str(out),
+         "--markdown", str(tmp_path / "r.md")],
+        capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(out.read_text())
+    assert got["device"] == "cpu" and got["gpu"] is None
+    assert len(got["rows"]) == 2 * 2 * 2 * 2                    # L x causal x pass x impl
+    assert "| pass | dtype |" in proc.stdout and (tmp_path / "r.md").read_text() in proc.stdout
+
+
+def test_command_line_rejects_gpu_without_one(capsys):
+    if _bench.gpu_available():
+        pytest.skip("a GPU is present")
+    assert _bench.main_bench(["--device", "gpu", "--seqlen", "16"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
