@@ -122,13 +122,23 @@ def _query_block(qf, kf, vf, i0, i1, vec_shape, bc, mask_args, acc_t):
     m = np.full(rows, -np.inf, dtype=acc_t)                    # running row max
     l = np.zeros(rows, dtype=acc_t)                            # running row sum of exp
     acc = np.zeros(rows + (vf.shape[-1],), dtype=acc_t)        # unnormalised output
+    # One score buffer and one P.V buffer serve every full key block: fresh
+    # multi-MiB temporaries per block cost page faults on every call.
+    s_full = np.empty(rows + (bc,), dtype=acc_t)
+    pv = np.empty_like(acc)
+    direct = np.broadcast_shapes(qf.shape[:-2], kf.shape[:-2]) == vec_shape
     for j0 in range(0, lk, bc):
         j1 = min(j0 + bc, lk)
         kind = block_bounds(i0, i1, j0, j1, *mask_args)
         if kind == "empty":
             continue
-        s = np.matmul(qf, np.swapaxes(kf[..., j0:j1, :], -1, -2))
-        s = np.broadcast_to(s, rows + (j1 - j0,)).copy() if s.shape[:-1] != rows else s
+        kt = np.swapaxes(kf[..., j0:j1, :], -1, -2)
+        if direct and j1 - j0 == bc:
+            s = np.matmul(qf, kt, out=s_full)
+        else:   # the tail block, or q and k both broadcast along a vectorised axis
+            s = np.matmul(qf, kt)
+            if s.shape[:-1] != rows:
+                s = np.broadcast_to(s, rows + (j1 - j0,)).copy()
         if kind == "partial":
             np.copyto(s, -np.inf, where=~_visible(i0, i1, j0, j1, *mask_args))
         m_new = np.maximum(m, s.max(axis=-1))
@@ -139,7 +149,7 @@ def _query_block(qf, kf, vf, i0, i1, vec_shape, bc, mask_args, acc_t):
         l *= alpha
         l += p.sum(axis=-1)
         acc *= alpha[..., None]
-        acc += np.matmul(p, vf[..., j0:j1, :])
+        acc += np.matmul(p, vf[..., j0:j1, :], out=pv)
         m = m_new
     empty = l == 0                                              # rows that saw no key
     acc *= np.where(empty, 0, 1 / np.where(empty, 1, l))[..., None]
