@@ -100,27 +100,8 @@ __device__ __forceinline__ int fragment_col(int c) { return 8 * (c >> 1) + 2 * (
 template <class Tr, typename T>
 __device__ __forceinline__ void mma_own_stream(float (&s)[Tr::kRows][Tr::kSCols], const T* sX, const T* sY,
                                                int row0) {
-#pragma unroll
-    for (int r = 0; r < Tr::kRows; ++r)
-#pragma unroll
-        for (int c = 0; c < Tr::kSCols; ++c) s[r][c] = 0.0f;
-#pragma unroll
-    for (int ks = 0; ks < Tr::kKSteps; ++ks) {
-        uint32_t a[Tr::kMTiles][4];
-#pragma unroll
-        for (int mi = 0; mi < Tr::kMTiles; ++mi)
-            ldmatrix_a<typename Tr::OwnTile>(a[mi], sX, row0 + 16 * mi, ks);
-#pragma unroll
-        for (int np = 0; np < Tr::kBlockStream / 16; ++np) {
-            uint32_t b[4];
-            ldmatrix_b_nk<typename Tr::StreamTile>(b, sY, 16 * np, ks);
-#pragma unroll
-            for (int mi = 0; mi < Tr::kMTiles; ++mi) {
-                mma_into<T>(s, mi, 2 * np, a[mi], b[0], b[1]);
-                mma_into<T>(s, mi, 2 * np + 1, a[mi], b[2], b[3]);
-            }
-        }
-    }
+    mma_abt<typename Tr::OwnTile, typename Tr::StreamTile, Tr::kMTiles, Tr::kBlockStream, Tr::kKSteps>(
+        s, sX, sY, row0);
 }
 
 // g += s Z: s (the warp's own rows x the streamed rows) re-packed as A

@@ -73,27 +73,7 @@ struct MmaFwdTraits {
 template <class Tr, typename T>
 __device__ __forceinline__ void mma_qk(float (&s)[Tr::kRows][Tr::kSCols], const T* sQ, const T* sK,
                                        int row0, float scale_log2) {
-#pragma unroll
-    for (int r = 0; r < Tr::kRows; ++r)
-#pragma unroll
-        for (int c = 0; c < Tr::kSCols; ++c) s[r][c] = 0.0f;
-#pragma unroll
-    for (int ks = 0; ks < Tr::kKSteps; ++ks) {
-        uint32_t a[Tr::kMTiles][4];
-#pragma unroll
-        for (int mi = 0; mi < Tr::kMTiles; ++mi)
-            ldmatrix_a<typename Tr::QTile>(a[mi], sQ, row0 + 16 * mi, ks);
-#pragma unroll
-        for (int np = 0; np < Tr::kBlockN / 16; ++np) {
-            uint32_t b[4];
-            ldmatrix_b_nk<typename Tr::KVTile>(b, sK, 16 * np, ks);
-#pragma unroll
-            for (int mi = 0; mi < Tr::kMTiles; ++mi) {
-                mma_into<T>(s, mi, 2 * np, a[mi], b[0], b[1]);
-                mma_into<T>(s, mi, 2 * np + 1, a[mi], b[2], b[3]);
-            }
-        }
-    }
+    mma_abt<typename Tr::QTile, typename Tr::KVTile, Tr::kMTiles, Tr::kBlockN, Tr::kKSteps>(s, sQ, sK, row0);
 #pragma unroll
     for (int r = 0; r < Tr::kRows; ++r)
 #pragma unroll

@@ -168,6 +168,34 @@ __device__ __forceinline__ void mma_into(float (&acc)[R][C], int mi, int nj, con
     hi[2 * nj + 1] = d[3];
 }
 
+// acc = A B^T for the warp's m16 tiles of A (rows row0 .. row0 + 16 kMTiles - 1)
+// and all kN rows of B, over kKSteps k16 steps; A and B are [row][k] tiles in
+// their swizzled layouts (Q K^T in the forward, X Y^T in the backward).
+template <class ATile, class BTile, int kMTiles, int kN, int kKSteps, typename T, int R, int C>
+__device__ __forceinline__ void mma_abt(float (&acc)[R][C], const T* sA, const T* sB, int row0) {
+    static_assert(R == 2 * kMTiles && C == kN / 4, "accumulators: two row halves per m16 tile, 2 per n8 tile");
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int c = 0; c < C; ++c) acc[r][c] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+        uint32_t a[kMTiles][4];
+#pragma unroll
+        for (int mi = 0; mi < kMTiles; ++mi) ldmatrix_a<ATile>(a[mi], sA, row0 + 16 * mi, ks);
+#pragma unroll
+        for (int np = 0; np < kN / 16; ++np) {
+            uint32_t b[4];
+            ldmatrix_b_nk<BTile>(b, sB, 16 * np, ks);
+#pragma unroll
+            for (int mi = 0; mi < kMTiles; ++mi) {
+                mma_into<T>(acc, mi, 2 * np, a[mi], b[0], b[1]);
+                mma_into<T>(acc, mi, 2 * np + 1, a[mi], b[2], b[3]);
+            }
+        }
+    }
+}
+
 // The A operand of P V for m16 tile mi and key step kk (keys 16 kk .. 16 kk + 15)
 // straight from the score accumulators: the C fragments of n8 tiles 2kk and
 // 2kk+1, rounded to T and packed (ptx-fragments.md section 1, "[derived]").
