@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import zlib
 
+import numpy as np
 import pytest
 
 
@@ -28,3 +30,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def rng(request):
+    """A generator seeded by the test's name: fresh inputs per test, the same on every run.
+
+    Test modules that need another seeding define their own ``rng``."""
+    return np.random.default_rng(zlib.crc32(request.node.name.encode()))

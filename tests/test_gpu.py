@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-import zlib
 
 import numpy as np
 import pytest
@@ -33,11 +32,6 @@ def compiled():
     start = time.perf_counter()
     rows = cupyflash.precompile()
     return rows, time.perf_counter() - start
-
-
-@pytest.fixture
-def rng(request):
-    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
 
 
 def _gpu(*arrays):

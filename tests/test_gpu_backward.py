@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import time
-import zlib
 
 import numpy as np
 import pytest
@@ -42,11 +41,6 @@ def compiled():
     start = time.perf_counter()
     rows = cupyflash.precompile(families=["bwd_simt", "bwd_mma"])
     return rows, time.perf_counter() - start
-
-
-@pytest.fixture
-def rng(request):
-    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
 
 
 def _gpu(*arrays):

@@ -18,7 +18,6 @@ GPUs older than sm_80, where fwd_mma does not apply.
 from __future__ import annotations
 
 import math
-import zlib
 
 import numpy as np
 import pytest
@@ -40,11 +39,6 @@ def sm80_or_later():
     arch = int(cp.cuda.Device().compute_capability)
     if arch < 80:
         pytest.skip(f"fwd_mma needs sm_80 or later; this GPU is sm_{arch}")
-
-
-@pytest.fixture
-def rng(request):
-    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
 
 
 @pytest.fixture
