@@ -167,9 +167,12 @@ class _Nvrtc:
     """The few NVRTC entry points the report needs, loaded with cuda.pathfinder."""
 
     def __init__(self) -> None:
-        from cuda import pathfinder
+        path = os.environ.get("CUPYFLASH_NVRTC")
+        if not path:    # CUPYFLASH_NVRTC: another libnvrtc, e.g. the oldest one supported
+            from cuda import pathfinder
 
-        lib = ctypes.CDLL(pathfinder.load_nvidia_dynamic_lib("nvrtc").abs_path)
+            path = pathfinder.load_nvidia_dynamic_lib("nvrtc").abs_path
+        lib = ctypes.CDLL(path)
         lib.nvrtcGetErrorString.restype = ctypes.c_char_p
         lib.nvrtcGetErrorString.argtypes = [ctypes.c_int]
         lib.nvrtcCreateProgram.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p,

@@ -10,10 +10,12 @@ compiled through the same function, proves the parser sees spills.
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -301,3 +303,36 @@ def test_occupancy_known_values():
     assert _report.occupancy("sm_86", threads=128, registers=32, shared_bytes=100 * 1024)[0] == 0
     # 227 KB on sm_90 fits exactly one block
     assert _report.occupancy("sm_90", threads=128, registers=64, shared_bytes=227 * 1024) == (1, "shared")
+
+
+# ---- the oldest NVRTC ----------------------------------------------------------------------------
+
+# The kernels are compiled by whichever NVRTC the user's CuPy finds, as old as
+# 13.0 for cupy-cuda13x (an H200 machine had exactly that, and 13.0 rejected
+# __builtin_offsetof, which 13.5 accepts: every kernel failed there).  .ci/run
+# fetches that NVRTC and names its library here.
+OLDEST_NVRTC = os.environ.get("CUPYFLASH_TEST_OLDEST_NVRTC")
+
+
+@pytest.mark.skipif(not OLDEST_NVRTC, reason="CUPYFLASH_TEST_OLDEST_NVRTC is not set (.ci/run sets it)")
+def test_every_kernel_compiles_with_the_oldest_nvrtc():
+    from cupyflash._kernels import MMA_HEAD_DIMS, instantiations, mma_name_expression, mma_tiles
+
+    lib = Path(OLDEST_NVRTC)
+    env = dict(os.environ, CUPYFLASH_NVRTC=str(lib),   # its builtins library sits beside it
+               LD_LIBRARY_PATH=os.pathsep.join(filter(None, [str(lib.parent),
+                                                             os.environ.get("LD_LIBRARY_PATH")])))
+    done = subprocess.run([sys.executable, "-m", "cupyflash", "kernels", "--arch", "sm_80",
+                           "--arch", "sm_90", "--no-sass", "--json"],
+                          env=env, capture_output=True, text=True, timeout=1200, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = json.loads(done.stdout)
+    assert len(rows) == 2 * len(instantiations())
+    # what the sm_90 dispatcher picks (fwd_mma's table, every backward row) runs
+    # without spills or a stack frame under this compiler too
+    picked = {mma_name_expression(dtype, d, *mma_tiles(90)[d])
+              for dtype in ("float16", "bfloat16") for d in MMA_HEAD_DIMS}
+    picked |= {r.name_expression for r in instantiations() if r.family.startswith("bwd_")}
+    bad = [(r["name"], r["spill_stores"], r["stack_bytes"]) for r in rows
+           if r["arch"] == "sm_90" and r["name"] in picked and (r["spill_stores"] or r["stack_bytes"])]
+    assert not bad, bad
