@@ -293,7 +293,9 @@ def _torch_available(device: str) -> bool:
 def implementations(device: str, case: Case) -> list[str]:
     """Names of the implementations that apply to ``case`` on ``device`` (cupyflash first)."""
     names = ["cupyflash"]
-    if device == "gpu" and not case.backward:
+    # the literal Algorithm 1 (O, l, m through global memory) is a teaching kernel:
+    # timed up to 4096 x 4096 scores per head, where a call still takes milliseconds
+    if device == "gpu" and not case.backward and case.seqlen_q * case.seqlen_k <= 4096 * 4096:
         names.append("cupyflash-v1")
     names.append("numpy-naive" if device == "cpu" else "cupy-naive")
     if _torch_available(device) and not (case.causal and case.seqlen_q != case.seqlen_k):
@@ -337,13 +339,17 @@ def _cupyflash_kernel(case: Case, q, k, v) -> str:
     """The kernel family :func:`cupyflash.attention` dispatches to for these CuPy arrays."""
     import cupy
 
+    from . import _gpu_bwd
     from ._gpu import rows_aligned, select
 
-    if case.backward:
-        return "bwd_simt"
     arch = int(cupy.cuda.Device().compute_capability)
-    # the output is allocated like q, so q's alignment stands for it
-    return select(q.dtype, case.head_dim, case.head_dim, arch, aligned=rows_aligned(q, k, v)).family
+    # the output (and, backward, dout) is allocated like q, so q's alignment stands for it
+    aligned = rows_aligned(q, k, v)
+    if case.backward:
+        # the delta pre-pass is always bwd_simt's; the family is that of the last launch
+        return _gpu_bwd.select(q.dtype, case.head_dim, case.head_dim, arch,
+                               aligned=aligned)[-1].family
+    return select(q.dtype, case.head_dim, case.head_dim, arch, aligned=aligned).family
 
 
 def _prepare_torch(impl: str, case: Case, inputs):

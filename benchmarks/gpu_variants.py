@@ -1,0 +1,197 @@
+"""Tile variants of fwd_mma and bwd_mma on one GPU: correctness, then time.
+
+The catalogue (``cupyflash/_kernels.py``) holds one tile per (head dim,
+architecture); this script swaps other tiles in for one run, so that a GPU
+session can compare them in one call::
+
+    PYTHONPATH=. python benchmarks/gpu_variants.py            # on the GPU
+    python benchmarks/gpu_variants.py --report [--arch sm_90]  # anywhere: ptxas figures
+
+Every variant is first compiled (in parallel processes, into CuPy's disk
+cache), then checked against PyTorch's SDPA (forward output; backward dq, dk,
+dv) on fresh random inputs, then timed with CUDA events (median).  A variant
+whose error exceeds the bound is reported, not timed.  Results:
+``$OUT/gpu_variants.json`` when ``OUT`` is set, and the table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from cupyflash import _kernels  # noqa: E402
+
+# fwd_mma: head dim -> [(block_m, block_n, warps, kv_stages)], the catalogue's sm90 row first
+FWD_VARIANTS = {
+    128: [(128, 64, 4, 1), (128, 128, 8, 2), (128, 64, 8, 2), (64, 128, 4, 2), (128, 128, 8, 1)],
+    64: [(128, 64, 4, 2), (128, 128, 8, 2), (64, 128, 4, 2), (128, 64, 8, 2)],
+}
+# bwd_mma: head dim -> [(own, streamed, warps)], the catalogue's first
+BWD_VARIANTS = {
+    128: [(64, 32, 4), (64, 64, 4)],
+}
+SHAPE = dict(batch=2, heads=16, seqlen=8192)
+BOUND = 2e-2   # ||out - ref|| / ||ref|| in bf16 (SDPA's own rounding included)
+
+
+def use_fwd(head_dim: int, tile) -> None:
+    for row in _kernels._MMA_TILES.values():
+        row[head_dim] = tuple(tile)
+
+
+def use_bwd(head_dim: int, own: int, streamed: int, warps: int) -> None:
+    _kernels._BWD_MMA_OWN = own
+    _kernels._BWD_MMA_WARPS = warps
+    _kernels._BWD_MMA_TILES[head_dim] = (streamed, True)
+
+
+def variant_rows(kind: str, head_dim: int, variant, dtype: str = "bfloat16"):
+    """The catalogue rows (entry, name expression) this variant adds."""
+    if kind == "fwd":
+        use_fwd(head_dim, variant)
+        family = "fwd_mma"
+    else:
+        use_bwd(head_dim, *variant)
+        family = "bwd_mma"
+    return [r for r in _kernels.instantiations()
+            if r.family == family and r.dtype == dtype and r.head_dim == head_dim
+            and (kind == "bwd" or (r.block_m, r.block_n, r.threads // 32, r.kv_stages)
+                 == tuple(variant))]
+
+
+def all_variants():
+    for d, tiles in FWD_VARIANTS.items():
+        for t in tiles:
+            yield "fwd", d, t
+    for d, tiles in BWD_VARIANTS.items():
+        for t in tiles:
+            yield "bwd", d, t
+
+
+def _compile(job):
+    kind, d, variant = job
+    from cupyflash._loader import module_caches
+
+    try:
+        for r in variant_rows(kind, d, variant):
+            module_caches.for_device(0).module(r.entry, (r.name_expression,))
+    except Exception as error:  # noqa: BLE001
+        return f"{kind} d={d} {variant}: {type(error).__name__}: {str(error)[:1500]}"
+    return None
+
+
+def report(archs) -> None:
+    from cupyflash import _report
+    from cupyflash._loader import module_source
+
+    for kind, d, variant in all_variants():
+        for r in variant_rows(kind, d, variant):
+            for arch in archs:
+                try:
+                    rep = _report.compile_report(module_source(r.entry), [r.name_expression],
+                                                 arch, sass=False, filename=r.entry)
+                except _report.NvrtcError as error:
+                    print(f"{arch} {kind} d={d} {variant}: {str(error)[:600]}")
+                    continue
+                f = rep.functions[r.name_expression]
+                print(f"{arch} {kind} d={d} {str(variant):18} {r.name_expression:58} "
+                      f"regs {f.registers:3} spill {f.spill_stores:3}/{f.spill_loads:3} "
+                      f"stack {f.stack_bytes:3}", flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--report", action="store_true", help="ptxas figures only (no GPU needed)")
+    p.add_argument("--arch", action="append", help="with --report (default sm_90)")
+    p.add_argument("--repeat", type=int, default=30)
+    args = p.parse_args()
+    if args.report:
+        report(args.arch or ["sm_90"])
+        return 0
+
+    import cupy
+    import torch
+    from cupyx.profiler import benchmark
+
+    import cupyflash
+    from cupyflash import _bench
+
+    jobs = list(all_variants())
+    start = time.perf_counter()
+    with ProcessPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+        failures = [f for f in pool.map(_compile, jobs) if f]
+    print(f"compiled {len(jobs)} variants in {time.perf_counter() - start:.0f} s; "
+          f"{len(failures)} failed", flush=True)
+    for f in failures:
+        print(f, flush=True)
+
+    b, h, L = SHAPE["batch"], SHAPE["heads"], SHAPE["seqlen"]
+    rows, inputs = [], {}
+    for kind, d, variant in jobs:
+        variant_rows(kind, d, variant)   # installs the variant in the catalogue
+        for causal in (False, True):
+            if d not in inputs:   # one input set per head dim: every variant sees the same
+                inputs[d] = _bench.random_inputs(_bench.Case("bfloat16", b, h, L, L, d),
+                                                 cupy, seed=d)
+            q, k, v, dout = inputs[d]
+            tq, tk, tv, tdo = (_bench._to_torch(x) for x in (q, k, v, dout))
+            row = dict(kind=kind, head_dim=d, variant=list(variant), causal=causal)
+            try:
+                if kind == "fwd":
+                    ref = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv,
+                                                                           is_causal=causal)
+                    out = cupyflash.attention(q, k, v, causal=causal)
+                    errs = [_rel(_bench._to_torch(out), ref)]
+                    fn = lambda: cupyflash.attention(q, k, v, causal=causal)  # noqa: E731
+                    flops = 4 * b * h * L * L * d / (2 if causal else 1)
+                else:
+                    leaves = [t.detach().requires_grad_(True) for t in (tq, tk, tv)]
+                    ref_out = torch.nn.functional.scaled_dot_product_attention(
+                        *leaves, is_causal=causal)
+                    refs = torch.autograd.grad(ref_out, leaves, tdo)
+                    out, lse = cupyflash.attention(q, k, v, causal=causal, return_lse=True)
+                    grads = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+                    errs = [_rel(_bench._to_torch(g), r) for g, r in zip(grads, refs)]
+                    fn = lambda: cupyflash.attention_backward(  # noqa: E731
+                        dout, q, k, v, out, lse, causal=causal)
+                    flops = 2.5 * 4 * b * h * L * L * d / (2 if causal else 1)
+                row["rel_err"] = max(errs)
+                if not row["rel_err"] <= BOUND:
+                    row["error"] = f"rel err {row['rel_err']:.3g} > {BOUND}"
+                else:
+                    t = benchmark(fn, (), n_repeat=args.repeat, n_warmup=3)
+                    ms = float(cupy.median(cupy.asarray(t.gpu_times[0]))) * 1e3
+                    row.update(ms=ms, tflops=flops / ms / 1e9)
+            except Exception as error:  # noqa: BLE001
+                row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+            rows.append(row)
+            print(_line(row), flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "gpu_variants.json").write_text(json.dumps(
+            dict(gpu=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+                 shape=SHAPE, dtype="bfloat16", rows=rows), indent=1))
+    return 0
+
+
+def _rel(x, ref) -> float:
+    x, ref = x.double(), ref.double()
+    return float((x - ref).norm() / ref.norm())
+
+
+def _line(r) -> str:
+    what = r.get("error") or f"{r['ms']:8.3f} ms {r['tflops']:6.1f} TFLOP/s  err {r['rel_err']:.2e}"
+    return (f"{r['kind']} d={r['head_dim']} {str(tuple(r['variant'])):18} "
+            f"causal={'yes' if r['causal'] else 'no ':3} {what}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
