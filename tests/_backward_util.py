@@ -90,3 +90,30 @@ def assert_within_twice_naive_half_error(actual, expected, naive, *, what="gradi
     floor = 1e-6 * max(1.0, np.abs(expected).max(initial=0.0))
     assert err <= 2 * naive_err + floor, (
         f"{what}: max error {err:.3g} exceeds twice the naive half-precision backward's {naive_err:.3g}")
+
+
+def backward_term_sizes(dout, q, k, v, **kw):
+    """Per element of (dq, dk, dv), the sum of the absolute values of the float64 terms
+    the exact gradient sums: |dS| <= P o (|dO| |V|^T + rowsum|dO o O|), then
+    scale |dS| |K|, scale |dS|^T |Q| and P^T |dO|, reduced to the shapes of q, k
+    and v as the gradients are.  A summation's rounding error is bounded by a
+    multiple of this (not of the result, which can cancel to ~0)."""
+    from cupyflash._validation import check_forward
+    from cupyflash.reference import _probabilities, _sum_to_shape
+
+    kw = dict(dict(scale=None, causal=False, window=None, enable_gqa=False), **kw)
+    kw.pop("deterministic", None)
+    problem, _ = check_forward(q, k, v, backend="numpy", **kw)
+    _, p, _, q64, k64, v64 = _probabilities(problem)
+    do = np.abs(np.asarray(dout, np.float64))
+    o = np.abs(p @ v64)
+    ds = p * (do @ np.swapaxes(np.abs(v64), -1, -2) + np.sum(do * o, axis=-1, keepdims=True))
+    dq = ds @ np.abs(k64) * problem.scale
+    dk = np.swapaxes(ds, -1, -2) @ np.abs(q64) * problem.scale
+    dv = np.swapaxes(p, -1, -2) @ do
+    g = problem.gqa_ratio
+    if g > 1:
+        dk = dk.reshape(dk.shape[:-3] + (dk.shape[-3] // g, g) + dk.shape[-2:]).sum(axis=-3)
+        dv = dv.reshape(dv.shape[:-3] + (dv.shape[-3] // g, g) + dv.shape[-2:]).sum(axis=-3)
+    return (_sum_to_shape(dq, np.shape(q)), _sum_to_shape(dk, np.shape(k)),
+            _sum_to_shape(dv, np.shape(v)))
