@@ -75,7 +75,8 @@ struct QueryBlock {
     }
 };
 
-// fwd_simt's grid is one-dimensional: tile = m_block + num_m_blocks * (head + heads_q * batch),
+// The forward grids are one-dimensional: tile = (num_m_blocks - 1 - m_block)
+//     + num_m_blocks * (head + heads_q * batch),
 // so consecutive CTAs share a (batch, head) and hence its K/V in L2.  The
 // grid has fewer than 2^31 CTAs (launch_config checks), so 32-bit division.
 struct TileIndex {
@@ -84,7 +85,11 @@ struct TileIndex {
     __device__ TileIndex(const FwdParams& p, int block_m, unsigned tile) {
         const unsigned num_m_blocks = static_cast<unsigned>((p.seqlen_q + block_m - 1) / block_m);
         const unsigned heads = static_cast<unsigned>(p.heads_q);
-        m_block = tile % num_m_blocks;
+        // Last query block first: under a bottom-right causal mask it has the
+        // most keys, so the longest CTAs of each head start earliest and the
+        // short ones fill the tail of the grid.  Heads stay contiguous, so the
+        // CTAs resident together share one head's K and V in L2.
+        m_block = num_m_blocks - 1 - tile % num_m_blocks;
         const unsigned bh = tile / num_m_blocks;
         head = bh % heads;
         batch = bh / heads;

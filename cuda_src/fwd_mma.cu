@@ -6,9 +6,10 @@
 // across warps: no reduction between warps).  Q is copied once to shared
 // memory; K and V blocks of kBlockN keys stream through shared memory with
 // cp.async (KVPipeline).  Per key block, every warp computes
-//     S = Q K^T * scale * log2(e)      ldmatrix + mma, scores stay in registers
+//     S = Q K^T                        ldmatrix + mma, scores stay in registers
 //     mask                             only on blocks that cross a mask boundary
-//     m, l, O rescale, P = exp2(S - m) softmax.cuh, quad shuffles (xor 2, 1)
+//     m, l, O rescale, P = exp2(S * scale * log2(e) - m)
+//                                      softmax.cuh (one FFMA per score), quad shuffles
 //     O += P V                         P re-packed in registers as the A operand
 // and divides O by l once, at the end.  O is staged through the (no longer
 // needed) Q tile and written with 16-byte stores.
@@ -66,18 +67,15 @@ struct MmaFwdTraits {
     static_assert(kBlockN % 16 == 0, "block_n: whole k16 steps of P V");
     static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "head dim bucket: 32 .. 256, multiple of 32");
     static_assert(kStages == 1 || kStages == 2, "kStages: 1 (K/V interleaved) or 2 (double buffer)");
-    static_assert(kSmemBytes <= 99 * 1024, "within sm_86 / sm_89's 99 KB per block");
+    // the per-architecture tables keep sm_86 / sm_89 tiles within their 99 KB
+    static_assert(kSmemBytes <= 227 * 1024, "within sm_90's 227 KB per block");
 };
 
-// s = (Q K^T) * scale_log2 for the warp's rows (from row0 of the Q tile) and the key block.
+// s = Q K^T (unscaled: the softmax folds the scale in) for the warp's rows (from row0 of the Q tile) and the key block.
 template <class Tr, typename T>
 __device__ __forceinline__ void mma_qk(float (&s)[Tr::kRows][Tr::kSCols], const T* sQ, const T* sK,
-                                       int row0, float scale_log2) {
+                                       int row0) {
     mma_abt<typename Tr::QTile, typename Tr::KVTile, Tr::kMTiles, Tr::kBlockN, Tr::kKSteps>(s, sQ, sK, row0);
-#pragma unroll
-    for (int r = 0; r < Tr::kRows; ++r)
-#pragma unroll
-        for (int c = 0; c < Tr::kSCols; ++c) s[r][c] *= scale_log2;
 }
 
 // WindowMask's rule for the rows of one warp and one key block, in 32-bit
@@ -282,11 +280,11 @@ fwd_mma_kernel(const FwdParams params) {
 
     // The main loop runs at the register limit, so only 32-bit indices and the
     // K/V pointers live across it; everything else is derived where it is used.
-    // Query blocks go in reverse order: under a causal mask the last ones see
-    // the most keys, and starting them first evens out the tail of the grid.
+    // TileIndex hands out the last query blocks (the most keys under a causal
+    // mask) first.
     const TileIndex tile(params, kBlockM, blockIdx.x);
     const int batch = static_cast<int>(tile.batch), head = static_cast<int>(tile.head);
-    const int m_block = static_cast<int>((params.seqlen_q + kBlockM - 1) / kBlockM - 1 - tile.m_block);
+    const int m_block = static_cast<int>(tile.m_block);
     const HeadSlice<T, float> in(params, batch, head);  // q, k, v (out and lse: after the loop)
     T* const sQ = reinterpret_cast<T*>(dynamic_smem());  // Q, later the output staging
     const float scale_log2 = static_cast<float>(params.scale_log2);
@@ -309,11 +307,11 @@ fwd_mma_kernel(const FwdParams params) {
     for (int n_block = n_begin; n_block < n_end; ++n_block) {
         float s[Tr::kRows][Tr::kSCols];
         kv.await_keys(n_block);
-        mma_qk<Tr>(s, sQ, kv.keys(), row0, scale_log2);
+        mma_qk<Tr>(s, sQ, kv.keys(), row0);
         if (unmasked.needs_mask(n_block))
             apply_mask<Tr>(s, BlockMask(params, static_cast<int64_t>(m_block) * kBlockM + row0,
                                         static_cast<int64_t>(n_block) * kBlockN, kBlockN));
-        softmax.update(s, o);
+        softmax.update_unscaled(s, o, scale_log2);
         uint32_t p[Tr::kKeySteps][Tr::kMTiles][4];
         scores_to_a<Tr, T>(p, s);
         kv.await_values(n_block);

@@ -88,9 +88,11 @@ struct SwizzledTile {
 // zero otherwise (cp.async zero-fill).  Every row start must be 16-byte
 // aligned (the dispatcher checks it).  kLanes consecutive threads share a row,
 // each taking every kLanes-th chunk (kLanes: the largest power of two dividing
-// the chunks per row, at most 16).  Each row's address is computed afresh
-// from first_row: products of the row stride hoisted out of the caller's loop
-// would hold two registers per row for the whole kernel.
+// the chunks per row, at most 16).  One row address per call, stepped by a
+// pass's rows, and the column bounds once per call: the row stride's
+// products are not hoisted out of the caller's loop (they would hold two
+// registers per row for the whole kernel), and a pass costs an add, a
+// compare and its copies.
 template <int kThreads, class Tile, typename T>
 __device__ __forceinline__ void cp_async_tile(T* dst, const T* src, int64_t first_row, int64_t row_stride,
                                               int rows_valid, int cols_valid) {
@@ -103,16 +105,23 @@ __device__ __forceinline__ void cp_async_tile(T* dst, const T* src, int64_t firs
                   "whole rows per pass, and whole swizzle periods (row_pitch)");
     const int r0 = static_cast<int>(threadIdx.x) / kLanes;
     const int c0 = static_cast<int>(threadIdx.x) % kLanes;
+    // Bytes of each of the thread's chunks inside a valid row (columns past
+    // cols_valid read nothing): the same for every row, so computed once.
+    constexpr int kChunksPerLane = Tile::kChunks / kLanes;
+    int chunk_bytes[kChunksPerLane];
 #pragma unroll
-    for (int rp = 0; rp < kRowPasses; ++rp) {
+    for (int cp = 0; cp < kChunksPerLane; ++cp) {
+        const int valid = cols_valid - 8 * (c0 + cp * kLanes);  // elements inside the row
+        chunk_bytes[cp] = 2 * (valid < 0 ? 0 : valid > 8 ? 8 : valid);
+    }
+    const T* row = src + (first_row + r0) * row_stride + 8 * c0;
+#pragma unroll
+    for (int rp = 0; rp < kRowPasses; ++rp, row += kRowsPerPass * row_stride) {
         const int r = r0 + rp * kRowsPerPass;
         if (Tile::kRows % kRowsPerPass == 0 || r < Tile::kRows) {
-            const T* row = src + (first_row + r) * row_stride + 8 * c0;
 #pragma unroll
-            for (int cp = 0; cp < Tile::kChunks / kLanes; ++cp) {
-                const int c = c0 + cp * kLanes;
-                const int valid = cols_valid - 8 * c;  // elements of this chunk inside the row
-                const int bytes = r < rows_valid ? 2 * (valid < 0 ? 0 : valid > 8 ? 8 : valid) : 0;
+            for (int cp = 0; cp < kChunksPerLane; ++cp) {
+                const int bytes = r < rows_valid ? chunk_bytes[cp] : 0;
                 // A zero-byte copy reads nothing; it still gets an aligned address.
                 T* to = dst + Tile::chunk(r0, cp * kLanes, c0) +
                         rp * kRowsPerPass * Tile::row_pitch(cp * kLanes);

@@ -82,17 +82,23 @@ template <typename Acc> __device__ __forceinline__ Acc row_lse(Acc m, Acc l) {
 // State of kRows query rows, each spread over kLanes lanes of one warp (every
 // lane holds some of the row's columns).  m is kept identical on those lanes;
 // l is each lane's partial sum over its own columns, summed across the lanes
-// only once, in normalize().
+// only once, in normalize().  update() (the SIMT kernels) adds each block's
+// sum to l with Kahan compensation (c: the low-order part l has lost), so
+// that a float32 row over millions of keys -- one addition per key block --
+// keeps the accuracy of a pairwise sum instead of growing its error with
+// the block count (seen on an H200: 2^19 blocks, lse off by 5.5e-4).
 template <typename Acc, int kRows, int kLanes>
 struct OnlineSoftmax {
     Acc m[kRows];
     Acc l[kRows];
+    Acc c[kRows];
 
     __device__ OnlineSoftmax() {
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
             m[r] = neg_inf<Acc>();
             l[r] = Acc(0);
+            c[r] = Acc(0);
         }
     }
 
@@ -113,8 +119,40 @@ struct OnlineSoftmax {
             m[r] = m_new;
             Acc sum = Acc(0);
 #pragma unroll
+            for (int j = 0; j < kCols; ++j) {
+                s[r][j] = exp2_acc(s[r][j] - ref);
+                sum += s[r][j];
+            }
+            // Kahan: l + (-c) is the running sum; both rescale exactly alike
+            const Acc lr = l[r] * rescale;
+            const Acc y = sum - c[r] * rescale;
+            const Acc t = lr + y;
+            c[r] = (t - lr) - y;
+            l[r] = t;
+            scale_in_place(o[r], rescale);
+        }
+    }
+
+    // update() for raw scores q.k (-inf where masked) and a scale_log2 > 0:
+    // the row max of the scaled scores is the scaled max of the raw ones
+    // (multiplying by a positive number is monotone, rounding too), and the
+    // scale and the shift fold into one FFMA per score.  fwd_mma's path; the
+    // dispatcher sends other scales to fwd_simt (cupyflash/_gpu.py).
+    template <int kCols, typename RowAcc>
+    __device__ void update_unscaled(Acc (&s)[kRows][kCols], RowAcc (&o)[kRows], Acc scale_log2) {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+            Acc block_max = s[r][0];
+#pragma unroll
+            for (int c = 1; c < kCols; ++c) block_max = max_acc(block_max, s[r][c]);
+            const Acc m_new = max_acc(m[r], group_max<kLanes>(block_max) * scale_log2);
+            const Acc ref = exp2_reference(m_new);
+            const Acc rescale = exp2_acc(m[r] - ref);
+            m[r] = m_new;
+            Acc sum = Acc(0);
+#pragma unroll
             for (int c = 0; c < kCols; ++c) {
-                s[r][c] = exp2_acc(s[r][c] - ref);
+                s[r][c] = exp2_acc(fma(s[r][c], scale_log2, -ref));
                 sum += s[r][c];
             }
             l[r] = l[r] * rescale + sum;
@@ -128,7 +166,7 @@ struct OnlineSoftmax {
     __device__ void normalize(RowAcc (&o)[kRows], Acc (&lse)[kRows]) {
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
-            const Acc total = group_sum<kLanes>(l[r]);
+            const Acc total = group_sum<kLanes>(l[r] - c[r]);
             scale_in_place(o[r], total == Acc(0) ? Acc(0) : Acc(1) / total);
             lse[r] = row_lse(m[r], total);
         }

@@ -28,7 +28,8 @@ def _dtype_name(dtype) -> str:
     return np.dtype(dtype).name
 
 
-def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = False) -> Instantiation:
+def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = False,
+           scale: float = 1.0) -> Instantiation:
     """The instantiation :func:`forward` runs for these arguments.
 
     ``fwd_mma`` (tensor cores, ``cuda_src/fwd_mma.cu``) where it applies:
@@ -39,6 +40,9 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
       layout and head dim; ``dv != d`` runs fwd_simt),
     - ``aligned``: every row of q, k, v and out starts on a 16-byte boundary
       (see :func:`rows_aligned`), as its 16-byte cp.async copies and stores need;
+    - ``scale > 0``: the kernel takes row maxima of the unscaled scores and
+      folds the scale into the exponent's FFMA, which needs a positive scale
+      (a zero or negative one, rare, runs fwd_simt);
 
     with the tile :func:`~cupyflash._kernels.mma_tiles` gives ``arch`` for the smallest of
     :data:`~cupyflash._kernels.MMA_HEAD_DIMS` holding ``head_dim``.  Otherwise
@@ -56,7 +60,8 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
     name = _dtype_name(dtype)
     d, dv = int(head_dim), int(head_dim_v)
     tiles = mma_tiles(arch)
-    if aligned and tiles and name in ("float16", "bfloat16") and d == dv and d <= MMA_HEAD_DIMS[-1]:
+    if (aligned and scale > 0 and tiles and name in ("float16", "bfloat16") and d == dv
+            and d <= MMA_HEAD_DIMS[-1]):
         bucket = min(b for b in MMA_HEAD_DIMS if b >= d)
         wanted = mma_name_expression(name, bucket, *tiles[bucket])
         return next(r for r in instantiations() if r.name_expression == wanted)
@@ -110,7 +115,8 @@ def forward(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio, e
     """out (and lse) = attention(q, k, v) with fwd_mma or fwd_simt (FlashAttention-2 order).
 
     :func:`select` picks the kernel: fwd_mma for float16/bfloat16 on sm_80+
-    with ``d == dv <= 256`` and 16-byte aligned rows, fwd_simt otherwise.
+    with ``d == dv <= 256``, 16-byte aligned rows and ``scale > 0``, fwd_simt
+    otherwise.
 
     Rows that see no key (including every row when Lk = 0) get zeros and
     lse = -inf.  Nothing is launched when there are no query rows.
@@ -118,7 +124,8 @@ def forward(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio, e
     batch, heads, seqlen_q, head_dim = q.shape
     if batch == 0 or heads == 0 or seqlen_q == 0:
         return
-    inst = select(q.dtype, head_dim, v.shape[3], executor.arch, aligned=rows_aligned(q, k, v, out))
+    inst = select(q.dtype, head_dim, v.shape[3], executor.arch, aligned=rows_aligned(q, k, v, out),
+                  scale=scale)
     params = fwd_params(q, k, v, out, lse, scale=scale, window_left=window_left,
                         window_right=window_right, gqa_ratio=gqa_ratio)
     grid, block, shared = launch_config(inst, batch=batch, heads=heads, seqlen_q=seqlen_q,

@@ -115,7 +115,8 @@ _MMA_TILES = {
         32: (128, 64, 4, 2),    # 167 regs (177), 24 KB: 3 CTAs (registers; sm_90: 2); 128x128: 255 regs, 2
         64: (128, 64, 4, 2),    # 223 regs (231), 48 KB: 2 CTAs (registers); 128x128 spills with 2 stages
         96: (128, 64, 4, 1),    # 250 regs (255), 48 KB: 2 CTAs; 2 stages (72 KB) spill 12-20 B
-        128: (128, 64, 4, 1),   # 255 regs, 64 KB: 2 CTAs (FA2's tile); 2 stages = 96 KB -> 1 CTA here
+        128: (128, 64, 4, 1),   # 255 regs, 64 KB: 2 CTAs (FA2's tile); 2 stages = 96 KB -> 1 CTA here;
+                                # NVRTC 13.0 spills 72 B here (13.5: none), (128, 32) would not
         160: (64, 64, 4, 1),    # 222 regs (234), 60 KB: 2 CTAs; 2 m16 tiles per warp (160 O registers) spill
         192: (64, 64, 4, 1),    # 232 regs (236), 72 KB: 2 CTAs
         224: (64, 32, 4, 1),    # 227 regs (242), 56 KB: 2 CTAs; 64x64 (84 KB) fits 1
@@ -132,12 +133,14 @@ _MMA_TILES = {
         224: (128, 32, 8, 1),   # 227 regs (232), 84 KB: 1 CTA of 8 warps; 4-warp tiles in 49 KB need block_n 16
         256: (128, 32, 8, 1),   # 228 regs (244), 96 KB: 1 CTA of 8 warps
     },
-    # H100 / H200 / B200: 228 KB per SM; 2 CTAs fit up to 113 KB each.
+    # H100 / H200 / B200: 228 KB per SM; 2 CTAs fit up to 113 KB each.  Measured on an
+    # H200 (benchmarks/results/2026-11-30-nvidia-h200-tuning.md; bf16, B=2, H=16, L=8192,
+    # TFLOP/s non-causal / causal).
     "sm90": {
         32: (128, 64, 4, 2),    # as sm80
-        64: (128, 64, 4, 2),    # as sm80
+        64: (128, 64, 4, 2),    # 238 / 183; (64, 128, 4, 2) 228 / 182, (128, 128, 8, 2) 216 / 175
         96: (128, 64, 4, 1),    # as sm80
-        128: (128, 64, 4, 2),   # 255 regs, 96 KB: 2 CTAs; K/V of block j+1 land during all of block j
+        128: (128, 64, 4, 1),   # 293 / 241; (128, 128, 8, 2) 270 / 235; 2 stages spill with NVRTC 13.0
         160: (64, 64, 4, 1),    # as sm80
         192: (64, 64, 4, 1),    # as sm80
         224: (64, 64, 4, 1),    # 242 regs, 84 KB: 2 CTAs; half the key blocks of 64x32
@@ -238,7 +241,8 @@ _BWD_MMA_TILES = {
     32: (64, True),     # dK/dV 221 / 228, 16 KB; dQ 154 / 156, 16 KB
     64: (64, True),     # dK/dV 254 / 254, 32 KB; dQ 192 / 206, 32 KB
     96: (32, True),     # dK/dV 238 / 232, 36 KB; dQ 181 / 183, 36 KB
-    128: (32, True),    # dK/dV 255 / 254, 48 KB; dQ 203 / 203, 48 KB
+    128: (32, True),    # dK/dV 255 / 254, 48 KB; dQ 203 / 203, 48 KB.  H200: 161 TFLOP/s; 64 streamed
+                        # rows 190, but its dK/dV kernel spills (16 B NVRTC 13.5, 4 B 13.0)
     160: (32, False),   # dV 188 / 214, 40 KB; dK 224 / 218, 60 KB; dQ 222 / 227, 60 KB
     192: (32, False),   # dV 210 / 210, 48 KB; dK 220 / 230, 72 KB; dQ 241 / 249, 72 KB
     224: (32, False),   # dV 242 / 246, 56 KB; dK 254 / 254, 84 KB; dQ 249 / 247, 84 KB: 1 CTA/SM (2 on sm_90)

@@ -433,11 +433,15 @@ def test_without_lse(executors):
 
 
 @needs_emulator
-@pytest.mark.parametrize("scale", [3.0, -0.7, 0.0], ids=["large", "negative", "zero"])
+@pytest.mark.parametrize("scale", [3.0, 1e-30, -0.7, 0.0], ids=["large", "tiny", "negative", "zero"])
 def test_extreme_and_negative_scales(executors, scale):
+    # fwd_mma folds a positive scale into the exponent (row max of the unscaled
+    # scores); zero and negative scales run fwd_simt, equally correct.
     rng = np.random.default_rng(14)
     q, k, v = qkv(rng, np.float16, seqlen_q=45, seqlen_k=77, head_dim=32)
-    run_mma(executors[80], q, k, v, scale=scale, window=(None, 0))
+    family = "fwd_mma" if scale > 0 else "fwd_simt"
+    assert _gpu.select(q.dtype, 32, 32, 80, aligned=True, scale=scale).family == family
+    run_mma(executors[80], q, k, v, scale=scale, window=(None, 0), family=family)
 
 
 @needs_emulator
