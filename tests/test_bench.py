@@ -168,3 +168,18 @@ def test_command_line_rejects_gpu_without_one(capsys):
         pytest.skip("a GPU is present")
     assert _bench.main_bench(["--device", "gpu", "--seqlen", "16"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_gpu_warm_up_is_by_time_as_well_as_by_count():
+    """The GPU timings first keep the device busy for a while (its clocks ramp up), not
+    only for a few calls: keep_busy returns after both the calls and the seconds."""
+    import time
+
+    from cupyflash._bench import keep_busy
+
+    calls = []
+    start = time.perf_counter()
+    n = keep_busy(lambda: calls.append(1), lambda: time.sleep(0.01), calls=2, seconds=0.1)
+    assert time.perf_counter() - start >= 0.1
+    assert n == len(calls) >= 5
+    assert keep_busy(lambda: calls.append(1), lambda: None, calls=7, seconds=0.0) == 7
