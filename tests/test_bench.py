@@ -183,3 +183,33 @@ def test_gpu_warm_up_is_by_time_as_well_as_by_count():
     assert time.perf_counter() - start >= 0.1
     assert n == len(calls) >= 5
     assert keep_busy(lambda: calls.append(1), lambda: None, calls=7, seconds=0.0) == 7
+
+
+def test_gpu_variants_name_catalogue_rows(monkeypatch):
+    """benchmarks/gpu_variants.py swaps each tile into the catalogue: every variant must
+    yield its kernels (one fwd_mma row; bwd_mma's dK/dV and dQ rows), and every one
+    must compile for sm_90 without spills (what the sweep times is what CI checks)."""
+    import copy
+    import importlib.util
+    from pathlib import Path
+
+    from cupyflash import _kernels, _report
+    from cupyflash._loader import module_source
+
+    for name in ("_MMA_TILES", "_BWD_MMA_TILES"):
+        monkeypatch.setattr(_kernels, name, copy.deepcopy(getattr(_kernels, name)))
+    monkeypatch.setattr(_kernels, "_BWD_MMA_OWN", _kernels._BWD_MMA_OWN)
+    monkeypatch.setattr(_kernels, "_BWD_MMA_WARPS", _kernels._BWD_MMA_WARPS)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_variants.py"
+    spec = importlib.util.spec_from_file_location("gpu_variants", path)
+    variants = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(variants)
+    for kind, d, tile in variants.all_variants():
+        rows = variants.variant_rows(kind, d, tile)
+        assert [r.family for r in rows] == (["fwd_mma"] if kind == "fwd" else ["bwd_mma"] * 2), (kind, d, tile)
+        if kind == "fwd":
+            (row,) = rows
+            assert (row.block_m, row.block_n, row.threads // 32, row.kv_stages) == tuple(tile)
+            report = _report.compile_report(module_source(row.entry), [row.name_expression], "sm_90",
+                                            sass=False, filename=row.entry)
+            assert report.functions[row.name_expression].spill_stores == 0, (d, tile)
