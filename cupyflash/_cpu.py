@@ -191,6 +191,30 @@ def _sum_to(x, shape):
     return x.sum(axis=axes, keepdims=True) if axes else x
 
 
+class _BackwardBuffers:
+    """Reusable outputs for the backward's block products, one per role and shape.
+
+    The products of full blocks all have the same few shapes; fresh multi-MiB
+    temporaries for each would be mapped and faulted in again on every block.
+    ``matmul(role, a, b)`` returns ``a @ b``, broadcast to the vectorised axes
+    ``lead`` (so that the in-place updates that follow never need a larger
+    array), in the role's buffer, valid until that role's next product.
+    """
+
+    def __init__(self, dtype, lead: tuple):
+        self.dtype = dtype
+        self.lead = lead          # the vectorised axes: every product is computed at full size
+        self._bufs: dict[tuple, np.ndarray] = {}
+
+    def matmul(self, role: str, a, b):
+        shape = (np.broadcast_shapes(self.lead, a.shape[:-2], b.shape[:-2])
+                 + (a.shape[-2], b.shape[-1]))
+        buf = self._bufs.get((role, shape))
+        if buf is None:
+            buf = self._bufs[(role, shape)] = np.empty(shape, dtype=self.dtype)
+        return np.matmul(a, b, out=buf)
+
+
 def backward(problem: Problem, dout, out, lse):
     """Return (dq, dk, dv) with the shapes and dtypes of q, k, v."""
     acc_t = problem.accum_dtype
@@ -208,8 +232,10 @@ def backward(problem: Problem, dout, out, lse):
     dq = np.zeros(q.shape, dtype=acc_t)
     dk = np.zeros(k.shape, dtype=acc_t)
     dv = np.zeros(v.shape, dtype=acc_t)
+    bufs = _BackwardBuffers(acc_t, vec_shape)
     for idx in np.ndindex(*_loop_shape(batch5, n_vec)):
         qf = _index_into(q, idx).astype(acc_t)
+        qf *= scale          # dK = scale dS^T Q = dS^T (scale Q), and S = (scale Q) K^T
         kf = _index_into(k, idx).astype(acc_t, copy=False)
         vf = _index_into(v, idx).astype(acc_t, copy=False)
         dof = _index_into(do, idx).astype(acc_t, copy=False)
@@ -223,21 +249,26 @@ def backward(problem: Problem, dout, out, lse):
         for j0 in range(0, lk, bc):
             j1 = min(j0 + bc, lk)
             kj, vj = kf[..., j0:j1, :], vf[..., j0:j1, :]
+            kjt, vjt = np.swapaxes(kj, -1, -2), np.swapaxes(vj, -1, -2)
             for i0 in range(0, lq, bq):
                 i1 = min(i0 + bq, lq)
                 kind = block_bounds(i0, i1, j0, j1, offset, left, right)
                 if kind == "empty":
                     continue
                 qi, doi = qf[..., i0:i1, :], dof[..., i0:i1, :]
-                s = np.matmul(qi, np.swapaxes(kj, -1, -2)) * scale
-                p = np.exp(s - lse_i[..., i0:i1, None])
+                p = bufs.matmul("s", qi, kjt)                       # scaled scores
+                p -= lse_i[..., i0:i1, None]
+                np.exp(p, out=p)
                 if kind == "partial":
                     p *= _visible(i0, i1, j0, j1, offset, left, right)
-                dv_i[..., j0:j1, :] += np.matmul(np.swapaxes(p, -1, -2), doi)
-                dp = np.matmul(doi, np.swapaxes(vj, -1, -2))
-                ds = p * (dp - delta[..., i0:i1, None])
-                dq_i[..., i0:i1, :] += np.matmul(ds, kj) * scale
-                dk_i[..., j0:j1, :] += np.matmul(np.swapaxes(ds, -1, -2), qi) * scale
+                pt = np.swapaxes(p, -1, -2)
+                dv_i[..., j0:j1, :] += bufs.matmul("kv", pt, doi)
+                ds = bufs.matmul("dp", doi, vjt)
+                ds -= delta[..., i0:i1, None]
+                ds *= p                                             # dS = P o (dP - D)
+                dk_i[..., j0:j1, :] += bufs.matmul("kv", np.swapaxes(ds, -1, -2), qi)
+                dq_i[..., i0:i1, :] += bufs.matmul("q", ds, kj)
+        dq_i *= scale                                               # dQ = scale dS K, once
         _accumulate(dq, idx, dq_i)
         _accumulate(dk, idx, dk_i)
         _accumulate(dv, idx, dv_i)
