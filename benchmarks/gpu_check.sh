@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: `pytest -m gpu` plus a forward-attention timing table, in under six minutes.
+# The GPU check: `pytest -m gpu`, the timing table, then the tile sweep, in under six minutes.
 #
 # Run from anywhere on a machine with a CUDA GPU, CuPy and the checkout (nothing
 # installed: PYTHONPATH points at the checkout):
@@ -7,15 +7,17 @@
 #     bash benchmarks/gpu_check.sh
 #
 # Writes benchmarks/results/<date>-<gpu>.json and .md (see benchmarks/gpu_check.py)
-# and, when $OUT is set, copies them and the pytest log there.  Without a usable
+# and, when $OUT is set, copies them, the logs and the sweep's gpu_variants.json
+# there (eight files).  Without a usable
 # GPU it says so and exits 0.  Otherwise the exit status is pytest's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
-TEST_SECONDS="${GPU_CHECK_TEST_SECONDS:-210}"
-BENCH_SECONDS="${GPU_CHECK_BENCH_SECONDS:-150}"
+TEST_SECONDS="${GPU_CHECK_TEST_SECONDS:-150}"       # an H200 took 70-80 s
+BENCH_SECONDS="${GPU_CHECK_BENCH_SECONDS:-130}"     # no new case starts after this
+VARIANT_SECONDS="${GPU_CHECK_VARIANT_SECONDS:-60}"  # benchmarks/gpu_variants.py; 0 skips it
 
 if ! reason=$("$PY" - <<'PYEOF' 2>&1
 import cupy
@@ -53,11 +55,18 @@ echo "gpu_check: pytest exit status $test_rc after $(( $(date +%s) - start ))s"
     --test-rc "$test_rc" 2>&1 | tee "$work/bench.log"
 bench_rc=${PIPESTATUS[0]}
 
+if [ "$VARIANT_SECONDS" -gt 0 ]; then
+    echo "gpu_check: tile sweep (benchmarks/gpu_variants.py, limit ${VARIANT_SECONDS}s)"
+    timeout --signal=INT --kill-after=10 "$VARIANT_SECONDS" "$PY" benchmarks/gpu_variants.py \
+        2>&1 | tee "$work/variants.log"
+fi
+
 if [ -n "${OUT:-}" ]; then
     cp "$work/precompile.log" "$OUT/gpu_check_precompile.log"
     cp "$work/pytest.log" "$OUT/gpu_check_pytest.log"
     [ -f "$work/junit.xml" ] && cp "$work/junit.xml" "$OUT/gpu_check_junit.xml"
     cp "$work/bench.log" "$OUT/gpu_check_bench.log"
+    [ -f "$work/variants.log" ] && cp "$work/variants.log" "$OUT/gpu_check_variants.log"
 fi
 echo "gpu_check: done in $(( $(date +%s) - start ))s (pytest $test_rc, timing $bench_rc)"
 [ "$test_rc" -eq 0 ] && exit "$bench_rc"

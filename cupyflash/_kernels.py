@@ -229,9 +229,11 @@ _BWD_DELTA_ROWS = 16     # bwd_simt_dot_do_o_kernel: 128 threads, 8 lanes per qu
 # dims of fwd_mma.  4 warps, each owning 16 rows (one m16 tile) of the CTA's
 # own block: dK/dV owns 64 keys and streams query blocks, dQ owns 64 query
 # rows and streams key blocks.  Per head dim: (streamed rows, dK and dV in
-# one launch).  Registers from the static report (sm_80 / sm_90), all without
-# spills; shared memory = (own tiles + 2 streamed) x d x 2 bytes (+ 2 floats
-# per streamed row).  Performance is PREDICTED, not measured (no GPU yet).
+# one launch[, streamed keys of the dQ kernel when they differ]).  Registers
+# from the static report (sm_80 / sm_90), all without spills; shared memory =
+# (own tiles + 2 streamed) x d x 2 bytes (+ 2 floats per streamed row).
+# Measured on an H200 for d = 128 (benchmarks/results/2026-11-30-nvidia-h200-
+# tuning.md); the other rows are predictions from the static report.
 # From 160 on, dK and dV accumulators together (2 x 2d/8 floats per lane on
 # top of S and dP) spill at 255 registers (160: 8 bytes on sm_90; 192: 32;
 # 256: over 1 KB): one launch computes dV, a second dK (S recomputed: 8 block
@@ -276,13 +278,14 @@ def _backward_instantiations() -> list[Instantiation]:
     own, warps = _BWD_MMA_OWN, _BWD_MMA_WARPS
     for dtype in ("float16", "bfloat16"):
         cxx = _CXX_TYPE[dtype]
-        for d, (streamed, together) in _BWD_MMA_TILES.items():
+        for d, (streamed, together, *dq_streamed) in _BWD_MMA_TILES.items():
+            streamed_dq = dq_streamed[0] if dq_streamed else streamed
             common = dict(family="bwd_mma", entry="bwd_mma.cu", dtype=dtype, head_dim=d, head_dim_v=d,
                           threads=32 * warps)
             for grads in ([BWD_GRAD_DV | BWD_GRAD_DK] if together else [BWD_GRAD_DV, BWD_GRAD_DK]):
                 name = f"cf::bwd_mma_dkdv_kernel<{cxx}, {d}, {own}, {streamed}, {warps}, {grads}>"
                 rows.append(Instantiation(name_expression=name, block_m=streamed, block_n=own, **common))
             rows.append(Instantiation(
-                name_expression=f"cf::bwd_mma_dq_kernel<{cxx}, {d}, {own}, {streamed}, {warps}>",
-                block_m=own, block_n=streamed, **common))
+                name_expression=f"cf::bwd_mma_dq_kernel<{cxx}, {d}, {own}, {streamed_dq}, {warps}>",
+                block_m=own, block_n=streamed_dq, **common))
     return rows
