@@ -208,7 +208,7 @@ def _mma_instantiations() -> list[Instantiation]:
 _BWD_SIMT_TILES = {
     # (own rows, streamed rows)
     "float": {
-        32: (64, 32),    # 4 x 4 scores, 16 + 16 gradient registers; 24 KB.  (64, 64) spills at 128
+        32: (32, 32),    # 2 x 4, 8 + 8; 16 KB, 112-122 registers.  (64, 32): its dQ kernel spills 16 B on sm_86/89
         64: (32, 32),    # 2 x 4, 16 + 16; 32 KB, 4 CTAs/SM.  (64, 32): 48 KB, 3 CTAs/SM at 163-168 registers
         128: (32, 16),   # 2 x 2, 32 + 32; 48 KB
         256: (16, 8),    # 1 x 1, 32 + 32; 48 KB

@@ -26,7 +26,7 @@ from cupyflash._loader import module_source
 
 pytestmark = pytest.mark.slow
 
-ARCHS = ("sm_80", "sm_90")
+ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")   # DESIGN.md section 5: every instantiation, all four
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,7 @@ def test_json_cli_has_the_required_keys(rows, capsys):
 
 
 def test_text_cli_prints_one_line_per_row(rows, capsys):
-    assert main_kernels(["--arch", "sm_90", "--arch", "sm_80"]) == 0
+    assert main_kernels([arg for arch in ARCHS for arg in ("--arch", arch)]) == 0
     out = capsys.readouterr().out
     for r in rows:
         assert re.search(re.escape(r["name"]) + r"\s+" + r["arch"], out)
