@@ -105,9 +105,11 @@ MMA_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 # (python -m cupyflash kernels --family fwd_mma; "(231)" = sm_90 where it
 # differs), float16 and bfloat16 alike; every row compiles without spills or
 # stack for sm_80, sm_86, sm_89 and sm_90 (tests/test_fwd_mma.py checks).
-# Performance is PREDICTED, not measured (no GPU yet): the rule is FA2's --
-# two m16 tiles per warp where registers allow (half the ldmatrix traffic per
-# mma of one tile), 8+ resident warps per SM, then the larger key block.
+# The sm90 rows for d = 64 and 128 are measured on an H200 (sweeps in
+# benchmarks/results/2026-11-30-nvidia-h200-tuning.md); every other row is a
+# prediction by FA2's rule -- two m16 tiles per warp where registers allow
+# (half the ldmatrix traffic per mma of one tile), 8+ resident warps per SM,
+# then the larger key block -- which those sweeps bore out on sm_90.
 # A class takes the archs with its shared memory per SM (mma_arch_class).
 _MMA_TILES = {
     # A100 / A30 / Orin: 164 KB per SM; 2 CTAs of 4 warps at up to 255 registers.
