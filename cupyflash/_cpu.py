@@ -111,21 +111,35 @@ def _index_into(x, idx):
     return x[tuple(0 if x.shape[a] == 1 else i for a, i in enumerate(idx))]
 
 
-def _query_block(qf, kf, vf, i0, i1, vec_shape, bc, mask_args, acc_t):
+def _with_ones(vf):
+    """``vf`` with a column of ones appended (from 8 columns on zero-padded to a
+    multiple of 8, which BLAS handles at full speed), so that P @ result gives
+    P V and P's row sums in one product instead of a product and a reduction
+    pass over P."""
+    dv = vf.shape[-1]
+    width = dv + 1 if dv < 8 else -(-(dv + 1) // 8) * 8      # narrow values stay narrow
+    ext = np.zeros(vf.shape[:-1] + (width,), dtype=vf.dtype)
+    ext[..., :dv] = vf
+    ext[..., dv] = 1
+    return ext
+
+
+def _query_block(qf, kf, vf_ones, dv, i0, i1, vec_shape, bc, mask_args, acc_t):
     """Online softmax over the key blocks for query rows [i0, i1).
 
-    ``qf`` holds the already scaled rows.  Returns the normalised output rows
-    and their lse (float, -inf for rows that saw no key).
+    ``qf`` holds the already scaled rows, ``vf_ones`` the ``dv`` value columns
+    followed by a column of ones (``_with_ones``).  Returns the normalised output
+    rows and their lse (float, -inf for rows that saw no key).
     """
     lk = kf.shape[-2]
     rows = vec_shape + (i1 - i0,)
     m = np.full(rows, -np.inf, dtype=acc_t)                    # running row max
     l = np.zeros(rows, dtype=acc_t)                            # running row sum of exp
-    acc = np.zeros(rows + (vf.shape[-1],), dtype=acc_t)        # unnormalised output
+    acc = np.zeros(rows + (dv,), dtype=acc_t)                  # unnormalised output
     # One score buffer and one P.V buffer serve every full key block: fresh
     # multi-MiB temporaries per block cost page faults on every call.
     s_full = np.empty(rows + (bc,), dtype=acc_t)
-    pv = np.empty_like(acc)
+    pv = np.empty(rows + (vf_ones.shape[-1],), dtype=acc_t)
     direct = np.broadcast_shapes(qf.shape[:-2], kf.shape[:-2]) == vec_shape
     for j0 in range(0, lk, bc):
         j1 = min(j0 + bc, lk)
@@ -146,10 +160,11 @@ def _query_block(qf, kf, vf, i0, i1, vec_shape, bc, mask_args, acc_t):
         s -= m_safe[..., None]
         p = np.exp(s, out=s)
         alpha = np.exp(m - m_safe)
+        pv_block = np.matmul(p, vf_ones[..., j0:j1, :], out=pv)
         l *= alpha
-        l += p.sum(axis=-1)
+        l += pv_block[..., dv]                                  # the ones column: rowsum(P)
         acc *= alpha[..., None]
-        acc += np.matmul(p, vf[..., j0:j1, :], out=pv)
+        acc += pv_block[..., :dv]
         m = m_new
     empty = l == 0                                              # rows that saw no key
     acc *= np.where(empty, 0, 1 / np.where(empty, 1, l))[..., None]
@@ -174,12 +189,14 @@ def forward(problem: Problem, out, lse) -> None:
 
     for idx in np.ndindex(*_loop_shape(batch5, n_vec)):
         kf = _index_into(k, idx).astype(acc_t, copy=False)
-        vf = _index_into(v, idx).astype(acc_t, copy=False)
+        vf_ones = _with_ones(_index_into(v, idx).astype(acc_t, copy=False))
+        dv = v.shape[-1]
         for i0 in range(0, lq, bq):
             i1 = min(i0 + bq, lq)
             qf = _index_into(q, idx)[..., i0:i1, :].astype(acc_t)
             qf *= scale                                         # scale folded into q once
-            rows, rows_lse = _query_block(qf, kf, vf, i0, i1, vec_shape, bc, mask_args, acc_t)
+            rows, rows_lse = _query_block(qf, kf, vf_ones, dv, i0, i1, vec_shape, bc, mask_args,
+                                          acc_t)
             o[idx][..., i0:i1, :] = rows
             if lse5 is not None:
                 lse5[idx][..., i0:i1] = rows_lse
