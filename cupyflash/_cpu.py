@@ -124,6 +124,27 @@ def _with_ones(vf):
     return ext
 
 
+# Row sums of one block's weights, taken against the running max, above which
+# the block is redone against its own max (weights this large are still far
+# from float32's range, and the P V products with them).
+_LAZY_LIMIT = 2.0**32
+
+
+def _scores(qf, kf, j0, j1, i0, i1, kind, rows, out, mask_args):
+    """The (already scaled) scores of key block [j0, j1) as a ``rows + (j1 - j0,)`` array,
+    -inf where masked; into ``out`` when given (a full block)."""
+    kt = np.swapaxes(kf[..., j0:j1, :], -1, -2)
+    if out is not None:
+        s = np.matmul(qf, kt, out=out)
+    else:   # the tail block, or q and k both broadcast along a vectorised axis
+        s = np.matmul(qf, kt)
+        if s.shape[:-1] != rows:
+            s = np.broadcast_to(s, rows + (j1 - j0,)).copy()
+    if kind == "partial":
+        np.copyto(s, -np.inf, where=~_visible(i0, i1, j0, j1, *mask_args))
+    return s
+
+
 def _query_block(qf, kf, vf_ones, dv, i0, i1, vec_shape, bc, mask_args, acc_t):
     """Online softmax over the key blocks for query rows [i0, i1).
 
@@ -146,15 +167,22 @@ def _query_block(qf, kf, vf_ones, dv, i0, i1, vec_shape, bc, mask_args, acc_t):
         kind = block_bounds(i0, i1, j0, j1, *mask_args)
         if kind == "empty":
             continue
-        kt = np.swapaxes(kf[..., j0:j1, :], -1, -2)
-        if direct and j1 - j0 == bc:
-            s = np.matmul(qf, kt, out=s_full)
-        else:   # the tail block, or q and k both broadcast along a vectorised axis
-            s = np.matmul(qf, kt)
-            if s.shape[:-1] != rows:
-                s = np.broadcast_to(s, rows + (j1 - j0,)).copy()
-        if kind == "partial":
-            np.copyto(s, -np.inf, where=~_visible(i0, i1, j0, j1, *mask_args))
+        s = _scores(qf, kf, j0, j1, i0, i1, kind, rows, s_full if direct and j1 - j0 == bc else None,
+                    mask_args)
+        if not np.isneginf(m).any():
+            # Every row has a finite running max: exponentiate against it and skip
+            # this block's max pass.  Kept unless a row's new weights sum past
+            # 2^32 (or are not finite): then the block is redone against its max.
+            with np.errstate(over="ignore", invalid="ignore"):
+                s -= m[..., None]
+                p = np.exp(s, out=s)
+                pv_block = np.matmul(p, vf_ones[..., j0:j1, :], out=pv)
+            if np.all(pv_block[..., dv] <= _LAZY_LIMIT):            # False for NaN
+                l += pv_block[..., dv]
+                acc += pv_block[..., :dv]
+                continue
+            s = _scores(qf, kf, j0, j1, i0, i1, kind, rows,
+                        s_full if direct and j1 - j0 == bc else None, mask_args)
         m_new = np.maximum(m, s.max(axis=-1))
         m_safe = np.where(np.isneginf(m_new), 0, m_new)       # rows with no key yet
         s -= m_safe[..., None]

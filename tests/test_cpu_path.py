@@ -609,3 +609,48 @@ def test_causal_skips_the_blocks_above_the_diagonal(monkeypatch):
     out = cupyflash.attention(q, k, v, causal=True)
     assert_close(out, naive_attention(q, k, v, causal=True), np.float32)
     assert seen.count("empty") >= len(seen) // 2 - 2, seen
+
+
+# ---- the running max as the exponent's reference --------------------------------------------
+
+@pytest.mark.parametrize("jump, redone", [(0.0, False), (3.0, False), (30.0, True), (200.0, True)],
+                         ids=["flat", "kept", "redone", "huge"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_later_key_blocks_with_larger_scores(jump, redone, dtype, monkeypatch):
+    """After the first key block a row's weights are taken against its running max
+    without a max pass; a block whose weights would sum past 2^32 (scores more than
+    ~22 above that max) is redone against its own max.  Either way the result is the
+    oracle's, with no warnings (the overflow of the first attempt is expected)."""
+    rng = np.random.default_rng(int(jump))
+    lq, lk, d = 40, 2048, 16
+    _, bc = _cpu._block_sizes(1, lq, lk, False)
+    assert lk // bc >= 3, "needs several key blocks"
+    q = rng.standard_normal((1, lq, d)).astype(dtype)
+    k = rng.standard_normal((1, lk, d)).astype(dtype)
+    v = rng.standard_normal((1, lk, d)).astype(dtype)
+    # keys of the last block get a score `jump` larger for every query (k . q grows)
+    boost = jump * q.mean(axis=1) / np.square(q.mean(axis=1)).sum()
+    k[:, -bc:] += boost.astype(dtype)[:, None, :] * math.sqrt(d)
+    blocks = []
+    scores = _cpu._scores
+    monkeypatch.setattr(_cpu, "_scores", lambda *a, **kw: blocks.append(a[2]) or scores(*a, **kw))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, lse = cupyflash.attention(q, k, v, return_lse=True)
+    assert blocks == list(range(0, lk, bc)) + ([lk - bc] if redone else [])
+    ref, ref_lse = naive_attention(q, k, v, return_lse=True)
+    tol = dict(rtol=2e-5, atol=2e-5) if dtype == np.float32 else dict(rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(out, ref, **tol)
+    np.testing.assert_allclose(lse, ref_lse, rtol=tol["rtol"], atol=tol["atol"] * abs(ref_lse).max())
+
+
+def test_nan_in_a_later_key_block_still_propagates():
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, 8, 2048, 16)).astype(np.float32) for _ in range(3))
+    k[0, 3, -5, 2] = np.nan                  # one key of the last block, head 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, lse = cupyflash.attention(q, k, v, return_lse=True)
+    assert np.isnan(out[0, 3]).all() and np.isnan(lse[0, 3]).all()
+    others = np.delete(np.arange(8), 3)
+    assert np.isfinite(out[0, others]).all() and np.isfinite(lse[0, others]).all()
