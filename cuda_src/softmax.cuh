@@ -19,13 +19,14 @@ template <typename T> struct AccumulatorOf { using type = float; };
 template <> struct AccumulatorOf<double> { using type = double; };
 template <typename T> using acc_t = typename AccumulatorOf<T>::type;
 
-// -infinity, spelled as its IEEE bit pattern (NVRTC has no <limits> or INFINITY).
+// -infinity, spelled as its IEEE bit pattern (NVRTC has no <limits> or INFINITY;
+// NVRTC 12.0 has no __builtin_bit_cast either, the CUDA intrinsics work everywhere).
 template <typename Acc> __device__ __forceinline__ Acc neg_inf();
 template <> __device__ __forceinline__ float neg_inf<float>() {
-    return __builtin_bit_cast(float, 0xff800000u);
+    return __int_as_float(static_cast<int>(0xff800000u));
 }
 template <> __device__ __forceinline__ double neg_inf<double>() {
-    return __builtin_bit_cast(double, 0xfff0000000000000ull);
+    return __longlong_as_double(static_cast<long long>(0xfff0000000000000ull));
 }
 
 // 2^x: ex2.approx (2 ulp) in float, the correctly rounded-ish libm exp2 in double.
