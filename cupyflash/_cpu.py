@@ -167,8 +167,8 @@ def _query_block(qf, kf, vf_ones, dv, i0, i1, vec_shape, bc, mask_args, acc_t):
         kind = block_bounds(i0, i1, j0, j1, *mask_args)
         if kind == "empty":
             continue
-        s = _scores(qf, kf, j0, j1, i0, i1, kind, rows, s_full if direct and j1 - j0 == bc else None,
-                    mask_args)
+        out = s_full if direct and j1 - j0 == bc else None
+        s = _scores(qf, kf, j0, j1, i0, i1, kind, rows, out, mask_args)
         if not np.isneginf(m).any():
             # Every row has a finite running max: exponentiate against it and skip
             # this block's max pass.  Kept unless a row's new weights sum past
@@ -181,8 +181,7 @@ def _query_block(qf, kf, vf_ones, dv, i0, i1, vec_shape, bc, mask_args, acc_t):
                 l += pv_block[..., dv]
                 acc += pv_block[..., :dv]
                 continue
-            s = _scores(qf, kf, j0, j1, i0, i1, kind, rows,
-                        s_full if direct and j1 - j0 == bc else None, mask_args)
+            s = _scores(qf, kf, j0, j1, i0, i1, kind, rows, out, mask_args)
         m_new = np.maximum(m, s.max(axis=-1))
         m_safe = np.where(np.isneginf(m_new), 0, m_new)       # rows with no key yet
         s -= m_safe[..., None]
