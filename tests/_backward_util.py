@@ -12,17 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-
-def visible(seqlen_q: int, seqlen_k: int, window) -> np.ndarray:
-    """(Lq, Lk) bool: query i may see key j (window bottom-right aligned, None = unbounded)."""
-    left, right = window
-    diff = np.arange(seqlen_k)[None, :] - np.arange(seqlen_q)[:, None] - (seqlen_k - seqlen_q)
-    ok = np.ones((seqlen_q, seqlen_k), dtype=bool)
-    if left is not None:
-        ok &= diff >= -left
-    if right is not None:
-        ok &= diff <= right
-    return ok
+from _util import visible
 
 
 def naive_half_backward(dout, q, k, v, out, *, scale, window=(None, None), gqa_ratio=1):

@@ -14,6 +14,8 @@ except ImportError:  # pragma: no cover - ml_dtypes is in the test extra
 DTYPES = [np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)] + (
     [bfloat16] if bfloat16 is not None else []
 )
+DTYPE_IDS = [d.name for d in DTYPES]            # pytest ids for parametrising over DTYPES
+HALF = [d for d in DTYPES if d.itemsize == 2]   # float16 (and bfloat16 where available)
 
 # Absolute/relative tolerance per dtype for outputs of O(1) magnitude compared with
 # the float64 oracle evaluated on the *same* (already rounded) inputs.  The output is
@@ -80,3 +82,15 @@ def assert_grad_close(actual, expected, dtype, *, what="gradient"):
     expected = np.asarray(expected, dtype=np.float64)
     magnitude = max(1.0, float(np.abs(expected).max(initial=0.0)))
     assert_close(actual, expected, dtype, what=what, factor=magnitude)
+
+
+def visible(seqlen_q: int, seqlen_k: int, window) -> np.ndarray:
+    """(Lq, Lk) bool: query i may see key j (window bottom-right aligned, None = unbounded)."""
+    left, right = window
+    diff = np.arange(seqlen_k)[None, :] - np.arange(seqlen_q)[:, None] - (seqlen_k - seqlen_q)
+    ok = np.ones((seqlen_q, seqlen_k), dtype=bool)
+    if left is not None:
+        ok &= diff >= -left
+    if right is not None:
+        ok &= diff <= right
+    return ok

@@ -14,9 +14,8 @@ import cupyflash
 from cupyflash import _cpu
 from cupyflash.reference import naive_attention_backward
 
-from _util import DTYPES, assert_grad_close, poisoned, random_array, random_qkv
+from _util import DTYPES, DTYPE_IDS, assert_grad_close, poisoned, random_array, random_qkv
 
-DTYPE_IDS = [np.dtype(d).name for d in DTYPES]
 
 # name: (q shape, k shape, v shape, options)
 CASES = {

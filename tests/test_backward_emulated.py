@@ -40,10 +40,8 @@ from cupyflash.emulator import EmulatorExecutor, emulator_available
 from cupyflash.reference import naive_attention, naive_attention_backward
 
 from _backward_util import assert_within_twice_naive_half_error, naive_half_backward
-from _util import DTYPES, accum_dtype, assert_grad_close, poisoned, random_array
+from _util import DTYPES, DTYPE_IDS, HALF, accum_dtype, assert_grad_close, poisoned, random_array
 
-DTYPE_IDS = [np.dtype(d).name for d in DTYPES]
-HALF = [d for d in DTYPES if np.dtype(d).itemsize == 2]
 
 _OK, _WHY = emulator_available()
 needs_emulator = pytest.mark.skipif(not _OK, reason=f"CPU emulator unavailable: {_WHY}")

@@ -23,7 +23,7 @@ from cupyflash import _api
 from cupyflash.emulator import emulator_available
 from cupyflash.reference import naive_attention
 
-from _util import DTYPES, assert_close
+from _util import DTYPES, assert_close, visible
 
 EMULATOR_OK, EMULATOR_WHY = emulator_available()
 
@@ -250,14 +250,7 @@ def _problem(dtype, lq, lk, d=16, seed=0):
 
 def _visible(lq, lk, causal=False, window=None):
     left, right = window if window is not None else (None, None)
-    right = 0 if causal else right
-    diff = np.arange(lk)[None, :] - np.arange(lq)[:, None] - (lk - lq)
-    ok = np.ones((lq, lk), bool)
-    if left is not None:
-        ok &= diff >= -left
-    if right is not None:
-        ok &= diff <= right
-    return ok
+    return visible(lq, lk, (left, 0 if causal else right))
 
 
 def _run(backend, q, k, v, mask):

@@ -21,6 +21,7 @@ from cupyflash import _cpu
 from cupyflash.reference import flash_attention_v1, naive_attention
 
 from _util import (
+    DTYPE_IDS,
     DTYPES,
     accum_dtype,
     assert_close,
@@ -30,7 +31,6 @@ from _util import (
     random_qkv,
 )
 
-DTYPE_IDS = [np.dtype(d).name for d in DTYPES]
 
 # (q shape, k shape, v shape): the edge cases of the issue.
 SHAPES = {

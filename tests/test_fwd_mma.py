@@ -29,7 +29,7 @@ from cupyflash._launch import launch_config
 from cupyflash.emulator import EmulatorExecutor, emulator_available
 from cupyflash.reference import naive_attention
 
-from _util import assert_lse_close, bfloat16, poisoned, random_array
+from _util import assert_lse_close, bfloat16, poisoned, random_array, visible
 
 HALF_DTYPES = [np.dtype(np.float16)] + ([bfloat16] if bfloat16 is not None else [])
 HALF_IDS = [d.name for d in HALF_DTYPES]
@@ -236,17 +236,6 @@ class Recorder:
         self.inner.launch(entry, name_expression, grid, block, shared_mem, params)
 
 
-def _window_mask(lq, lk, window):
-    left, right = window
-    diff = np.arange(lk)[None, :] - (np.arange(lq)[:, None] + lk - lq)
-    ok = np.ones((lq, lk), bool)
-    if left is not None:
-        ok &= diff >= -left
-    if right is not None:
-        ok &= diff <= right
-    return ok
-
-
 def naive_half_attention(q, k, v, *, scale, window, gqa_ratio):
     """Attention as a tensor-core kernel computes it, untiled: scores and softmax in float32
     from the half inputs, P rounded to the input dtype before P V, output rounded to it."""
@@ -254,7 +243,7 @@ def naive_half_attention(q, k, v, *, scale, window, gqa_ratio):
     k = np.repeat(k, gqa_ratio, axis=1) if gqa_ratio > 1 else k
     v = np.repeat(v, gqa_ratio, axis=1) if gqa_ratio > 1 else v
     s = np.matmul(q.astype(np.float32), np.swapaxes(k.astype(np.float32), -1, -2)) * np.float32(scale)
-    s = np.where(_window_mask(q.shape[-2], k.shape[-2], window), s, -np.inf)
+    s = np.where(visible(q.shape[-2], k.shape[-2], window), s, -np.inf)
     m = s.max(axis=-1, keepdims=True, initial=-np.inf)
     p = np.exp(s - np.where(np.isfinite(m), m, 0))
     total = p.sum(axis=-1, keepdims=True)
@@ -280,6 +269,15 @@ def run_mma(executor, q, k, v, *, window=(None, None), gqa_ratio=1, scale=None, 
     _gpu.forward(q, k, v, out, lse, scale=scale, window_left=window[0], window_right=window[1],
                  gqa_ratio=gqa_ratio, executor=recorder)
     assert [n.split("<")[0] for n in recorder.launched] == [f"cf::{family}_kernel"], recorder.launched
+    check_against_oracle(out, lse if with_lse else None, q, k, v, scale=scale, window=window,
+                         gqa_ratio=gqa_ratio)
+    return out, lse
+
+
+def check_against_oracle(out, lse, q, k, v, *, scale=None, window=(None, None), gqa_ratio=1):
+    """Every element written; out within twice the error of naive half-precision attention
+    (plus one ulp) of the float64 oracle; lse (unless None) to its tolerance."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     assert not np.isnan(out.astype(np.float64)).any(), "output element left unwritten (NaN)"
     oracle, oracle_lse = naive_attention(q, k, v, scale=scale, window=window,
                                          enable_gqa=gqa_ratio > 1, return_lse=True)
@@ -288,9 +286,8 @@ def run_mma(executor, q, k, v, *, window=(None, None), gqa_ratio=1, scale=None, 
     naive_err = np.abs(naive.astype(np.float64) - oracle).max(initial=0.0)
     bound = 2 * naive_err + ULP_AT_ONE[q.dtype.name]
     assert err <= bound, f"max error {err:.3g} > 2 x naive float32-accumulate error {naive_err:.3g} + 1 ulp"
-    if with_lse:
+    if lse is not None:
         assert_lse_close(lse, oracle_lse, q.dtype)
-    return out, lse
 
 
 def qkv(rng, dtype, *, batch=1, heads_kv=1, gqa_ratio=1, seqlen_q, seqlen_k, head_dim):

@@ -16,14 +16,12 @@ import pytest
 import cupyflash
 from cupyflash.reference import flash_attention_v1, naive_attention
 
-from _util import DTYPES, assert_close, random_qkv
+from _util import DTYPES, DTYPE_IDS, HALF, assert_close, random_qkv
 
 cp = pytest.importorskip("cupy")
 
 pytestmark = pytest.mark.gpu
 
-DTYPE_IDS = [d.name for d in DTYPES]
-HALF = [d for d in DTYPES if d.itemsize == 2]
 
 
 @pytest.fixture(scope="module", autouse=True)

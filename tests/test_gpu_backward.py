@@ -26,14 +26,12 @@ from cupyflash.reference import naive_attention_backward
 
 from _backward_util import (assert_within_twice_naive_half_error, backward_term_sizes,
                             naive_half_backward)
-from _util import DTYPES, accum_dtype, assert_close, random_array, random_qkv
+from _util import DTYPES, DTYPE_IDS, HALF, accum_dtype, random_array, random_qkv
 
 cp = pytest.importorskip("cupy")
 
 pytestmark = pytest.mark.gpu
 
-DTYPE_IDS = [d.name for d in DTYPES]
-HALF = [d for d in DTYPES if d.itemsize == 2]
 
 
 @pytest.fixture(scope="module", autouse=True)

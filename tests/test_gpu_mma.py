@@ -24,10 +24,9 @@ import pytest
 
 import cupyflash
 from cupyflash import _dispatch
-from cupyflash.reference import naive_attention
 
-from _util import assert_lse_close, random_array
-from test_fwd_mma import HALF_DTYPES, HALF_IDS, ULP_AT_ONE, Recorder, naive_half_attention
+from _util import random_array
+from test_fwd_mma import HALF_DTYPES, HALF_IDS, ULP_AT_ONE, Recorder, check_against_oracle
 
 cp = pytest.importorskip("cupy")
 
@@ -61,18 +60,6 @@ def attention_on_gpu(q, k, v, **kw):
                                       return_lse=True, backend="cuda", **kw)
     assert result is out
     return cp.asnumpy(out), cp.asnumpy(lse)
-
-
-def check_against_oracle(out, lse, q, k, v, *, scale=None, window=(None, None), gqa_ratio=1):
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    assert not np.isnan(out.astype(np.float64)).any(), "output element left unwritten (NaN)"
-    oracle, oracle_lse = naive_attention(q, k, v, scale=scale, window=window,
-                                         enable_gqa=gqa_ratio > 1, return_lse=True)
-    naive = naive_half_attention(q, k, v, scale=scale, window=window, gqa_ratio=gqa_ratio)
-    err = np.abs(out.astype(np.float64) - oracle).max(initial=0.0)
-    naive_err = np.abs(naive.astype(np.float64) - oracle).max(initial=0.0)
-    assert err <= 2 * naive_err + ULP_AT_ONE[q.dtype.name], (err, naive_err)
-    assert_lse_close(lse, oracle_lse, q.dtype)
 
 
 def _window_kw(window):

@@ -28,9 +28,9 @@ from cupyflash._source import cuda_src_dir
 from cupyflash.emulator import EmulatorExecutor, emulator_available
 from cupyflash.reference import naive_attention
 
-from _util import DTYPES, accum_dtype, assert_close, assert_lse_close, poisoned, random_array
+from _util import (DTYPE_IDS, DTYPES, accum_dtype, assert_close, assert_lse_close, poisoned,
+                   random_array)
 
-DTYPE_IDS = [np.dtype(d).name for d in DTYPES]
 
 _OK, _WHY = emulator_available()
 needs_emulator = pytest.mark.skipif(not _OK, reason=f"CPU emulator unavailable: {_WHY}")
