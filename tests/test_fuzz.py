@@ -63,13 +63,13 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
 
 import cupyflash
 from cupyflash._validation import check_forward as validate
 from cupyflash.emulator import emulator_available
 from cupyflash.reference import _probabilities, naive_attention, naive_attention_backward
 
+from _strategies import batch_shapes
 from _backward_util import assert_within_twice_naive_half_error, naive_half_backward, sum_to_shape
 from _util import DTYPES, TOLERANCE, accum_dtype, assert_close, assert_lse_close
 
@@ -143,21 +143,8 @@ def problems(draw, *, max_len, dtypes=DTYPES, scales=("default", "moderate", "ti
         max_dims, max_side = 3, 3
     d = draw(st.one_of(st.integers(1, 40), st.integers(1, 256)))
     dv = draw(st.one_of(st.just(d), st.integers(1, 40), st.integers(1, 256)))
-    enable_gqa = draw(st.booleans())
-    if enable_gqa:
-        outer = draw(hnp.mutually_broadcastable_shapes(num_shapes=3, min_dims=0, max_dims=max_dims - 1,
-                                                       max_side=max_side))
-        hkv, group = draw(st.integers(1, 3)), draw(st.integers(1, 4))
-        k_heads, v_heads = draw(st.sampled_from([(hkv, hkv), (hkv, 1), (1, hkv), (1, 1)]))
-        if (k_heads, v_heads) == (1, 1):
-            hkv = 1
-        q_batch = outer.input_shapes[0] + (hkv * group,)
-        k_batch = outer.input_shapes[1] + (k_heads,)
-        v_batch = outer.input_shapes[2] + (v_heads,)
-    else:
-        batch = draw(hnp.mutually_broadcastable_shapes(num_shapes=3, min_dims=0, max_dims=max_dims,
-                                                       max_side=max_side))
-        q_batch, k_batch, v_batch = batch.input_shapes
+    q_batch, k_batch, v_batch, enable_gqa = draw(batch_shapes(max_dims=max_dims, max_side=max_side,
+                                                              max_group=4))
     causal = draw(st.booleans())
     window = draw(st.one_of(st.none(), st.tuples(window_bound, window_bound)))
     scale_kind = draw(st.sampled_from(scales))

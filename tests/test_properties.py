@@ -12,12 +12,12 @@ from unittest import mock
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
 
 import cupyflash
 from cupyflash import _cpu
 from cupyflash.reference import naive_attention, naive_attention_backward
 
+from _strategies import batch_shapes
 from _util import DTYPES, assert_close, assert_grad_close, assert_lse_close, random_array, random_qkv
 
 # database=None: no .hypothesis/ directory in the working tree; deadline=None: timing varies on CI.
@@ -32,19 +32,7 @@ def problems(draw, *, dtypes=DTYPES):
     dtype = draw(st.sampled_from(dtypes))
     lq, lk = draw(st.integers(0, 64)), draw(st.integers(0, 64))
     d, dv = draw(st.integers(1, 40)), draw(st.integers(1, 40))
-    enable_gqa = draw(st.booleans())
-    if enable_gqa:
-        outer = draw(hnp.mutually_broadcastable_shapes(num_shapes=3, min_dims=0, max_dims=2, max_side=3))
-        hkv, group = draw(st.integers(1, 3)), draw(st.integers(1, 3))
-        k_heads, v_heads = draw(st.sampled_from([(hkv, hkv), (hkv, 1), (1, hkv), (1, 1)]))
-        if (k_heads, v_heads) == (1, 1):
-            hkv = 1
-        q_batch = outer.input_shapes[0] + (hkv * group,)
-        k_batch = outer.input_shapes[1] + (k_heads,)
-        v_batch = outer.input_shapes[2] + (v_heads,)
-    else:
-        batch = draw(hnp.mutually_broadcastable_shapes(num_shapes=3, min_dims=0, max_dims=3, max_side=3))
-        q_batch, k_batch, v_batch = batch.input_shapes
+    q_batch, k_batch, v_batch, enable_gqa = draw(batch_shapes(max_dims=3, max_side=3, max_group=3))
     causal = draw(st.booleans())
     window = draw(st.one_of(st.none(), st.tuples(window_bound, window_bound)))
     # Logits stay O(1), where TOLERANCE applies; large logits have their own tests.
