@@ -59,22 +59,44 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
     """
     name = _dtype_name(dtype)
     d, dv = int(head_dim), int(head_dim_v)
-    tiles = mma_tiles(arch)
-    if (aligned and scale > 0 and tiles and name in ("float16", "bfloat16") and d == dv
-            and d <= MMA_HEAD_DIMS[-1]):
-        bucket = min(b for b in MMA_HEAD_DIMS if b >= d)
-        wanted = mma_name_expression(name, bucket, *tiles[bucket])
+    bucket = mma_head_dim(name, d, dv, arch, aligned=aligned) if scale > 0 else None
+    if bucket is not None:
+        wanted = mma_name_expression(name, bucket, *mma_tiles(arch)[bucket])
         return next(r for r in instantiations() if r.name_expression == wanted)
-    rows = [r for r in instantiations() if r.family == "fwd_simt" and r.dtype == name]
-    if not rows:
-        raise TypeError(f"no fwd_simt kernel for dtype {name}")
-    need = max(d, dv)
-    fits = [r for r in rows if r.head_dim >= need]
+    bucket = simt_bucket("fwd_simt", name, d, dv)
+    return next(r for r in instantiations()
+                if r.family == "fwd_simt" and r.dtype == name and r.head_dim == bucket)
+
+
+def mma_head_dim(name: str, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool) -> int | None:
+    """The compile-time head dim the tensor-core kernels (fwd_mma, bwd_mma) run these
+    arguments in -- the smallest of :data:`~cupyflash._kernels.MMA_HEAD_DIMS` holding
+    ``head_dim`` -- or None where they do not apply: ``arch < 80``, ``name`` not
+    float16/bfloat16, ``head_dim != head_dim_v`` or above 256, rows not 16-byte aligned."""
+    if (aligned and arch >= 80 and name in ("float16", "bfloat16") and head_dim == head_dim_v
+            and head_dim <= MMA_HEAD_DIMS[-1]):
+        return min(m for m in MMA_HEAD_DIMS if m >= head_dim)
+    return None
+
+
+def simt_bucket(family: str, name: str, head_dim: int, head_dim_v: int) -> int:
+    """The smallest head-dim bucket of ``family`` (fwd_simt, bwd_simt) holding both head dims.
+
+    Raises
+    ------
+    TypeError
+        ``family`` has no kernels for dtype ``name``.
+    ValueError
+        A head dim above the largest bucket.
+    """
+    buckets = [r.head_dim for r in instantiations() if r.family == family and r.dtype == name]
+    if not buckets:
+        raise TypeError(f"no {family} kernels for dtype {name}")
+    fits = [b for b in buckets if b >= max(head_dim, head_dim_v)]
     if not fits:
-        raise ValueError(
-            f"head dims up to {max(r.head_dim for r in rows)} are supported; "
-            f"got head_dim={head_dim}, head_dim_v={head_dim_v}")
-    return min(fits, key=lambda r: r.head_dim)
+        raise ValueError(f"head dims up to {max(buckets)} are supported; "
+                         f"got head_dim={head_dim}, head_dim_v={head_dim_v}")
+    return min(fits)
 
 
 def rows_aligned(*arrays) -> bool:

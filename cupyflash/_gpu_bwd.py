@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._gpu import _accumulator_dtype, _array_module, rows_aligned
-from ._kernels import MMA_HEAD_DIMS, Instantiation, instantiations
+from ._gpu import _accumulator_dtype, _array_module, mma_head_dim, rows_aligned, simt_bucket
+from ._kernels import Instantiation, instantiations
 from ._launch import backward_kernel, backward_launch_config
 from ._params_bwd import bwd_params
 
@@ -56,21 +56,15 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
         A head dim above the largest bucket.
     """
     name = np.dtype(dtype).name
-    rows = [r for r in instantiations() if r.family == "bwd_simt" and r.dtype == name]
-    if not rows:
-        raise TypeError(f"no bwd_simt kernels for dtype {name}")
     d, dv = int(head_dim), int(head_dim_v)
-    fits = [r for r in rows if r.head_dim >= max(d, dv)]
-    if not fits:
-        raise ValueError(
-            f"head dims up to {max(r.head_dim for r in rows)} are supported; "
-            f"got head_dim={head_dim}, head_dim_v={head_dim_v}")
-    bucket = min(r.head_dim for r in fits)
-    simt = {backward_kernel(r): r for r in fits if r.head_dim == bucket}
-    if aligned and arch >= 80 and name in ("float16", "bfloat16") and d == dv <= MMA_HEAD_DIMS[-1]:
-        mma_dim = min(m for m in MMA_HEAD_DIMS if m >= d)
-        mma = (r for r in instantiations() if r.family == "bwd_mma" and r.dtype == name)
-        return (simt["bwd_simt_dot_do_o_kernel"],) + tuple(r for r in mma if r.head_dim == mma_dim)
+    bucket = simt_bucket("bwd_simt", name, d, dv)
+    simt = {backward_kernel(r): r for r in instantiations()
+            if r.family == "bwd_simt" and r.dtype == name and r.head_dim == bucket}
+    mma_dim = mma_head_dim(name, d, dv, arch, aligned=aligned)
+    if mma_dim is not None:
+        mma = tuple(r for r in instantiations()
+                    if r.family == "bwd_mma" and r.dtype == name and r.head_dim == mma_dim)
+        return (simt["bwd_simt_dot_do_o_kernel"],) + mma
     return tuple(simt[k] for k in _SIMT_KERNELS)
 
 
