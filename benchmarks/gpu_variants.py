@@ -46,12 +46,14 @@ BOUND = 2e-2   # ||out - ref|| / ||ref|| in bf16 (SDPA's own rounding included)
 def use_fwd(head_dim: int, tile) -> None:
     for row in _kernels._MMA_TILES.values():
         row[head_dim] = tuple(tile)
+    _kernels.refresh()
 
 
 def use_bwd(head_dim: int, own: int, streamed: int, warps: int, streamed_dq: int | None = None) -> None:
     _kernels._BWD_MMA_OWN = own
     _kernels._BWD_MMA_WARPS = warps
     _kernels._BWD_MMA_TILES[head_dim] = (streamed, True, streamed_dq or streamed)
+    _kernels.refresh()
 
 
 def variant_rows(kind: str, head_dim: int, variant, dtype: str = "bfloat16"):

@@ -9,6 +9,7 @@ properties the static report prints.  The dispatcher, ``precompile`` and
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 __all__ = ["Instantiation", "instantiations", "HEAD_DIM_BUCKETS", "MMA_HEAD_DIMS", "mma_arch_class",
@@ -70,7 +71,22 @@ def _accumulator(dtype: str) -> str:
 
 
 def instantiations() -> list[Instantiation]:
-    """Every instantiation the dispatcher can pick, in a stable order."""
+    """Every instantiation the dispatcher can pick, in a stable order (a new list).
+
+    Built once from the tables of this module: every GPU call selects its
+    kernel from it, and building it takes ~0.25 ms.  Code that edits the
+    tables (benchmarks/gpu_variants.py) calls :func:`refresh` afterwards.
+    """
+    return list(_catalogue())
+
+
+def refresh() -> None:
+    """Rebuild :func:`instantiations` from the tables on its next call."""
+    _catalogue.cache_clear()
+
+
+@functools.lru_cache(maxsize=1)
+def _catalogue() -> tuple[Instantiation, ...]:
     rows = []
     for dtype, cxx in _CXX_TYPE.items():
         for bucket in HEAD_DIM_BUCKETS:
@@ -87,7 +103,7 @@ def instantiations() -> list[Instantiation]:
             threads=_V1_THREADS))
     rows.extend(_mma_instantiations())
     rows.extend(_backward_instantiations())
-    return rows
+    return tuple(rows)
 
 
 

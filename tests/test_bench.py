@@ -185,7 +185,7 @@ def test_gpu_warm_up_is_by_time_as_well_as_by_count():
     assert keep_busy(lambda: calls.append(1), lambda: None, calls=7, seconds=0.0) == 7
 
 
-def test_gpu_variants_name_catalogue_rows(monkeypatch):
+def test_gpu_variants_name_catalogue_rows(monkeypatch, request):
     """benchmarks/gpu_variants.py swaps each tile into the catalogue: every variant must
     yield its kernels (one fwd_mma row; bwd_mma's dK/dV and dQ rows), and every one
     must compile for sm_90 without spills (what the sweep times is what CI checks)."""
@@ -200,6 +200,7 @@ def test_gpu_variants_name_catalogue_rows(monkeypatch):
         monkeypatch.setattr(_kernels, name, copy.deepcopy(getattr(_kernels, name)))
     monkeypatch.setattr(_kernels, "_BWD_MMA_OWN", _kernels._BWD_MMA_OWN)
     monkeypatch.setattr(_kernels, "_BWD_MMA_WARPS", _kernels._BWD_MMA_WARPS)
+    request.addfinalizer(_kernels.refresh)   # runs before the tables are restored
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_variants.py"
     spec = importlib.util.spec_from_file_location("gpu_variants", path)
     variants = importlib.util.module_from_spec(spec)
