@@ -94,3 +94,26 @@ def visible(seqlen_q: int, seqlen_k: int, window) -> np.ndarray:
     if right is not None:
         ok &= diff <= right
     return ok
+
+
+def cxx_struct_layout(tmp_path, header: str, struct: str, fields: dict) -> dict:
+    """Offsets (and ``sizeof``, ``alignof``) of a struct of cuda_src/ as g++ lays it out.
+
+    ``fields`` maps each printed name to the C++ offset expression of that field
+    (e.g. ``offsetof(cf::FwdParams, q)``).  Returns ``{name: int}``, in print order.
+    """
+    import subprocess
+
+    from cupyflash._source import cuda_src_dir
+
+    prints = "\n".join(f'    std::printf("{n} %zu\\n", (size_t)({e}));' for n, e in fields.items())
+    src = tmp_path / "layout.cpp"
+    src.write_text(f'#include <cstddef>\n#include <cstdio>\n#include "{header}"\n'
+                   f'int main() {{\n{prints}\n'
+                   f'    std::printf("sizeof %zu\\n", sizeof({struct}));\n'
+                   f'    std::printf("alignof %zu\\n", alignof({struct}));\n}}\n')
+    exe = tmp_path / "layout"
+    subprocess.run(["g++", "-std=c++17", f"-I{cuda_src_dir()}", str(src), "-o", str(exe)],
+                   check=True, capture_output=True)
+    lines = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")
+    return {name: int(value) for name, value in (line.split() for line in lines if line)}

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -35,12 +34,12 @@ from cupyflash._kernels import HEAD_DIM_BUCKETS, MMA_HEAD_DIMS, instantiations
 from cupyflash._launch import backward_kernel, backward_launch_config, representative_shared_bytes
 from cupyflash._params import FWD_PARAMS, UNBOUNDED
 from cupyflash._params_bwd import BWD_PARAMS, bwd_params
-from cupyflash._source import cuda_src_dir
 from cupyflash.emulator import EmulatorExecutor, emulator_available
 from cupyflash.reference import naive_attention, naive_attention_backward
 
 from _backward_util import assert_within_twice_naive_half_error, naive_half_backward
-from _util import DTYPES, DTYPE_IDS, HALF, accum_dtype, assert_grad_close, poisoned, random_array
+from _util import (DTYPE_IDS, DTYPES, HALF, accum_dtype, assert_grad_close, cxx_struct_layout, poisoned,
+                   random_array)
 
 
 _OK, _WHY = emulator_available()
@@ -116,28 +115,18 @@ class Case:
 def test_bwd_params_dtype_matches_cxx_struct_layout(tmp_path):
     top = [n for n in BWD_PARAMS.names if n != "fwd"]
     nested = list(FWD_PARAMS.names)
-    prints = "\n".join(
-        [f'    std::printf("{n} %zu\\n", offsetof(cf::BwdParams, {n}));' for n in ["fwd"] + top]
-        + [f'    std::printf("fwd.{n} %zu\\n", offsetof(cf::BwdParams, fwd) + offsetof(cf::FwdParams, {n}));'
-           for n in nested])
-    src = tmp_path / "layout.cpp"
-    src.write_text(f'#include <cstddef>\n#include <cstdio>\n#include "params_bwd.cuh"\n'
-                   f'int main() {{\n{prints}\n'
-                   f'    std::printf("sizeof %zu\\n", sizeof(cf::BwdParams));\n'
-                   f'    std::printf("alignof %zu\\n", alignof(cf::BwdParams));\n}}\n')
-    exe = tmp_path / "layout"
-    subprocess.run(["g++", "-std=c++17", f"-I{cuda_src_dir()}", str(src), "-o", str(exe)],
-                   check=True, capture_output=True)
-    lines = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")
-    cxx = dict(line.split() for line in lines if line)
+    cxx = cxx_struct_layout(
+        tmp_path, "params_bwd.cuh", "cf::BwdParams",
+        {**{n: f"offsetof(cf::BwdParams, {n})" for n in ["fwd"] + top},
+         **{f"fwd.{n}": f"offsetof(cf::BwdParams, fwd) + offsetof(cf::FwdParams, {n})" for n in nested}})
     assert [n for n in cxx if n not in ("sizeof", "alignof") and "." not in n] == list(BWD_PARAMS.names)
     for n in BWD_PARAMS.names:
-        assert int(cxx[n]) == BWD_PARAMS.fields[n][1], n
+        assert cxx[n] == BWD_PARAMS.fields[n][1], n
     fwd_offset = BWD_PARAMS.fields["fwd"][1]
     for n in nested:
-        assert int(cxx[f"fwd.{n}"]) == fwd_offset + FWD_PARAMS.fields[n][1], n
-    assert int(cxx["sizeof"]) == BWD_PARAMS.itemsize
-    assert int(cxx["alignof"]) == BWD_PARAMS.alignment
+        assert cxx[f"fwd.{n}"] == fwd_offset + FWD_PARAMS.fields[n][1], n
+    assert cxx["sizeof"] == BWD_PARAMS.itemsize
+    assert cxx["alignof"] == BWD_PARAMS.alignment
 
 
 def test_bwd_params_hold_pointers_strides_and_the_forward_problem():

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -24,12 +23,11 @@ from cupyflash import _gpu
 from cupyflash._kernels import HEAD_DIM_BUCKETS, instantiations
 from cupyflash._launch import launch_config, representative_shared_bytes, v1_block_sizes
 from cupyflash._params import FWD_PARAMS, UNBOUNDED, fwd_params
-from cupyflash._source import cuda_src_dir
 from cupyflash.emulator import EmulatorExecutor, emulator_available
 from cupyflash.reference import naive_attention
 
-from _util import (DTYPE_IDS, DTYPES, accum_dtype, assert_close, assert_lse_close, poisoned,
-                   random_array)
+from _util import (DTYPE_IDS, DTYPES, accum_dtype, assert_close, assert_lse_close, cxx_struct_layout,
+                   poisoned, random_array)
 
 
 _OK, _WHY = emulator_available()
@@ -85,23 +83,13 @@ def qkv(rng, dtype, *, batch=1, heads_kv=1, gqa_ratio=1, seqlen_q, seqlen_k, hea
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 def test_params_dtype_matches_cxx_struct_layout(tmp_path):
     names = FWD_PARAMS.names
-    prints = "\n".join(
-        f'    std::printf("{n} %zu\\n", offsetof(cf::FwdParams, {n}));' for n in names)
-    src = tmp_path / "layout.cpp"
-    src.write_text(f'#include <cstddef>\n#include <cstdio>\n#include "params.cuh"\n'
-                   f'int main() {{\n{prints}\n'
-                   f'    std::printf("sizeof %zu\\n", sizeof(cf::FwdParams));\n'
-                   f'    std::printf("alignof %zu\\n", alignof(cf::FwdParams));\n}}\n')
-    exe = tmp_path / "layout"
-    subprocess.run(["g++", "-std=c++17", f"-I{cuda_src_dir()}", str(src), "-o", str(exe)],
-                   check=True, capture_output=True)
-    lines = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")
-    cxx = dict(line.split() for line in lines if line)
+    cxx = cxx_struct_layout(tmp_path, "params.cuh", "cf::FwdParams",
+                            {n: f"offsetof(cf::FwdParams, {n})" for n in names})
     assert [n for n in cxx if n not in ("sizeof", "alignof")] == list(names)
     for n in names:
-        assert int(cxx[n]) == FWD_PARAMS.fields[n][1], n
-    assert int(cxx["sizeof"]) == FWD_PARAMS.itemsize
-    assert int(cxx["alignof"]) == FWD_PARAMS.alignment
+        assert cxx[n] == FWD_PARAMS.fields[n][1], n
+    assert cxx["sizeof"] == FWD_PARAMS.itemsize
+    assert cxx["alignof"] == FWD_PARAMS.alignment
 
 
 def test_params_hold_pointers_strides_and_sentinel_windows():
