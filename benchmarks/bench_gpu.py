@@ -65,6 +65,7 @@ class GPUForward(_GPUSuite):
 
 
 class GPUBackward(_GPUSuite):
-    """Backward: ``attention_backward`` (bwd_simt) from the forward's out and lse."""
+    """Backward: ``attention_backward`` as dispatched (bwd_mma for 16-bit inputs on sm_80+,
+    bwd_simt otherwise) from the forward's out and lse."""
 
     backward = True
