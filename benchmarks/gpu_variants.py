@@ -29,10 +29,14 @@ sys.path.insert(0, str(ROOT))
 
 from cupyflash import _kernels  # noqa: E402
 
-# fwd_mma: head dim -> [(block_m, block_n, warps, kv_stages)], the catalogue's sm90 row first
+# fwd_mma: head dim -> [(block_m, block_n, warps, kv_stages, lazy_rescale)], the
+# catalogue's sm90 row first.  The lazy rescale is new since the last GPU run:
+# each head dim times it against the rescale of every block.
 FWD_VARIANTS = {
-    128: [(128, 64, 4, 1), (128, 128, 8, 2), (128, 64, 8, 2), (64, 128, 4, 2), (128, 128, 8, 1)],
-    64: [(128, 64, 4, 2), (128, 128, 8, 2), (64, 128, 4, 2), (128, 64, 8, 2)],
+    128: [(128, 64, 4, 1, False), (128, 64, 4, 1, True), (128, 128, 8, 2, True),
+          (128, 128, 8, 2, False), (128, 64, 8, 2, True)],
+    64: [(128, 64, 4, 2, True), (128, 64, 4, 2, False), (128, 64, 4, 1, True),
+         (64, 128, 4, 2, True), (128, 128, 8, 2, True)],
 }
 # bwd_mma: head dim -> [(own, streamed, warps[, keys streamed by the dQ kernel])],
 # the catalogue's first
@@ -64,10 +68,13 @@ def variant_rows(kind: str, head_dim: int, variant, dtype: str = "bfloat16"):
     else:
         use_bwd(head_dim, *variant)
         family = "bwd_mma"
-    return [r for r in _kernels.instantiations()
-            if r.family == family and r.dtype == dtype and r.head_dim == head_dim
-            and (kind == "bwd" or (r.block_m, r.block_n, r.threads // 32, r.kv_stages)
-                 == tuple(variant))]
+    rows = [r for r in _kernels.instantiations()
+            if r.family == family and r.dtype == dtype and r.head_dim == head_dim]
+    if kind == "bwd":   # the kernels sm_90 launches, in launch order
+        by_name = {r.name_expression: r for r in rows}
+        return [by_name[n] for n in _kernels.bwd_mma_name_expressions(dtype, head_dim, 90)]
+    return [r for r in rows
+            if (r.block_m, r.block_n, r.threads // 32, r.kv_stages, r.lazy_rescale) == tuple(variant)]
 
 
 def all_variants():

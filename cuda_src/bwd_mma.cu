@@ -22,7 +22,9 @@
 //                        registers; the key blocks its rows see stream through
 //                        S = Q K^T, P, dP = dO V^T, dS, dQ += dS K.
 // No warp ever needs another warp's scores, so the only barriers are those
-// around the streamed tiles.  Every gradient element is summed by one lane in
+// around the streamed tiles; with kStages = 2 (where shared memory allows)
+// the next streamed block is copied into a second buffer while the current
+// one is computed, one barrier per block.  Every gradient element is summed by one lane in
 // a fixed order: results are bit-identical from run to run.  From head dim
 // 160 on, dK and dV accumulators together (2 x 80+ floats per lane on top of
 // the scores) spill, so the dK/dV kernel is launched twice, with
@@ -52,10 +54,11 @@ constexpr int kGradDK = 2;
 // shared memory for the whole CTA and are split across the warps; kBlockStream
 // rows are reloaded per block.  The tile table, with the reason for each row,
 // is _BWD_MMA_TILES in cupyflash/_kernels.py.
-template <typename T, int kHeadDim_, int kBlockOwn_, int kBlockStream_, int kWarps_, int kGrads_>
+template <typename T, int kHeadDim_, int kBlockOwn_, int kBlockStream_, int kWarps_, int kGrads_,
+          int kStages_>
 struct MmaBwdTraits {
     static constexpr int kHeadDim = kHeadDim_, kBlockOwn = kBlockOwn_, kBlockStream = kBlockStream_;
-    static constexpr int kWarps = kWarps_, kGrads = kGrads_;
+    static constexpr int kWarps = kWarps_, kGrads = kGrads_, kStages = kStages_;
     static constexpr int kThreads = 32 * kWarps;
     static constexpr int kWarpRows = kBlockOwn / kWarps;   // own rows per warp
     static constexpr int kMTiles = kWarpRows / 16;         // m16 tiles per warp
@@ -69,13 +72,18 @@ struct MmaBwdTraits {
     using StreamTile = SwizzledTile<kBlockStream, kHeadDim>;
 
     // Shared memory: two own tiles (K, V or Q, dO; V only when dK is
-    // computed), two streamed tiles (elements of T), then the streamed rows'
-    // lse * log2(e) and delta (floats; used by the dK/dV kernel).
+    // computed), kStages pairs of streamed tiles (elements of T), then
+    // kStages pairs of the streamed rows' lse * log2(e) and delta (floats;
+    // used by the dK/dV kernel).  With two stages the next streamed block
+    // lands while this one is computed (the table picks them per GPU class
+    // where two CTAs still fit on an SM: cupyflash/_kernels.py).
     static constexpr bool kNeedsV = (kGrads & kGradDK) != 0;
     static constexpr int kOwnElems = OwnTile::kElements;
     static constexpr int kStreamElems = StreamTile::kElements;
-    static constexpr int kStatsOffset = ((kNeedsV ? 2 : 1) * kOwnElems + 2 * kStreamElems) * 2;  // bytes
-    static constexpr int kSmemBytes = kStatsOffset + 2 * kBlockStream * 4;
+    static constexpr int kOwnBytes = (kNeedsV ? 2 : 1) * kOwnElems * 2;
+    static constexpr int kStageBytes = 2 * kStreamElems * 2 + 2 * kBlockStream * 4;
+    static constexpr int kStatsOffset = kOwnBytes + kStages * 2 * kStreamElems * 2;  // bytes
+    static constexpr int kSmemBytes = kOwnBytes + kStages * kStageBytes;
     // Two CTAs of up to 4 warps leave every thread the 255-register maximum
     // (as fwd_mma): this states the occupancy aimed for, it caps nothing.
     static constexpr int kMinBlocksPerSm = kWarps <= 4 ? 2 : 1;
@@ -85,6 +93,7 @@ struct MmaBwdTraits {
     static_assert(kBlockStream % 16 == 0, "streamed block: whole k16 steps");
     static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "head dim bucket: 32 .. 256, multiple of 32");
     static_assert(kGrads >= 1 && kGrads <= 3, "kGrads: kGradDV, kGradDK or both");
+    static_assert(kStages == 1 || kStages == 2, "kStages: 1 (load, then compute) or 2 (prefetch)");
     // the per-architecture tables keep sm_86 / sm_89 tiles within their 99 KB
     static_assert(kSmemBytes <= 227 * 1024, "within sm_90's 227 KB per block");
 };
@@ -209,12 +218,12 @@ __device__ __forceinline__ void store_gradient(float* dst, int64_t row_stride,
 // ---- kernels ---------------------------------------------------------------------------------
 
 // dK and/or dV (kGrads) of kBlockN keys of one (batch, kv head).
-template <typename T, int kHeadDim, int kBlockN, int kBlockM, int kWarps, int kGrads>
+template <typename T, int kHeadDim, int kBlockN, int kBlockM, int kWarps, int kGrads, int kStages>
 __global__ void __launch_bounds__(
-    (MmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarps, kGrads>::kThreads),
-    (MmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarps, kGrads>::kMinBlocksPerSm))
+    (MmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarps, kGrads, kStages>::kThreads),
+    (MmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarps, kGrads, kStages>::kMinBlocksPerSm))
 bwd_mma_dkdv_kernel(const BwdParams params) {
-    using Tr = MmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarps, kGrads>;
+    using Tr = MmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarps, kGrads, kStages>;
     using Own = typename Tr::OwnTile;
     using Stream = typename Tr::StreamTile;
     constexpr bool kDV = (kGrads & kGradDV) != 0, kDK = (kGrads & kGradDK) != 0;
@@ -230,36 +239,76 @@ bwd_mma_dkdv_kernel(const BwdParams params) {
 
     T* sK = reinterpret_cast<T*>(dynamic_smem());
     T* sV = sK + Tr::kOwnElems;  // only when kDK
-    T* sQ = sK + (Tr::kNeedsV ? 2 : 1) * Tr::kOwnElems;
-    T* sdO = sQ + Tr::kStreamElems;
-    float* sLse = reinterpret_cast<float*>(dynamic_smem() + Tr::kStatsOffset);
-    float* sDelta = sLse + kBlockM;
+    T* sStream = sK + (Tr::kNeedsV ? 2 : 1) * Tr::kOwnElems;  // kStages x (Q, dO)
+    float* sStats = reinterpret_cast<float*>(dynamic_smem() + Tr::kStatsOffset);  // kStages x (lse, delta)
+    const auto q_tile = [sStream](int stage) { return sStream + 2 * stage * Tr::kStreamElems; };
+    const auto do_tile = [sStream](int stage) { return sStream + (2 * stage + 1) * Tr::kStreamElems; };
 
+    // Issue the copies of query block (head, m_block)'s Q and dO into `stage`,
+    // and load the statistics of its row threadIdx.x (threads below kBlockM).
+    const auto issue_queries = [&](int stage, int64_t head, int64_t m_block, float& lse_log2, float& delta) {
+        const int64_t m0 = m_block * kBlockM;
+        const int rows = static_cast<int>(min64(kBlockM, p.seqlen_q - m0));
+        const HeadSlice<T, float> qo(p, tile.batch, head);
+        const GradSlice<T, float> grad(params, tile.batch, head);
+        cp_async_tile<Tr::kThreads, Stream>(q_tile(stage), qo.q, m0, p.q_row_stride, rows, d);
+        cp_async_tile<Tr::kThreads, Stream>(do_tile(stage), grad.dout, m0, params.dout_row_stride, rows, d);
+        cp_async_commit();
+        if (threadIdx.x < kBlockM)
+            query_stats(lse_log2, delta, qo.lse, p.lse_row_stride, grad.delta, params.delta_row_stride,
+                        m0 + static_cast<int>(threadIdx.x), p.seqlen_q);
+    };
+    const auto store_stats = [sStats](int stage, float lse_log2, float delta) {
+        sStats[2 * stage * kBlockM + threadIdx.x] = lse_log2;
+        sStats[(2 * stage + 1) * kBlockM + threadIdx.x] = delta;
+    };
+    static_assert(kBlockM <= Tr::kThreads, "one thread per streamed row loads its statistics");
+
+    // The query blocks that see these keys, head by head through the kv head's group.
+    const int64_t m_begin = block.m_begin(kBlockM), m_end = block.m_end(kBlockM);
+    const int64_t head_end = first_head + p.gqa_ratio;
     const HeadSlice<T, float> kv(p, tile.batch, first_head);
     cp_async_tile<Tr::kThreads, Own>(sK, kv.k, block.n0, p.k_row_stride, block.keys, d);
     if constexpr (kDK) cp_async_tile<Tr::kThreads, Own>(sV, kv.v, block.n0, p.v_row_stride, block.keys, d);
     cp_async_commit();
+    if (Tr::kStages == 2 && m_begin < m_end) {
+        float lse_log2, delta;
+        issue_queries(0, first_head, m_begin, lse_log2, delta);
+        if (threadIdx.x < kBlockM) store_stats(0, lse_log2, delta);
+    }
 
     float dk[Tr::kRows][Tr::kGCols] = {};
     float dv[Tr::kRows][Tr::kGCols] = {};
     float s[Tr::kRows][Tr::kSCols];
-    const auto lse_of = [sLse](int, int c) { return sLse[fragment_col(c)]; };       // by query column
-    const auto delta_of = [sDelta](int, int c) { return sDelta[fragment_col(c)]; };
-    const int64_t m_end = block.m_end(kBlockM);
-    for (int64_t head = first_head; head < first_head + p.gqa_ratio; ++head) {
-        const HeadSlice<T, float> qo(p, tile.batch, head);
-        const GradSlice<T, float> grad(params, tile.batch, head);
-        for (int64_t m_block = block.m_begin(kBlockM); m_block < m_end; ++m_block) {
+    int stage = 0;  // the buffers of the current block (always 0 with one stage)
+    for (int64_t head = first_head; head < head_end; ++head) {
+        for (int64_t m_block = m_begin; m_block < m_end; ++m_block) {
+            float next_lse_log2 = 0.0f, next_delta = 0.0f;
+            bool has_next = false;
+            if constexpr (Tr::kStages == 2) {
+                cp_async_wait<0>();
+                __syncthreads();  // this block's Q, dO, lse, delta visible to all; the other stage read
+                const bool head_done = m_block + 1 == m_end;
+                has_next = !head_done || head + 1 < head_end;
+                if (has_next) {
+                    const int64_t next_head = head_done ? head + 1 : head;
+                    const int64_t next_m_block = head_done ? m_begin : m_block + 1;
+                    issue_queries(stage ^ 1, next_head, next_m_block, next_lse_log2, next_delta);
+                }
+            } else {
+                float lse_log2, delta;
+                issue_queries(0, head, m_block, lse_log2, delta);
+                if (threadIdx.x < kBlockM) store_stats(0, lse_log2, delta);
+                cp_async_wait<0>();
+                __syncthreads();  // Q, dO, lse, delta (and, the first time, K, V) visible to all
+            }
+            const T* sQ = q_tile(stage);
+            const T* sdO = do_tile(stage);
+            const float* sLse = sStats + 2 * stage * kBlockM;
+            const float* sDelta = sLse + kBlockM;
+            const auto lse_of = [sLse](int, int c) { return sLse[fragment_col(c)]; };       // by query column
+            const auto delta_of = [sDelta](int, int c) { return sDelta[fragment_col(c)]; };
             const int64_t m0 = m_block * kBlockM;
-            const int rows = static_cast<int>(min64(kBlockM, p.seqlen_q - m0));
-            cp_async_tile<Tr::kThreads, Stream>(sQ, qo.q, m0, p.q_row_stride, rows, d);
-            cp_async_tile<Tr::kThreads, Stream>(sdO, grad.dout, m0, params.dout_row_stride, rows, d);
-            cp_async_commit();
-            for (int i = static_cast<int>(threadIdx.x); i < kBlockM; i += Tr::kThreads)
-                query_stats(sLse[i], sDelta[i], qo.lse, p.lse_row_stride, grad.delta,
-                            params.delta_row_stride, m0 + i, p.seqlen_q);
-            cp_async_wait<0>();
-            __syncthreads();  // Q, dO, lse, delta (and, the first time, K, V) visible to all
 
             mma_own_stream<Tr>(s, sK, sQ, row0);                               // S^T = K Q^T
             probabilities<Tr>(s, lse_of, scale_log2);                          // P^T
@@ -269,10 +318,16 @@ bwd_mma_dkdv_kernel(const BwdParams params) {
             if constexpr (kDK) {
                 float dp[Tr::kRows][Tr::kSCols];
                 mma_own_stream<Tr>(dp, sV, sdO, row0);                         // dP^T = V dO^T
-                score_gradient<Tr>(dp, s, delta_of);                              // dS^T
+                score_gradient<Tr>(dp, s, delta_of);                           // dS^T
                 mma_accumulate<Tr>(dk, dp, sQ);                                // dK += dS^T Q
             }
-            __syncthreads();  // Q, dO, lse, delta fully read: their buffers take the next block
+            if constexpr (Tr::kStages == 2) {
+                // the other stage's statistics were last read before this block's barrier
+                if (has_next && threadIdx.x < kBlockM) store_stats(stage ^ 1, next_lse_log2, next_delta);
+                stage ^= 1;
+            } else {
+                __syncthreads();  // Q, dO, lse, delta fully read: their buffers take the next block
+            }
         }
     }
     cp_async_wait<0>();  // without a query block, K and V were never waited for
@@ -288,12 +343,12 @@ bwd_mma_dkdv_kernel(const BwdParams params) {
 }
 
 // dQ of kBlockM query rows of one (batch, query head).
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages>
 __global__ void __launch_bounds__(
-    (MmaBwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps, kGradDV | kGradDK>::kThreads),
-    (MmaBwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps, kGradDV | kGradDK>::kMinBlocksPerSm))
+    (MmaBwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps, kGradDV | kGradDK, kStages>::kThreads),
+    (MmaBwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps, kGradDV | kGradDK, kStages>::kMinBlocksPerSm))
 bwd_mma_dq_kernel(const BwdParams params) {
-    using Tr = MmaBwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps, kGradDV | kGradDK>;
+    using Tr = MmaBwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps, kGradDV | kGradDK, kStages>;
     using Own = typename Tr::OwnTile;
     using Stream = typename Tr::StreamTile;
     const FwdParams& p = params.fwd;
@@ -309,10 +364,21 @@ bwd_mma_dq_kernel(const BwdParams params) {
 
     T* sQ = reinterpret_cast<T*>(dynamic_smem());
     T* sdO = sQ + Tr::kOwnElems;
-    T* sK = sdO + Tr::kOwnElems;
-    T* sV = sK + Tr::kStreamElems;
+    T* sStream = sdO + Tr::kOwnElems;  // kStages x (K, V)
+    const auto k_tile = [sStream](int stage) { return sStream + 2 * stage * Tr::kStreamElems; };
+    const auto v_tile = [sStream](int stage) { return sStream + (2 * stage + 1) * Tr::kStreamElems; };
+    // Issue the copies of key block n_block's K and V into `stage`.
+    const auto issue_keys = [&](int stage, int64_t n_block) {
+        const int64_t n0 = n_block * kBlockN;
+        const int keys = QueryBlock::keys_in(p, n0, kBlockN);
+        cp_async_tile<Tr::kThreads, Stream>(k_tile(stage), head.k, n0, p.k_row_stride, keys, d);
+        cp_async_tile<Tr::kThreads, Stream>(v_tile(stage), head.v, n0, p.v_row_stride, keys, d);
+    };
+
+    const int64_t n_begin = block.n_begin(kBlockN), n_end = block.n_end(kBlockN);
     cp_async_tile<Tr::kThreads, Own>(sQ, head.q, block.m0, p.q_row_stride, block.rows, d);
     cp_async_tile<Tr::kThreads, Own>(sdO, grad.dout, block.m0, params.dout_row_stride, block.rows, d);
+    if (Tr::kStages == 2 && n_begin < n_end) issue_keys(0, n_begin);
     cp_async_commit();
 
     float lse_log2[Tr::kRows], delta[Tr::kRows];
@@ -326,15 +392,24 @@ bwd_mma_dq_kernel(const BwdParams params) {
 
     float dq[Tr::kRows][Tr::kGCols] = {};
     float s[Tr::kRows][Tr::kSCols], dp[Tr::kRows][Tr::kSCols];
-    const int64_t n_end = block.n_end(kBlockN);
-    for (int64_t n_block = block.n_begin(kBlockN); n_block < n_end; ++n_block) {
+    for (int64_t n_block = n_begin; n_block < n_end; ++n_block) {
+        const int stage = Tr::kStages == 2 ? static_cast<int>((n_block - n_begin) & 1) : 0;
+        if constexpr (Tr::kStages == 2) {
+            cp_async_wait<0>();
+            __syncthreads();  // this block's K, V (and, the first time, Q, dO) visible; the other stage read
+            if (n_block + 1 < n_end) {
+                issue_keys(stage ^ 1, n_block + 1);
+                cp_async_commit();
+            }
+        } else {
+            issue_keys(0, n_block);
+            cp_async_commit();
+            cp_async_wait<0>();
+            __syncthreads();  // K, V (and, the first time, Q, dO) visible to all
+        }
+        const T* sK = k_tile(stage);
+        const T* sV = v_tile(stage);
         const int64_t n0 = n_block * kBlockN;
-        const int keys = QueryBlock::keys_in(p, n0, kBlockN);
-        cp_async_tile<Tr::kThreads, Stream>(sK, head.k, n0, p.k_row_stride, keys, d);
-        cp_async_tile<Tr::kThreads, Stream>(sV, head.v, n0, p.v_row_stride, keys, d);
-        cp_async_commit();
-        cp_async_wait<0>();
-        __syncthreads();  // K, V (and, the first time, Q, dO) visible to all
 
         mma_own_stream<Tr>(s, sQ, sK, row0);                                   // S = Q K^T
         probabilities<Tr>(s, lse_of, scale_log2);                             // P
@@ -343,7 +418,7 @@ bwd_mma_dq_kernel(const BwdParams params) {
         mma_own_stream<Tr>(dp, sdO, sV, row0);                                 // dP = dO V^T
         score_gradient<Tr>(dp, s, delta_of);                                  // dS
         mma_accumulate<Tr>(dq, dp, sK);                                        // dQ += dS K
-        __syncthreads();  // K, V fully read: their buffers take the next block
+        if constexpr (Tr::kStages == 1) __syncthreads();  // K, V fully read: the buffers take the next block
     }
     cp_async_wait<0>();  // without a key block, Q and dO were never waited for
 

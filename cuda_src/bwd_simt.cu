@@ -16,6 +16,9 @@
 //   bwd_simt_dq_kernel        a CTA owns kBlockM query rows, keeps Q, dO in
 //                             shared memory and dQ in registers, and streams
 //                             the key blocks its rows see.
+// The main kernels keep their own rows in shared memory and load the streamed
+// rows block by block; for float and double the next block is copied with
+// cp.async while the current one is in use (StreamedTiles, two buffers).
 // Every gradient element is summed by one thread in a fixed order (dK, dV
 // over the group's query heads in order, then over query blocks in order), so
 // results are bit-identical from run to run: no atomics.  The dQ pass pays
@@ -29,7 +32,7 @@
 //   streamed row  jj * 8 + lane_in_group   (a column of the S, P, dP, dS tiles)
 //   chunk         qq * 8 + lane_in_group   (16-byte chunks of a gradient row)
 // A gradient row's update sums over the streamed rows; their P / dS values
-// travel across the 8 lanes by shuffles.  Shared tiles hold the accumulator
+// reach the 8 lanes of the row group through a small shared scratch tile.  Shared tiles hold the accumulator
 // type in XOR-swizzled rows (tile_io.cuh), conflict-free both for the 8
 // different rows of the score products and the 8 chunks of one row of the
 // gradient updates.
@@ -49,9 +52,11 @@ namespace cf {
 // shared memory for the whole CTA, kBlockStream rows are reloaded per block.
 // The tile table, with the reason for each row, is _BWD_SIMT_TILES in
 // cupyflash/_kernels.py.
-template <typename T, int kHeadDim, int kHeadDimV, int kBlockOwn, int kBlockStream>
+template <typename T, int kHeadDim_, int kHeadDimV_, int kBlockOwn, int kBlockStream>
 struct SimtBwdTraits {
     using Acc = acc_t<T>;
+    static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDimV_;
+    static constexpr int kStreamRows = kBlockStream;
     static constexpr int kThreads = 128;
     static constexpr int kLanesPerRow = 8;
     static constexpr int kRowGroups = kThreads / kLanesPerRow;
@@ -64,18 +69,36 @@ struct SimtBwdTraits {
     using Layout = SwizzledRows<Acc, kHeadDim>;    // Q, K
     using LayoutV = SwizzledRows<Acc, kHeadDimV>;  // dO, V
 
-    // Shared memory (elements of Acc): the own rows' d- and dv-wide tiles,
-    // then the streamed rows' d- and dv-wide tiles.
+    // Shared memory (elements of Acc): the own rows' d- and dv-wide tiles and
+    // the scratch tile, then kStages copies of the streamed rows' d- and
+    // dv-wide tiles.
     static constexpr int kOwnD = kBlockOwn * kHeadDim;
     static constexpr int kOwnDv = kBlockOwn * kHeadDimV;
     static constexpr int kStreamD = kBlockStream * kHeadDim;
     static constexpr int kStreamDv = kBlockStream * kHeadDimV;
-    static constexpr int kSmemBytes =
-        (kOwnD + kOwnDv + kStreamD + kStreamDv) * static_cast<int>(sizeof(Acc));
-    // Occupancy target, which sets the register cap (65536 / (128 * n)): as
-    // fwd_simt, 4 CTAs per SM (128 registers) up to 32 KB, 3 (168) up to
-    // 48 KB; the one tile above (float64, bucket 256) runs 1 per SM on an A100.
-    static constexpr int kMinBlocksPerSm = kSmemBytes > 48 * 1024 ? 1 : kSmemBytes > 32 * 1024 ? 3 : 4;
+    static constexpr int kStageBytes = (kStreamD + kStreamDv) * static_cast<int>(sizeof(Acc));
+    // The own rows' tiles, then a kBlockOwn x kSPitch scratch tile through
+    // which P or dS reach the gradient updates (accumulate_rows); the pitch
+    // is 8 more than the row, so that the 4 row groups of a warp store to
+    // different banks.
+    static constexpr int kSPitch = kBlockStream + 8;
+    static constexpr int kScratch = kBlockOwn * kSPitch;
+    static constexpr int kOwnBytes = (kOwnD + kOwnDv + kScratch) * static_cast<int>(sizeof(Acc));
+    // float and double tiles need no conversion: the next streamed block is
+    // copied with cp.async into a second buffer while the CTA computes on the
+    // current one (kStages = 2), wherever the second buffer keeps the CTA
+    // within 72 KB (3 CTAs per SM on an H100, 2 on an A100).  The 16-bit types convert on the way in: one buffer,
+    // loaded between barriers.
+    static constexpr int kStages =
+        SameType<T, Acc>::value && kOwnBytes + 2 * kStageBytes <= 72 * 1024 ? 2 : 1;
+    static constexpr bool kPipelined = kStages == 2;
+    static constexpr int kSmemBytes = kOwnBytes + kStages * kStageBytes;
+    // Occupancy target, which sets the register cap (65536 / (128 * n)): 4
+    // CTAs per SM (128 registers) up to 32 KB, 3 (168) up to 48 KB, 2 (255)
+    // up to 72 KB; the one tile above (float64, bucket 256) runs 1 per SM on
+    // an A100.
+    static constexpr int kMinBlocksPerSm =
+        kSmemBytes > 72 * 1024 ? 1 : kSmemBytes > 48 * 1024 ? 2 : kSmemBytes > 32 * 1024 ? 3 : 4;
 
     static_assert(kBlockOwn % kRowGroups == 0, "own block: a multiple of 16 rows");
     static_assert(kBlockStream % kLanesPerRow == 0, "streamed block: a multiple of 8 rows");
@@ -130,32 +153,51 @@ __device__ __forceinline__ void dot_rows(Acc (&s)[Tr::kRowsPerThread][Tr::kColsP
     }
 }
 
-// acc[ii] += sum_jj s[ii][jj] * Z[col(jj)]: this thread's chunks of its own
-// rows' gradient.  The streamed row jj * 8 + src of s lives in lane `src` of
-// the 8-lane group; a shuffle broadcasts it to the group.
+// acc[ii] += sum_c s[ii][c] * Z[c]: this thread's chunks of its own rows'
+// gradient, summed over the streamed rows c.  s goes through the scratch
+// tile: each thread stores its entries, then reads its own rows' values
+// back, kStep streamed rows at a time (the 8 lanes of a row group read the
+// same address, a broadcast): a 16-byte vector of them where the kStep rows'
+// Z chunks leave room in registers, one value at a time for the 256-wide
+// tiles.  Own rows are private to their row group, so warp barriers order
+// the stores and the loads (and the loads before the next call's stores).
 template <class Tr, class Layout, int kChunks, typename Acc>
 __device__ __forceinline__ void accumulate_rows(
     Acc (&acc)[Tr::kRowsPerThread][kChunks][Tr::kVec],
-    const Acc (&s)[Tr::kRowsPerThread][Tr::kColsPerThread], const Acc* sZ,
+    const Acc (&s)[Tr::kRowsPerThread][Tr::kColsPerThread], Acc* sS, const Acc* sZ,
     const SimtBwdThread<Tr>& me) {
     constexpr int TR = Tr::kRowsPerThread;
-    const int group_base = lane_id() & ~(Tr::kLanesPerRow - 1);
+    constexpr int kStep = kChunks * Tr::kVec < 32 ? Tr::kVec : 1;
+    __syncwarp();  // the previous call's loads are done
 #pragma unroll
-    for (int jj = 0; jj < Tr::kColsPerThread; ++jj) {
-        // One streamed row per iteration keeps one row slice of Z live.
+    for (int ii = 0; ii < TR; ++ii)
+#pragma unroll
+        for (int jj = 0; jj < Tr::kColsPerThread; ++jj) sS[me.row(ii) * Tr::kSPitch + me.col(jj)] = s[ii][jj];
+    __syncwarp();
+    // One step of streamed rows per iteration keeps TR x kStep values of s live.
 #pragma unroll 1
-        for (int src = 0; src < Tr::kLanesPerRow; ++src) {
-            const int z_row = jj * Tr::kLanesPerRow + src;
-            Acc sk[TR];
+    for (int c0 = 0; c0 < Tr::kStreamRows; c0 += kStep) {
+        Acc sc[TR][kStep];
 #pragma unroll
-            for (int ii = 0; ii < TR; ++ii) sk[ii] = shfl(s[ii][jj], group_base + src);
+        for (int ii = 0; ii < TR; ++ii) {
+            const Acc* src = sS + me.row(ii) * Tr::kSPitch + c0;
+            if constexpr (kStep == Tr::kVec) {
+                const Vec16<Acc> v = load_vec16(src);
+#pragma unroll
+                for (int e = 0; e < kStep; ++e) sc[ii][e] = v.x[e];
+            } else {
+                sc[ii][0] = *src;
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < kStep; ++e) {
 #pragma unroll
             for (int qq = 0; qq < kChunks; ++qq) {
-                const Vec16<Acc> z = load_vec16(sZ + Layout::chunk(z_row, me.chunk(qq)));
+                const Vec16<Acc> z = load_vec16(sZ + Layout::chunk(c0 + e, me.chunk(qq)));
 #pragma unroll
                 for (int ii = 0; ii < TR; ++ii)
 #pragma unroll
-                    for (int e = 0; e < Tr::kVec; ++e) acc[ii][qq][e] += sk[ii] * z.x[e];
+                    for (int x = 0; x < Tr::kVec; ++x) acc[ii][qq][x] += sc[ii][e] * z.x[x];
             }
         }
     }
@@ -251,6 +293,39 @@ __device__ __forceinline__ void store_gradient(Acc* dst, int64_t row_stride,
     }
 }
 
+// ---- streamed tiles --------------------------------------------------------------------------
+
+// The streamed rows' two tiles (Q and dO in the dK/dV pass, K and V in the dQ
+// pass), in kStages buffers after the own tiles.  load() fills buffer
+// `stage`: pipelined, it only issues the copies (one cp.async group; the
+// caller waits and synchronises); otherwise it converts and stores, and the
+// caller synchronises.
+template <class Tr>
+struct StreamedTiles {
+    using Acc = typename Tr::Acc;
+    Acc* base;
+
+    __device__ Acc* d_tile(int stage) const { return base + stage * (Tr::kStreamD + Tr::kStreamDv); }
+    __device__ Acc* dv_tile(int stage) const { return d_tile(stage) + Tr::kStreamD; }
+
+    template <typename T>
+    __device__ void load(int stage, const T* src_d, int64_t stride_d, const T* src_dv,
+                         int64_t stride_dv, int rows, int d, int dv) const {
+        if constexpr (Tr::kPipelined) {
+            cp_async_tile_rows<Tr::kThreads, Tr::kStreamRows, Tr::kHeadDim>(
+                d_tile(stage), typename Tr::Layout{}, src_d, stride_d, rows, d);
+            cp_async_tile_rows<Tr::kThreads, Tr::kStreamRows, Tr::kHeadDimV>(
+                dv_tile(stage), typename Tr::LayoutV{}, src_dv, stride_dv, rows, dv);
+            cp_async_commit();
+        } else {
+            load_tile<Tr::kThreads>(d_tile(stage), typename Tr::Layout{}, src_d, stride_d,
+                                    Tr::kStreamRows, Tr::kHeadDim, rows, d);
+            load_tile<Tr::kThreads>(dv_tile(stage), typename Tr::LayoutV{}, src_dv, stride_dv,
+                                    Tr::kStreamRows, Tr::kHeadDimV, rows, dv);
+        }
+    }
+};
+
 // ---- kernels ---------------------------------------------------------------------------------
 
 // delta[i] = sum_c dout[i][c] * out[i][c] for kRows query rows per CTA (the
@@ -303,45 +378,66 @@ bwd_simt_dkdv_kernel(const BwdParams params) {
 
     Acc* sK = reinterpret_cast<Acc*>(dynamic_smem());
     Acc* sV = sK + Tr::kOwnD;
-    Acc* sQ = sV + Tr::kOwnDv;
-    Acc* sdO = sQ + Tr::kStreamD;
+    Acc* sS = sV + Tr::kOwnDv;  // P^T, then dS^T (accumulate_rows)
+    const StreamedTiles<Tr> streamed{sS + Tr::kScratch};  // Q, dO
     const HeadSlice<T, Acc> kv(p, tile.batch, first_head);
     load_tile<Tr::kThreads>(sK, Layout{}, kv.k + block.n0 * p.k_row_stride, p.k_row_stride, kBlockN,
                             kHeadDim, block.keys, d);
     load_tile<Tr::kThreads>(sV, LayoutV{}, kv.v + block.n0 * p.v_row_stride, p.v_row_stride,
                             kBlockN, kHeadDimV, block.keys, dv);
 
+    // The query blocks that see these keys, head by head through the group:
+    // (head, m_block) walks heads first_head.. and, within each, m_begin..m_end.
+    const int64_t m_begin = block.m_begin(kBlockM), m_end = block.m_end(kBlockM);
+    const int64_t num_blocks = (m_end - m_begin) * p.gqa_ratio;
+    auto load_queries = [&](int stage, int64_t head, int64_t m_block) {
+        const int64_t m0 = m_block * kBlockM;
+        const HeadSlice<T, Acc> qo(p, tile.batch, head);
+        const GradSlice<T, Acc> grad(params, tile.batch, head);
+        streamed.load(stage, qo.q + m0 * p.q_row_stride, p.q_row_stride,
+                      grad.dout + m0 * params.dout_row_stride, params.dout_row_stride,
+                      static_cast<int>(min64(kBlockM, p.seqlen_q - m0)), d, dv);
+    };
+
     Acc dk[TR][Tr::kChunks][Tr::kVec] = {};
     Acc dv_acc[TR][Tr::kChunksV][Tr::kVec] = {};
     Acc s[TR][TC], dp[TR][TC];
-    for (int64_t head = first_head; head < first_head + p.gqa_ratio; ++head) {
+    int64_t head = first_head, m_block = m_begin;
+    if (Tr::kPipelined && num_blocks > 0) load_queries(0, head, m_block);
+    for (int64_t it = 0; it < num_blocks; ++it) {
+        const int stage = Tr::kPipelined ? static_cast<int>(it & 1) : 0;
+        const int64_t next_head = m_block + 1 == m_end ? head + 1 : head;
+        const int64_t next_m_block = m_block + 1 == m_end ? m_begin : m_block + 1;
+        if constexpr (Tr::kPipelined) {
+            cp_async_wait<0>();
+            __syncthreads();  // this block landed; the other buffer has been read
+            if (it + 1 < num_blocks) load_queries(stage ^ 1, next_head, next_m_block);
+        } else {
+            load_queries(0, head, m_block);
+            __syncthreads();
+        }
+        const Acc* sQ = streamed.d_tile(stage);
+        const Acc* sdO = streamed.dv_tile(stage);
+        const int64_t m0 = m_block * kBlockM;
         const HeadSlice<T, Acc> qo(p, tile.batch, head);
         const GradSlice<T, Acc> grad(params, tile.batch, head);
-        const int64_t m_end = block.m_end(kBlockM);
-        for (int64_t m_block = block.m_begin(kBlockM); m_block < m_end; ++m_block) {
-            const int64_t m0 = m_block * kBlockM;
-            const int rows = static_cast<int>(min64(kBlockM, p.seqlen_q - m0));
-            load_tile<Tr::kThreads>(sQ, Layout{}, qo.q + m0 * p.q_row_stride, p.q_row_stride,
-                                    kBlockM, kHeadDim, rows, d);
-            load_tile<Tr::kThreads>(sdO, LayoutV{}, grad.dout + m0 * params.dout_row_stride,
-                                    params.dout_row_stride, kBlockM, kHeadDimV, rows, dv);
-            Acc lse_log2[TC], delta[TC];
+        Acc lse_log2[TC], delta[TC];
 #pragma unroll
-            for (int jj = 0; jj < TC; ++jj)
-                load_query_stats(lse_log2[jj], delta[jj], qo.lse, p.lse_row_stride, grad.delta,
-                                 params.delta_row_stride, m0 + me.col(jj), p.seqlen_q);
-            __syncthreads();
+        for (int jj = 0; jj < TC; ++jj)
+            load_query_stats(lse_log2[jj], delta[jj], qo.lse, p.lse_row_stride, grad.delta,
+                             params.delta_row_stride, m0 + me.col(jj), p.seqlen_q);
 
-            dot_rows<Tr, Layout>(s, sK, sQ, me, d);                        // S^T = K Q^T
-            probabilities<false, Tr>(s, lse_log2, scale_log2);              // P^T
-            if (block.needs_mask(p, mask, m0, kBlockM, kBlockN))
-                apply_mask<false, Tr>(s, mask, m0, block.n0, kBlockN, p.seqlen_q, me);
-            dot_rows<Tr, LayoutV>(dp, sV, sdO, me, dv);                    // dP^T = V dO^T
-            accumulate_rows<Tr, LayoutV>(dv_acc, s, sdO, me);               // dV += P^T dO
-            score_gradient<false, Tr>(dp, s, delta);                        // dS^T
-            accumulate_rows<Tr, Layout>(dk, dp, sQ, me);                    // dK += dS^T Q
-            __syncthreads();  // Q, dO fully read: their buffers take the next block
-        }
+        dot_rows<Tr, Layout>(s, sK, sQ, me, d);                        // S^T = K Q^T
+        probabilities<false, Tr>(s, lse_log2, scale_log2);              // P^T
+        if (block.needs_mask(p, mask, m0, kBlockM, kBlockN))
+            apply_mask<false, Tr>(s, mask, m0, block.n0, kBlockN, p.seqlen_q, me);
+        dot_rows<Tr, LayoutV>(dp, sV, sdO, me, dv);                    // dP^T = V dO^T
+        accumulate_rows<Tr, LayoutV>(dv_acc, s, sS, sdO, me);           // dV += P^T dO
+        score_gradient<false, Tr>(dp, s, delta);                        // dS^T
+        accumulate_rows<Tr, Layout>(dk, dp, sS, sQ, me);                // dK += dS^T Q
+        if constexpr (!Tr::kPipelined) __syncthreads();  // Q, dO fully read: the buffer takes the next block
+        head = next_head;
+        m_block = next_m_block;
     }
 
     const GradSlice<T, Acc> kv_grad(params, tile.batch, first_head);
@@ -375,8 +471,8 @@ bwd_simt_dq_kernel(const BwdParams params) {
 
     Acc* sQ = reinterpret_cast<Acc*>(dynamic_smem());
     Acc* sdO = sQ + Tr::kOwnD;
-    Acc* sK = sdO + Tr::kOwnDv;
-    Acc* sV = sK + Tr::kStreamD;
+    Acc* sS = sdO + Tr::kOwnDv;  // dS (accumulate_rows)
+    const StreamedTiles<Tr> streamed{sS + Tr::kScratch};  // K, V
     load_tile<Tr::kThreads>(sQ, Layout{}, head.q + block.m0 * p.q_row_stride, p.q_row_stride,
                             kBlockM, kHeadDim, block.rows, d);
     load_tile<Tr::kThreads>(sdO, LayoutV{}, grad.dout + block.m0 * params.dout_row_stride,
@@ -387,17 +483,30 @@ bwd_simt_dq_kernel(const BwdParams params) {
         load_query_stats(lse_log2[ii], delta[ii], head.lse, p.lse_row_stride, grad.delta,
                          params.delta_row_stride, block.m0 + me.row(ii), p.seqlen_q);
 
+    auto load_keys = [&](int stage, int64_t n_block) {
+        const int64_t n0 = n_block * kBlockN;
+        streamed.load(stage, head.k + n0 * p.k_row_stride, p.k_row_stride,
+                      head.v + n0 * p.v_row_stride, p.v_row_stride,
+                      QueryBlock::keys_in(p, n0, kBlockN), d, dv);
+    };
+
     Acc dq[TR][Tr::kChunks][Tr::kVec] = {};
     Acc s[TR][TC], dp[TR][TC];
-    const int64_t n_end = block.n_end(kBlockN);
-    for (int64_t n_block = block.n_begin(kBlockN); n_block < n_end; ++n_block) {
+    const int64_t n_begin = block.n_begin(kBlockN), n_end = block.n_end(kBlockN);
+    if (Tr::kPipelined && n_begin < n_end) load_keys(0, n_begin);
+    for (int64_t n_block = n_begin; n_block < n_end; ++n_block) {
+        const int stage = Tr::kPipelined ? static_cast<int>((n_block - n_begin) & 1) : 0;
+        if constexpr (Tr::kPipelined) {
+            cp_async_wait<0>();
+            __syncthreads();  // this block landed; the other buffer has been read
+            if (n_block + 1 < n_end) load_keys(stage ^ 1, n_block + 1);
+        } else {
+            load_keys(0, n_block);
+            __syncthreads();
+        }
+        const Acc* sK = streamed.d_tile(stage);
+        const Acc* sV = streamed.dv_tile(stage);
         const int64_t n0 = n_block * kBlockN;
-        const int keys = QueryBlock::keys_in(p, n0, kBlockN);
-        load_tile<Tr::kThreads>(sK, Layout{}, head.k + n0 * p.k_row_stride, p.k_row_stride, kBlockN,
-                                kHeadDim, keys, d);
-        load_tile<Tr::kThreads>(sV, LayoutV{}, head.v + n0 * p.v_row_stride, p.v_row_stride,
-                                kBlockN, kHeadDimV, keys, dv);
-        __syncthreads();
 
         dot_rows<Tr, Layout>(s, sQ, sK, me, d);                            // S = Q K^T
         probabilities<true, Tr>(s, lse_log2, scale_log2);                   // P
@@ -405,8 +514,8 @@ bwd_simt_dq_kernel(const BwdParams params) {
             apply_mask<true, Tr>(s, mask, block.m0, n0, kBlockN, p.seqlen_q, me);
         dot_rows<Tr, LayoutV>(dp, sdO, sV, me, dv);                        // dP = dO V^T
         score_gradient<true, Tr>(dp, s, delta);                             // dS
-        accumulate_rows<Tr, Layout>(dq, dp, sK, me);                        // dQ += dS K
-        __syncthreads();  // K, V fully read: their buffers take the next block
+        accumulate_rows<Tr, Layout>(dq, dp, sS, sK, me);                    // dQ += dS K
+        if constexpr (!Tr::kPipelined) __syncthreads();  // K, V fully read: the buffer takes the next block
     }
 
     store_gradient<Tr>(grad.dq + block.m0 * params.dq_row_stride, params.dq_row_stride, dq,

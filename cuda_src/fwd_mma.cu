@@ -9,7 +9,9 @@
 //     S = Q K^T                        ldmatrix + mma, scores stay in registers
 //     mask                             only on blocks that cross a mask boundary
 //     m, l, O rescale, P = exp2(S * scale * log2(e) - m)
-//                                      softmax.cuh (one FFMA per score), quad shuffles
+//                                      softmax.cuh (one FFMA per score), quad shuffles;
+//                                      with kLazyRescale, m moves (and O is rescaled)
+//                                      only when a warp's row max grows by 2^8 or more
 //     O += P V                         P re-packed in registers as the A operand
 // and divides O by l once, at the end.  O is staged through the (no longer
 // needed) Q tile and written with 16-byte stores.
@@ -38,10 +40,14 @@ namespace cf {
 // Every compile-time quantity of one instantiation.  The table of
 // (head dim -> tiles, warps, stages) with the reason for each row is
 // _MMA_TILES in cupyflash/_kernels.py.
-template <typename T, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_>
+template <typename T, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_,
+          bool kLazyRescale_>
 struct MmaFwdTraits {
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_;
     static constexpr int kWarps = kWarps_, kStages = kStages_;
+    // Rescale o and l only when a row maximum of the warp moves far
+    // (OnlineSoftmax::update_unscaled); off where its registers would spill.
+    static constexpr bool kLazyRescale = kLazyRescale_;
     static constexpr int kThreads = 32 * kWarps;
     static constexpr int kWarpRows = kBlockM / kWarps;  // query rows per warp
     static constexpr int kMTiles = kWarpRows / 16;      // m16 tiles per warp
@@ -271,12 +277,12 @@ __device__ __forceinline__ void store_output(const FwdParams& p, int batch, int 
     }
 }
 
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kLazyRescale>
 __global__ void __launch_bounds__(
-    (MmaFwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps, kStages>::kThreads),
-    (MmaFwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps, kStages>::kMinBlocksPerSm))
+    (MmaFwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps, kStages, kLazyRescale>::kThreads),
+    (MmaFwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps, kStages, kLazyRescale>::kMinBlocksPerSm))
 fwd_mma_kernel(const FwdParams params) {
-    using Tr = MmaFwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps, kStages>;
+    using Tr = MmaFwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps, kStages, kLazyRescale>;
 
     // The main loop runs at the register limit, so only 32-bit indices and the
     // K/V pointers live across it; everything else is derived where it is used.
@@ -311,7 +317,7 @@ fwd_mma_kernel(const FwdParams params) {
         if (unmasked.needs_mask(n_block))
             apply_mask<Tr>(s, BlockMask(params, static_cast<int64_t>(m_block) * kBlockM + row0,
                                         static_cast<int64_t>(n_block) * kBlockN, kBlockN));
-        softmax.update_unscaled(s, o, scale_log2);
+        softmax.template update_unscaled<Tr::kLazyRescale>(s, o, scale_log2);
         uint32_t p[Tr::kKeySteps][Tr::kMTiles][4];
         scores_to_a<Tr, T>(p, s);
         kv.await_values(n_block);

@@ -2,10 +2,13 @@
 //
 // Any float type (half, bfloat16, float, double), any head dim up to the
 // compile-time bucket.  A CTA owns kBlockM query rows of one (batch, head),
-// keeps them in shared memory, and streams the visible K/V blocks through one
-// shared buffer.  Per key block: S = Q K^T (in registers, scale * log2(e)
-// folded in), mask if the block is partly admissible, online softmax with
-// exp2, O += P V.  The normalisation by the row sum happens once, at the end.
+// keeps them in shared memory, and streams the visible K/V blocks through
+// shared memory (float and double: K and V each in their own buffer, copied
+// with cp.async while the other is in use; 16-bit types: one buffer,
+// converted to float on the way in -- see SimtTiles).  Per key block:
+// S = Q K^T (in registers, scale * log2(e) folded in), mask if the block is
+// partly admissible, online softmax with exp2, O += P V.  The normalisation
+// by the row sum happens once, at the end.
 //
 // Thread layout (kThreads = 128): 8 consecutive lanes share kRowsPerThread
 // query rows and split the columns among themselves --
@@ -13,8 +16,8 @@
 //   key column jj * 8 + lane_in_group       (of S and P)
 //   chunk      qq * 8 + lane_in_group       (16-byte chunks of an O / V row)
 // so row maxima and sums are reductions over 8 lanes (softmax.cuh), and the
-// probabilities P travel to the P V product by warp shuffles, not through
-// shared memory.  Shared tiles hold the accumulator type; Q and K rows are
+// probabilities P reach the P V product through a small shared tile that
+// each row group writes and reads back by 16-byte broadcasts (mma_pv).  Shared tiles hold the accumulator type; Q and K rows are
 // XOR-swizzled (tile_io.cuh) so the vector loads of the inner products are
 // free of bank conflicts.
 #pragma once
@@ -30,9 +33,11 @@ namespace cf {
 
 // Every compile-time quantity of one instantiation.  The (block_m, block_n)
 // table with the reason for each row is in cupyflash/_kernels.py.
-template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN>
+template <typename T, int kHeadDim_, int kHeadDimV_, int kBlockM_, int kBlockN_>
 struct SimtFwdTraits {
     using Acc = acc_t<T>;
+    static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDimV_;
+    static constexpr int kBlockM = kBlockM_, kBlockN = kBlockN_;
     static constexpr int kThreads = 128;
     static constexpr int kLanesPerRow = 8;
     static constexpr int kRowGroups = kThreads / kLanesPerRow;
@@ -44,18 +49,32 @@ struct SimtFwdTraits {
     using QLayout = SwizzledRows<Acc, kHeadDim>;
     using KLayout = SwizzledRows<Acc, kHeadDim>;
 
+    // float and double tiles need no conversion, so they are copied with
+    // cp.async into separate K and V buffers: V(n) lands while S = Q K(n)^T
+    // is computed, K(n+1) while O += P V(n).  The 16-bit types convert on the
+    // way in and share one K/V buffer, loaded synchronously.
+    static constexpr bool kAsync = SameType<T, Acc>::value;
+
     static constexpr int kSmemQ = kBlockM * kHeadDim;  // elements of Acc
-    static constexpr int kSmemKV = kBlockN * (kHeadDim > kHeadDimV ? kHeadDim : kHeadDimV);
-    static constexpr int kSmemBytes = (kSmemQ + kSmemKV) * static_cast<int>(sizeof(Acc));
+    static constexpr int kSmemK = kBlockN * (kAsync || kHeadDim > kHeadDimV ? kHeadDim : kHeadDimV);
+    static constexpr int kSmemV = kAsync ? kBlockN * kHeadDimV : 0;  // else V reuses the K buffer
+    // P of the current block, kBlockM rows of kPPitch: the pitch is 8 more
+    // than the row so that the 4 row groups of a warp store their P to
+    // different banks (row offsets 8 banks apart, lanes 0..7 within).
+    static constexpr int kPPitch = kBlockN + 8;
+    static constexpr int kSmemP = kBlockM * kPPitch;
+    static constexpr int kSmemBytes =
+        (kSmemQ + kSmemK + kSmemV + kSmemP) * static_cast<int>(sizeof(Acc));
     // Occupancy target, which sets the register cap (65536 / (128 * n)): 4
-    // CTAs (16 warps) per SM -> 128 registers; tiles above 32 KB fit at most
-    // 3 CTAs in an A100's 164 KB of shared memory anyway, so they may use 168.
-    static constexpr int kMinBlocksPerSm = kSmemBytes > 32 * 1024 ? 3 : 4;
+    // CTAs (16 warps) per SM -> 128 registers up to 48 KB of shared memory,
+    // 3 -> 168 up to 64 KB (an H100 holds 3 such CTAs, an A100 2), and 1 (255
+    // registers) for the d = 256 tiles above that.
+    static constexpr int kMinBlocksPerSm = kSmemBytes > 64 * 1024 ? 1 : kSmemBytes > 48 * 1024 ? 3 : 4;
 
     static_assert(kBlockM % kRowGroups == 0, "block_m: a multiple of 16 query rows");
     static_assert(kBlockN % kLanesPerRow == 0, "block_n: a multiple of 8 keys");
     static_assert(kHeadDimV % (kVec * kLanesPerRow) == 0, "head_dim_v bucket: whole chunks per lane");
-    static_assert(kSmemBytes <= 48 * 1024, "stay within the default dynamic shared memory limit");
+    static_assert(kSmemBytes <= 99 * 1024, "within the opt-in shared memory of every sm_80+ GPU");
 };
 
 // This thread's place in the layout described at the top of the file.
@@ -123,31 +142,41 @@ __device__ __forceinline__ void apply_mask(Acc (&s)[Tr::kRowsPerThread][Tr::kKey
     }
 }
 
-// o += P V.  Key column jj * 8 + src of P lives in lane `src` of this
-// thread's 8-lane group; it is broadcast to the group with a shuffle.
+// o += P V.  P goes through shared memory: each thread stores its entries,
+// then reads its rows' P four keys (float; two for double) at a time, the 8
+// lanes of a row group reading the same address (a broadcast).  Rows are
+// private to their row group, so a warp barrier separates the stores from
+// the loads; the CTA barriers of the next key block separate these loads
+// from the next stores.  Per 16-byte chunk of P: kRowsPerThread + kVec x
+// kChunksPerThreadV shared loads for kRowsPerThread x kVec x kVec x
+// kChunksPerThreadV FMAs -- fewer loads per FMA than shuffling P one key at a
+// time, which costs a shuffle per row and key.
 template <class Tr, typename Acc>
 __device__ __forceinline__ void mma_pv(
     Acc (&o)[Tr::kRowsPerThread][Tr::kChunksPerThreadV][Tr::kVec],
-    const Acc (&p)[Tr::kRowsPerThread][Tr::kKeysPerThread], const Acc* sV, int v_cols,
+    const Acc (&p)[Tr::kRowsPerThread][Tr::kKeysPerThread], Acc* sP, const Acc* sV, int v_cols,
     const SimtThread<Tr>& me) {
     constexpr int TM = Tr::kRowsPerThread;
-    const int group_base = lane_id() & ~(Tr::kLanesPerRow - 1);
 #pragma unroll
-    for (int jj = 0; jj < Tr::kKeysPerThread; ++jj) {
-        // One key per iteration keeps one V row slice live, not kKeysPerThread of them.
+    for (int ii = 0; ii < TM; ++ii)
+#pragma unroll
+        for (int jj = 0; jj < Tr::kKeysPerThread; ++jj) sP[me.row(ii) * Tr::kPPitch + me.key(jj)] = p[ii][jj];
+    __syncwarp();
+    // One chunk of keys per iteration keeps kRowsPerThread P vectors live.
 #pragma unroll 1
-        for (int src = 0; src < Tr::kLanesPerRow; ++src) {
-            const int key = jj * Tr::kLanesPerRow + src;
-            Acc pk[TM];
+    for (int k0 = 0; k0 < Tr::kBlockN; k0 += Tr::kVec) {
+        Vec16<Acc> pk[TM];
 #pragma unroll
-            for (int ii = 0; ii < TM; ++ii) pk[ii] = shfl(p[ii][jj], group_base + src);
+        for (int ii = 0; ii < TM; ++ii) pk[ii] = load_vec16(sP + me.row(ii) * Tr::kPPitch + k0);
+#pragma unroll
+        for (int e = 0; e < Tr::kVec; ++e) {
 #pragma unroll
             for (int qq = 0; qq < Tr::kChunksPerThreadV; ++qq) {
-                const Vec16<Acc> v = load_vec16(sV + key * v_cols + me.chunk_v(qq) * Tr::kVec);
+                const Vec16<Acc> v = load_vec16(sV + (k0 + e) * v_cols + me.chunk_v(qq) * Tr::kVec);
 #pragma unroll
                 for (int ii = 0; ii < TM; ++ii)
 #pragma unroll
-                    for (int e = 0; e < Tr::kVec; ++e) o[ii][qq][e] += pk[ii] * v.x[e];
+                    for (int x = 0; x < Tr::kVec; ++x) o[ii][qq][x] += pk[ii].x[e] * v.x[x];
             }
         }
     }
@@ -173,6 +202,100 @@ __device__ __forceinline__ void store_output(
     }
 }
 
+// Moves the Q tile and each key block's K and V into shared memory.  The
+// loop calls keys(n), then values(n), then done(); each returns once its tile
+// is visible to every thread.
+//   kAsync (float, double): K and V have their own buffers.  keys(n) waits for
+//   K(n), then starts V(n); values(n) waits for V(n), then starts K(n + 1).
+//   Every thread has at most one cp.async group in flight, so each wait is
+//   wait_group 0, and the __syncthreads after it also tells everyone that the
+//   buffer about to be refilled has been read (V by the previous block's
+//   O += P V, K by this block's S = Q K^T).
+//   otherwise: one buffer, converting loads between barriers.
+template <class Tr, typename T>
+struct SimtTiles {
+    using Acc = typename Tr::Acc;
+    const FwdParams& params;
+    const HeadSlice<T, Acc>& head;
+    Acc* sQ;
+    Acc* sK;
+    Acc* sV;
+    Acc* sP;  // the current block's probabilities (mma_pv)
+    int64_t n_end;
+
+    __device__ SimtTiles(const FwdParams& p, const HeadSlice<T, Acc>& h, const QueryBlock& block,
+                         int64_t n_begin, int64_t n_end_)
+        : params(p), head(h), sQ(reinterpret_cast<Acc*>(dynamic_smem())), sK(sQ + Tr::kSmemQ),
+          sV(Tr::kAsync ? sK + Tr::kSmemK : sK), sP(sK + Tr::kSmemK + Tr::kSmemV), n_end(n_end_) {
+        const int d = static_cast<int>(p.head_dim);
+        if constexpr (Tr::kAsync) {
+            cp_async_tile_rows<Tr::kThreads, Tr::kBlockM, Tr::kHeadDim>(
+                sQ, typename Tr::QLayout{}, head.q + block.m0 * p.q_row_stride, p.q_row_stride,
+                block.rows, d);
+            if (n_begin < n_end) issue_keys(n_begin);
+            cp_async_commit();
+        } else {
+            load_tile<Tr::kThreads>(sQ, typename Tr::QLayout{}, head.q + block.m0 * p.q_row_stride,
+                                    p.q_row_stride, Tr::kBlockM, Tr::kHeadDim, block.rows, d);
+        }
+    }
+
+    __device__ int keys_in(int64_t n_block) const {
+        return QueryBlock::keys_in(params, n_block * Tr::kBlockN, Tr::kBlockN);
+    }
+    __device__ void issue_keys(int64_t n_block) const {
+        const int64_t n0 = n_block * Tr::kBlockN;
+        cp_async_tile_rows<Tr::kThreads, Tr::kBlockN, Tr::kHeadDim>(
+            sK, typename Tr::KLayout{}, head.k + n0 * params.k_row_stride, params.k_row_stride,
+            keys_in(n_block), static_cast<int>(params.head_dim));
+    }
+    __device__ void issue_values(int64_t n_block) const {
+        const int64_t n0 = n_block * Tr::kBlockN;
+        cp_async_tile_rows<Tr::kThreads, Tr::kBlockN, Tr::kHeadDimV>(
+            sV, PlainRows{Tr::kHeadDimV}, head.v + n0 * params.v_row_stride, params.v_row_stride,
+            keys_in(n_block), static_cast<int>(params.head_dim_v));
+    }
+
+    __device__ void keys(int64_t n_block) const {
+        if constexpr (Tr::kAsync) {
+            cp_async_wait<0>();
+            __syncthreads();
+            issue_values(n_block);
+            cp_async_commit();
+        } else {
+            const int64_t n0 = n_block * Tr::kBlockN;
+            load_tile<Tr::kThreads>(sK, typename Tr::KLayout{}, head.k + n0 * params.k_row_stride,
+                                    params.k_row_stride, Tr::kBlockN, Tr::kHeadDim,
+                                    keys_in(n_block), static_cast<int>(params.head_dim));
+            __syncthreads();
+        }
+    }
+    __device__ void values(int64_t n_block) const {
+        if constexpr (Tr::kAsync) {
+            cp_async_wait<0>();
+            __syncthreads();
+            if (n_block + 1 < n_end) {
+                issue_keys(n_block + 1);
+                cp_async_commit();
+            }
+        } else {
+            __syncthreads();  // K fully read: its buffer takes V
+            const int64_t n0 = n_block * Tr::kBlockN;
+            load_tile<Tr::kThreads>(sV, PlainRows{Tr::kHeadDimV}, head.v + n0 * params.v_row_stride,
+                                    params.v_row_stride, Tr::kBlockN, Tr::kHeadDimV,
+                                    keys_in(n_block), static_cast<int>(params.head_dim_v));
+            __syncthreads();
+        }
+    }
+    __device__ void done() const {
+        if constexpr (!Tr::kAsync) __syncthreads();  // V fully read: the buffer takes the next K
+    }
+    // Retire the Q copy of a block that saw no key block (nothing else is in flight).
+    __device__ void finish() const {
+        if constexpr (Tr::kAsync) cp_async_wait<0>();
+    }
+};
+
 template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN>
 __global__ void __launch_bounds__(
     (SimtFwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>::kThreads),
@@ -188,36 +311,26 @@ fwd_simt_kernel(const FwdParams params) {
     const QueryBlock block(params, mask, tile.m_block * kBlockM, kBlockM);
     const SimtThread<Tr> me;
     const Acc scale_log2 = static_cast<Acc>(params.scale_log2);
-    const int d = static_cast<int>(params.head_dim), dv = static_cast<int>(params.head_dim_v);
+    const int d = static_cast<int>(params.head_dim);
 
-    Acc* sQ = reinterpret_cast<Acc*>(dynamic_smem());
-    Acc* sKV = sQ + Tr::kSmemQ;  // K, then V, of the current key block
-    load_tile<Tr::kThreads>(sQ, typename Tr::QLayout{}, head.q + block.m0 * params.q_row_stride,
-                            params.q_row_stride, kBlockM, kHeadDim, block.rows, d);
+    const int64_t n_begin = block.n_begin(kBlockN), n_end = block.n_end(kBlockN);
+    const SimtTiles<Tr, T> tiles(params, head, block, n_begin, n_end);
 
     OnlineSoftmax<Acc, TM, Tr::kLanesPerRow> softmax;
     Acc o[TM][Tr::kChunksPerThreadV][Tr::kVec] = {};
     Acc s[TM][Tr::kKeysPerThread];
 
-    const int64_t n_end = block.n_end(kBlockN);
-    for (int64_t n_block = block.n_begin(kBlockN); n_block < n_end; ++n_block) {
+    for (int64_t n_block = n_begin; n_block < n_end; ++n_block) {
         const int64_t n0 = n_block * kBlockN;
-        const int keys = QueryBlock::keys_in(params, n0, kBlockN);
-
-        load_tile<Tr::kThreads>(sKV, typename Tr::KLayout{}, head.k + n0 * params.k_row_stride,
-                                params.k_row_stride, kBlockN, kHeadDim, keys, d);
-        __syncthreads();
-        mma_qk<Tr>(s, sQ, sKV, me, d, scale_log2);
+        tiles.keys(n_block);
+        mma_qk<Tr>(s, tiles.sQ, tiles.sK, me, d, scale_log2);
         if (block.needs_mask(mask, n0, kBlockN)) apply_mask<Tr>(s, mask, block.m0, n0, me);
         softmax.update(s, o);
-        __syncthreads();  // K fully read: its buffer takes V
-
-        load_tile<Tr::kThreads>(sKV, PlainRows{kHeadDimV}, head.v + n0 * params.v_row_stride,
-                                params.v_row_stride, kBlockN, kHeadDimV, keys, dv);
-        __syncthreads();
-        mma_pv<Tr>(o, s, sKV, kHeadDimV, me);
-        __syncthreads();  // V fully read: the buffer takes the next K
+        tiles.values(n_block);
+        mma_pv<Tr>(o, s, tiles.sP, tiles.sV, kHeadDimV, me);
+        tiles.done();
     }
+    tiles.finish();
 
     Acc lse[TM];
     softmax.normalize(o, lse);

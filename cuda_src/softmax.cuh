@@ -111,10 +111,7 @@ struct OnlineSoftmax {
     __device__ void update(Acc (&s)[kRows][kCols], RowAcc (&o)[kRows]) {
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
-            Acc block_max = s[r][0];
-#pragma unroll
-            for (int c = 1; c < kCols; ++c) block_max = max_acc(block_max, s[r][c]);
-            const Acc m_new = max_acc(m[r], group_max<kLanes>(block_max));
+            const Acc m_new = max_acc(m[r], row_max<kCols>(s[r]));
             const Acc ref = exp2_reference(m_new);
             const Acc rescale = exp2_acc(m[r] - ref);
             m[r] = m_new;
@@ -139,26 +136,66 @@ struct OnlineSoftmax {
     // (multiplying by a positive number is monotone, rounding too), and the
     // scale and the shift fold into one FFMA per score.  fwd_mma's path; the
     // dispatcher sends other scales to fwd_simt (cupyflash/_gpu.py).
-    template <int kCols, typename RowAcc>
+    //
+    // kLazyRescale: the reference point m of a row moves only when the row's
+    // maximum passes it by more than kRescaleSlack (log2 units); until then
+    // the probabilities exp2(s - m) stay below 2^kRescaleSlack (far inside
+    // the range of float and of the 16-bit types P is rounded to) and o and
+    // l need no rescale.  The decision is one vote per warp, so the rescale
+    // of the whole accumulator is skipped, not multiplied by 1, on every
+    // block where no row of the warp moves -- after the first blocks, nearly
+    // all.  Exact either way: o and l share the reference point, and lse
+    // uses it.  Needs every lane of the warp (fwd_mma's warps are whole).
+    // Otherwise m is the running maximum and o and l are rescaled every block.
+    static constexpr float kRescaleSlack = 8.0f;
+
+    template <bool kLazyRescale, int kCols, typename RowAcc>
     __device__ void update_unscaled(Acc (&s)[kRows][kCols], RowAcc (&o)[kRows], Acc scale_log2) {
+        if constexpr (kLazyRescale) {
+            // The row maxima are taken again when the warp moves (rarely)
+            // rather than kept in registers across the vote.
+            bool moves = false;
+#pragma unroll
+            for (int r = 0; r < kRows; ++r)  // a first finite max passes -inf
+                moves |= row_max<kCols>(s[r]) * scale_log2 > m[r] + Acc(kRescaleSlack);
+            if (__any_sync(0xffffffffu, moves)) {
+#pragma unroll
+                for (int r = 0; r < kRows; ++r) move_reference(r, row_max<kCols>(s[r]) * scale_log2, o);
+            }
+        } else {
+#pragma unroll
+            for (int r = 0; r < kRows; ++r) move_reference(r, row_max<kCols>(s[r]) * scale_log2, o);
+        }
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
-            Acc block_max = s[r][0];
-#pragma unroll
-            for (int c = 1; c < kCols; ++c) block_max = max_acc(block_max, s[r][c]);
-            const Acc m_new = max_acc(m[r], group_max<kLanes>(block_max) * scale_log2);
-            const Acc ref = exp2_reference(m_new);
-            const Acc rescale = exp2_acc(m[r] - ref);
-            m[r] = m_new;
+            const Acc ref = exp2_reference(m[r]);
             Acc sum = Acc(0);
 #pragma unroll
             for (int c = 0; c < kCols; ++c) {
                 s[r][c] = exp2_acc(fma(s[r][c], scale_log2, -ref));
                 sum += s[r][c];
             }
-            l[r] = l[r] * rescale + sum;
-            scale_in_place(o[r], rescale);
+            l[r] += sum;
         }
+    }
+
+    // m[r] = max(m[r], block_max), with o[r] and l[r] rescaled to the new reference.
+    template <typename RowAcc>
+    __device__ void move_reference(int r, Acc block_max, RowAcc (&o)[kRows]) {
+        const Acc m_new = max_acc(m[r], block_max);
+        const Acc rescale = exp2_acc(m[r] - exp2_reference(m_new));
+        m[r] = m_new;
+        l[r] *= rescale;
+        scale_in_place(o[r], rescale);
+    }
+
+    // The maximum of a row's scores over the kLanes lanes holding it.
+    template <int kCols>
+    __device__ static Acc row_max(const Acc (&s)[kCols]) {
+        Acc block_max = s[0];
+#pragma unroll
+        for (int c = 1; c < kCols; ++c) block_max = max_acc(block_max, s[c]);
+        return group_max<kLanes>(block_max);
     }
 
     // Deferred normalisation: o /= l (0 for a row that saw no key) and the

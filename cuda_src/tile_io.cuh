@@ -14,6 +14,10 @@ namespace cf {
 
 // ---- element <-> accumulator conversions -----------------------------------------------------
 
+// std::is_same, which NVRTC's default headers do not provide.
+template <typename A, typename B> struct SameType { static constexpr bool value = false; };
+template <typename A> struct SameType<A, A> { static constexpr bool value = true; };
+
 __device__ __forceinline__ float to_acc(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_acc(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_acc(float x) { return x; }
@@ -121,6 +125,51 @@ __device__ __forceinline__ void load_tile(Acc* dst, const Layout& layout, const 
         Acc value = Acc(0);
         if (r < rows_valid && c < cols_valid) value = to_acc(src[r * row_stride + c]);
         dst[layout.offset(r, c)] = value;
+    }
+}
+
+// Asynchronous form of load_tile for T == Acc (float, double: nothing to
+// convert, so the bytes may go straight to shared memory with cp.async while
+// the CTA computes on another buffer).  Issues the copies only: the caller
+// commits the group, waits for it and synchronises before anyone reads dst.
+// Rows past rows_valid and columns past cols_valid are zero-filled by the
+// copy itself (src-size below the copy size), so no thread stores zeros.
+template <int kThreads, int kRows, int kCols, typename Layout, typename T>
+__device__ __forceinline__ void cp_async_tile_rows(T* dst, const Layout& layout, const T* src,
+                                                   int64_t row_stride, int rows_valid,
+                                                   int cols_valid) {
+    constexpr int kVec = 16 / static_cast<int>(sizeof(T));   // elements per 16-byte chunk
+    static_assert(kCols % kVec == 0, "rows of whole 16-byte chunks in shared memory");
+    if (reinterpret_cast<unsigned long long>(src) % 16 == 0 &&
+        (row_stride * static_cast<int64_t>(sizeof(T))) % 16 == 0) {
+        // 16-byte chunks; a chunk that straddles cols_valid copies its valid part.
+        constexpr int kChunks = kCols / kVec;
+        constexpr int kTotal = kRows * kChunks;
+#pragma unroll
+        for (int pass = 0; pass < (kTotal + kThreads - 1) / kThreads; ++pass) {
+            const int idx = static_cast<int>(threadIdx.x) + pass * kThreads;
+            if (kTotal % kThreads == 0 || idx < kTotal) {
+                const int r = idx / kChunks;
+                const int c = (idx % kChunks) * kVec;
+                const int valid = r < rows_valid ? cols_valid - c : 0;
+                const int bytes = valid <= 0 ? 0 : valid >= kVec ? 16 : valid * static_cast<int>(sizeof(T));
+                // A zero-byte copy reads nothing; it still gets a valid, aligned address.
+                cp_async_16(dst + layout.offset(r, c), bytes > 0 ? src + r * row_stride + c : src, bytes);
+            }
+        }
+        return;
+    }
+    // Rows not 16-byte aligned: one 4-byte copy per word (two per double).
+    constexpr int kWordsPerElement = static_cast<int>(sizeof(T)) / 4;
+    for (int idx = static_cast<int>(threadIdx.x); idx < kRows * kCols * kWordsPerElement; idx += kThreads) {
+        const int e = idx / kWordsPerElement;
+        const int word = idx - e * kWordsPerElement;
+        const int r = e / kCols;
+        const int c = e - r * kCols;
+        const bool valid = r < rows_valid && c < cols_valid;
+        const char* from = valid ? reinterpret_cast<const char*>(src + r * row_stride + c) + 4 * word
+                                 : reinterpret_cast<const char*>(src);
+        cp_async_4(reinterpret_cast<char*>(dst + layout.offset(r, c)) + 4 * word, from, valid ? 4 : 0);
     }
 }
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._gpu import _accumulator_dtype, _array_module, mma_head_dim, rows_aligned, simt_bucket
-from ._kernels import Instantiation, instantiations
+from ._kernels import Instantiation, bwd_mma_name_expressions, instantiations
 from ._launch import backward_kernel, backward_launch_config
 from ._params_bwd import bwd_params
 
@@ -62,8 +62,8 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
             if r.family == "bwd_simt" and r.dtype == name and r.head_dim == bucket}
     mma_dim = mma_head_dim(name, d, dv, arch, aligned=aligned)
     if mma_dim is not None:
-        mma = tuple(r for r in instantiations()
-                    if r.family == "bwd_mma" and r.dtype == name and r.head_dim == mma_dim)
+        rows = {r.name_expression: r for r in instantiations() if r.family == "bwd_mma"}
+        mma = tuple(rows[n] for n in bwd_mma_name_expressions(name, mma_dim, arch))
         return (simt["bwd_simt_dot_do_o_kernel"],) + mma
     return tuple(simt[k] for k in _SIMT_KERNELS)
 

@@ -13,7 +13,7 @@ import functools
 from dataclasses import dataclass
 
 __all__ = ["Instantiation", "instantiations", "HEAD_DIM_BUCKETS", "MMA_HEAD_DIMS", "mma_arch_class",
-           "mma_tiles", "mma_name_expression"]
+           "mma_tiles", "mma_name_expression", "bwd_mma_name_expressions", "bwd_mma_shared_bytes"]
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,8 @@ class Instantiation:
     threads: int           # threads per block
     block_m: int = 0       # query rows per CTA (0: chosen at run time, fwd_v1)
     block_n: int = 0       # keys per K/V block (0: chosen at run time, fwd_v1)
-    kv_stages: int = 0     # fwd_mma: K/V buffer pairs in shared memory (1 or 2; 0 otherwise)
+    kv_stages: int = 0     # fwd_mma: K/V buffer pairs, bwd_mma: streamed tile buffers (1 or 2; 0 otherwise)
+    lazy_rescale: bool = False  # fwd_mma: rescale the output only when a row max moves far
 
 
 # C++ spelling of each dtype in name expressions.
@@ -40,25 +41,27 @@ HEAD_DIM_BUCKETS = (32, 64, 128, 256)
 
 # fwd_simt tiles (block_m, block_n) per accumulator type and bucket.  128
 # threads; 8 lanes share a query row, so a thread holds block_m/16 rows, its
-# block_n/8 keys of S and bucket/8 columns of O.  Every tile keeps shared
-# memory (Q + one K/V buffer, in the accumulator type) at or below 48 KB, the
-# limit without an opt-in, and registers below the cap of the occupancy target
-# (fwd_simt.cu: 128 for 4 CTAs/SM, 168 for the 48 KB tiles, which fit 3/SM).
+# block_n/8 keys of S and bucket/8 columns of O.  Shared memory (accumulator
+# type): Q, K and V in their own buffers for float32/float64 (cp.async
+# prefetch; one K/V buffer for the 16-bit types, converted on the way in),
+# and P (block_m x (block_n + 8)).  Registers stay below the cap of the
+# occupancy target (fwd_simt.cu: 128 for 4 CTAs/SM up to 48 KB, 168 up to
+# 64 KB, 255 above).  Sizes below: float32 / 16-bit, float64.
 _SIMT_TILES = {
     # float accumulators (float16, bfloat16, float32): 16-byte chunks of 4.
     # Per chunk a thread does rows x keys x 4 FMAs for rows + keys vector loads.
     "float": {
-        32: (64, 32),    # 4 rows x 4 keys: 64 FMAs per 8 loads, 16 O registers; 12 KB
-        64: (64, 32),    # 4 x 4, 32 O registers; 24 KB.  block_n 64 sits at the 128-register cap
-        128: (32, 32),   # 2 x 4, 32 O registers; 32 KB.  block_m 64 would make the Q tile alone 32 KB
-        256: (32, 16),   # 2 x 2, 64 O registers; 48 KB, 3 CTAs/SM on an A100
+        32: (64, 32),    # 4 rows x 4 keys: 64 FMAs per 8 loads, 16 O registers; 26 / 22 KB
+        64: (64, 32),    # 4 x 4, 32 O registers; 42 / 34 KB.  block_n 64 sits at the 128-register cap
+        128: (32, 32),   # 2 x 4, 32 O registers; 53 / 37 KB.  block_m 64 would make the Q tile alone 32 KB
+        256: (32, 16),   # 2 x 2, 64 O registers; 67 / 51 KB
     },
     # double accumulators: 16-byte chunks of 2, half as many elements per byte
     "double": {
-        32: (32, 32),    # 2 x 4, 8 O doubles; 16 KB.  block_m 64 (4 rows) sits at the 128-register cap
-        64: (32, 32),    # 2 x 4, 16 O doubles; 32 KB
-        128: (32, 16),   # 2 x 2, 32 O doubles; 48 KB
-        256: (16, 8),    # 1 x 1, 32 O doubles; 48 KB (the 16-row Q tile alone is 32 KB)
+        32: (32, 32),    # 2 x 4, 8 O doubles; 34 KB.  block_m 64 (4 rows) sits at the 128-register cap
+        64: (32, 32),    # 2 x 4, 16 O doubles; 58 KB
+        128: (32, 16),   # 2 x 2, 32 O doubles; 70 KB
+        256: (16, 8),    # 1 x 1, 32 O doubles; 66 KB (the 16-row Q tile alone is 32 KB)
     },
 }
 
@@ -113,9 +116,13 @@ def _catalogue() -> tuple[Instantiation, ...]:
 # inside the kernel.  fwd_mma needs dv == d (cupyflash/_gpu.py falls back to fwd_simt).
 MMA_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 
-# (block_m, block_n, warps, kv_stages) per architecture class and head dim;
-# each warp owns block_m / warps query rows (16 per m16 tile), kv_stages 2 =
-# K/V double buffer, 1 = FA2's single K and V buffers (less shared memory).
+# (block_m, block_n, warps, kv_stages, lazy_rescale) per architecture class
+# and head dim; each warp owns block_m / warps query rows (16 per m16 tile),
+# kv_stages 2 = K/V double buffer, 1 = FA2's single K and V buffers (less
+# shared memory); lazy_rescale: the output is rescaled only on blocks where a
+# row max of the warp grows past the reference by 2^8 (softmax.cuh), which
+# removes d/8 FMUL per row and block from nearly every block -- on wherever
+# it compiles without spills under NVRTC 13.0 and 13.5.
 # Shared memory = (block_m + 2 * kv_stages * block_n) * d * 2 bytes.
 # Registers, spills and occupancy (CTAs/SM x warps) from the static report
 # (python -m cupyflash kernels --family fwd_mma; "(231)" = sm_90 where it
@@ -130,39 +137,40 @@ MMA_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 _MMA_TILES = {
     # A100 / A30 / Orin: 164 KB per SM; 2 CTAs of 4 warps at up to 255 registers.
     "sm80": {
-        32: (128, 64, 4, 2),    # 167 regs (177), 24 KB: 3 CTAs (registers; sm_90: 2); 128x128: 255 regs, 2
-        64: (128, 64, 4, 2),    # 223 regs (231), 48 KB: 2 CTAs (registers); 128x128 spills with 2 stages
-        96: (128, 64, 4, 1),    # 250 regs (255), 48 KB: 2 CTAs; 2 stages (72 KB) spill 12-20 B
-        128: (128, 64, 4, 1),   # 255 regs, 64 KB: 2 CTAs (FA2's tile); 2 stages = 96 KB -> 1 CTA here;
-                                # NVRTC 13.0 spills 72 B here (13.5: none), (128, 32) would not
-        160: (64, 64, 4, 1),    # 222 regs (234), 60 KB: 2 CTAs; 2 m16 tiles per warp (160 O registers) spill
-        192: (64, 64, 4, 1),    # 232 regs (236), 72 KB: 2 CTAs
-        224: (64, 32, 4, 1),    # 227 regs (242), 56 KB: 2 CTAs; 64x64 (84 KB) fits 1
-        256: (64, 32, 4, 1),    # 232 regs (244), 64 KB: 2 CTAs; 64x64 (96 KB) fits 1
+        32: (128, 64, 4, 2, True),    # 167 regs (177), 24 KB: 3 CTAs (registers; sm_90: 2); 128x128: 255 regs, 2
+        64: (128, 64, 4, 2, True),    # 223 regs (231), 48 KB: 2 CTAs (registers); 128x128 spills with 2 stages
+        96: (128, 64, 4, 1, True),    # 250 regs (255), 48 KB: 2 CTAs; 2 stages (72 KB) spill 12-20 B
+        128: (128, 64, 4, 1, True),   # 255 regs, 64 KB: 2 CTAs (FA2's tile); 2 stages = 96 KB -> 1 CTA here;
+                                      # NVRTC 13.0 spills 8 B here (52 without the lazy rescale; 13.5: none)
+        160: (64, 64, 4, 1, True),    # 222 regs (234), 60 KB: 2 CTAs; 2 m16 tiles per warp (160 O registers) spill
+        192: (64, 64, 4, 1, True),    # 232 regs (236), 72 KB: 2 CTAs
+        224: (64, 32, 4, 1, True),    # 227 regs (242), 56 KB: 2 CTAs; 64x64 (84 KB) fits 1
+        256: (64, 32, 4, 1, True),    # 232 regs (244), 64 KB: 2 CTAs; 64x64 (96 KB) fits 1
     },
     # RTX 30xx/40xx, A10, L4, L40: 100 KB per SM, 99 KB per block; 2 CTAs need <= 49 KB each.
     "sm86": {
-        32: (128, 64, 4, 2),    # as sm80 (24 KB)
-        64: (128, 64, 4, 2),    # as sm80 (48 KB: 2 CTAs)
-        96: (128, 64, 4, 1),    # as sm80 (48 KB: 2 CTAs)
-        128: (128, 32, 4, 1),   # 248 regs, 48 KB: 2 CTAs (FA2's sm86 tile); 128x64 (64 KB) fits 1
-        160: (64, 32, 4, 1),    # 201 regs (224), 40 KB: 2 CTAs
-        192: (64, 32, 4, 1),    # 200 regs (234), 48 KB: 2 CTAs
-        224: (128, 32, 8, 1),   # 227 regs (232), 84 KB: 1 CTA of 8 warps; 4-warp tiles in 49 KB need block_n 16
-        256: (128, 32, 8, 1),   # 228 regs (244), 96 KB: 1 CTA of 8 warps
+        32: (128, 64, 4, 2, True),    # as sm80 (24 KB)
+        64: (128, 64, 4, 2, True),    # as sm80 (48 KB: 2 CTAs)
+        96: (128, 64, 4, 1, True),    # as sm80 (48 KB: 2 CTAs)
+        128: (128, 32, 4, 1, True),   # 248 regs, 48 KB: 2 CTAs (FA2's sm86 tile); 128x64 (64 KB) fits 1
+        160: (64, 32, 4, 1, True),    # 201 regs (224), 40 KB: 2 CTAs
+        192: (64, 32, 4, 1, True),    # 200 regs (234), 48 KB: 2 CTAs
+        224: (128, 32, 8, 1, True),   # 227 regs (232), 84 KB: 1 CTA of 8 warps; 4-warp tiles in 49 KB need block_n 16
+        256: (128, 32, 8, 1, True),   # 228 regs (244), 96 KB: 1 CTA of 8 warps
     },
     # H100 / H200 / B200: 228 KB per SM; 2 CTAs fit up to 113 KB each.  Measured on an
     # H200 (benchmarks/results/2026-11-30-nvidia-h200-tuning.md; bf16, B=2, H=16, L=8192,
     # TFLOP/s non-causal / causal).
     "sm90": {
-        32: (128, 64, 4, 2),    # as sm80
-        64: (128, 64, 4, 2),    # 238 / 183; (64, 128, 4, 2) 228 / 182, (128, 128, 8, 2) 216 / 175
-        96: (128, 64, 4, 1),    # as sm80
-        128: (128, 64, 4, 1),   # 293 / 241; (128, 128, 8, 2) 270 / 235; 2 stages spill with NVRTC 13.0
-        160: (64, 64, 4, 1),    # as sm80
-        192: (64, 64, 4, 1),    # as sm80
-        224: (64, 64, 4, 1),    # 242 regs, 84 KB: 2 CTAs; half the key blocks of 64x32
-        256: (64, 64, 4, 1),    # 249 regs, 96 KB: 2 CTAs (FA2's H100 tile)
+        32: (128, 64, 4, 2, True),    # as sm80
+        64: (128, 64, 4, 2, True),    # 238 / 183; (64, 128, 4, 2) 228 / 182, (128, 128, 8, 2) 216 / 175
+        96: (128, 64, 4, 1, True),    # as sm80
+        128: (128, 64, 4, 1, False),  # 293 / 241; (128, 128, 8, 2) 270 / 235; 2 stages spill with NVRTC 13.0,
+                                      # so does the lazy rescale (72 B; 13.5: none)
+        160: (64, 64, 4, 1, True),    # as sm80
+        192: (64, 64, 4, 1, True),    # as sm80
+        224: (64, 64, 4, 1, True),    # 242 regs, 84 KB: 2 CTAs; half the key blocks of 64x32
+        256: (64, 64, 4, 1, True),    # 249 regs, 96 KB: 2 CTAs (FA2's H100 tile)
     },
 }
 
@@ -185,17 +193,18 @@ def mma_arch_class(arch: int) -> str | None:
     return "sm90"
 
 
-def mma_tiles(arch: int) -> dict[int, tuple[int, int, int, int]] | None:
-    """``{head_dim: (block_m, block_n, warps, kv_stages)}`` of fwd_mma on ``arch``; None below sm_80."""
+def mma_tiles(arch: int) -> dict[int, tuple[int, int, int, int, bool]] | None:
+    """``{head_dim: (block_m, block_n, warps, kv_stages, lazy_rescale)}`` of fwd_mma on ``arch``;
+    None below sm_80."""
     tile_class = mma_arch_class(arch)
     return None if tile_class is None else dict(_MMA_TILES[tile_class])
 
 
 def mma_name_expression(dtype: str, head_dim: int, block_m: int, block_n: int, warps: int,
-                        kv_stages: int) -> str:
-    """``cf::fwd_mma_kernel<T, head_dim, block_m, block_n, warps, kv_stages>``."""
+                        kv_stages: int, lazy_rescale: bool) -> str:
+    """``cf::fwd_mma_kernel<T, head_dim, block_m, block_n, warps, kv_stages, lazy_rescale>``."""
     return (f"cf::fwd_mma_kernel<{_CXX_TYPE[dtype]}, {head_dim}, {block_m}, {block_n}, {warps}, "
-            f"{kv_stages}>")
+            f"{kv_stages}, {'true' if lazy_rescale else 'false'}>")
 
 
 def _mma_instantiations() -> list[Instantiation]:
@@ -204,12 +213,12 @@ def _mma_instantiations() -> list[Instantiation]:
     for dtype in _MMA_DTYPES:
         for head_dim in MMA_HEAD_DIMS:
             for tiles in _MMA_TILES.values():
-                block_m, block_n, warps, stages = tiles[head_dim]
-                name = mma_name_expression(dtype, head_dim, block_m, block_n, warps, stages)
+                block_m, block_n, warps, stages, lazy = tiles[head_dim]
+                name = mma_name_expression(dtype, head_dim, block_m, block_n, warps, stages, lazy)
                 rows.setdefault(name, Instantiation(
                     family="fwd_mma", entry="fwd_mma.cu", name_expression=name, dtype=dtype,
                     head_dim=head_dim, head_dim_v=head_dim, threads=32 * warps, block_m=block_m,
-                    block_n=block_n, kv_stages=stages))
+                    block_n=block_n, kv_stages=stages, lazy_rescale=lazy))
     return list(rows.values())
 
 # ---- backward ----------------------------------------------------------------------------------
@@ -217,25 +226,28 @@ def _mma_instantiations() -> list[Instantiation]:
 # bwd_simt (cuda_src/bwd_simt.cu): per dtype and head-dim bucket three kernels,
 # launched in this order -- delta = rowsum(dO o O), then dK/dV (a CTA owns
 # block_n keys, streams block_m query rows), then dQ (a CTA owns block_m query
-# rows, streams block_n keys).  Both main kernels keep four tiles in shared
-# memory (own rows x (d + dv), streamed rows x (d + dv), accumulator type) and
+# rows, streams block_n keys).  Both main kernels keep in shared memory the
+# own rows x (d + dv), a P / dS scratch tile (own x (streamed + 8)) and the
+# streamed rows x (d + dv) -- twice for float32/float64 where it fits in 72
+# KB (cp.async prefetch of the next block) -- in the accumulator type, and
 # use the same (own, streamed) shape, 128 threads, 8 lanes per own row: a
-# thread holds own/16 rows of dK+dV (or dQ) and own/16 x streamed/8 entries of
-# S, P, dP, dS.  Every tile stays within 48 KB (3 CTAs/SM on an A100) except
-# float64 at 256, whose smallest tile (16 + 8 rows of 4 KB) needs 96 KB.
+# thread holds own/16 rows of dK+dV (or dQ) and own/16 x streamed/8 entries
+# of S, P, dP, dS.  float32 tiles take 29-67 KB, float64 58-70 KB except at
+# 256, whose smallest tile (16 + 8 rows of 4 KB, one streamed buffer) needs
+# 98 KB; the 16-bit types (one buffer) 21-51 KB.
 _BWD_SIMT_TILES = {
     # (own rows, streamed rows)
     "float": {
-        32: (32, 32),    # 2 x 4, 8 + 8; 16 KB, 112-122 registers.  (64, 32): its dQ kernel spills 16 B on sm_86/89
-        64: (32, 32),    # 2 x 4, 16 + 16; 32 KB, 4 CTAs/SM.  (64, 32): 48 KB, 3 CTAs/SM at 163-168 registers
-        128: (32, 16),   # 2 x 2, 32 + 32; 48 KB
-        256: (16, 8),    # 1 x 1, 32 + 32; 48 KB
+        32: (32, 32),    # 2 x 4, 8 + 8 dK/dV registers.  (64, 32): its dQ kernel spilled 16 B on sm_86/89
+        64: (32, 32),    # 2 x 4, 16 + 16
+        128: (32, 16),   # 2 x 2, 32 + 32
+        256: (16, 8),    # 1 x 1, 32 + 32
     },
     "double": {
-        32: (32, 32),    # 2 x 4, 8 + 8 doubles; 32 KB
-        64: (32, 16),    # 2 x 2, 16 + 16 doubles; 48 KB
-        128: (16, 8),    # 1 x 1, 16 + 16 doubles; 48 KB
-        256: (16, 8),    # 1 x 1, 32 + 32 doubles; 96 KB (opt-in shared memory, 1 CTA/SM on an A100)
+        32: (32, 32),    # 2 x 4, 8 + 8 doubles
+        64: (32, 16),    # 2 x 2, 16 + 16 doubles
+        128: (16, 8),    # 1 x 1, 16 + 16 doubles
+        256: (16, 8),    # 1 x 1, 32 + 32 doubles; 98 KB (opt-in shared memory, 1 CTA/SM on an A100)
     },
 }
 
@@ -272,6 +284,41 @@ _BWD_MMA_OWN = 64
 _BWD_MMA_WARPS = 4
 # bwd_mma_dkdv_kernel's kGrads: which gradients one launch computes (bwd_mma.cu).
 BWD_GRAD_DV, BWD_GRAD_DK = 1, 2
+# Streamed-tile stages of bwd_mma per GPU class: two (the next block copied
+# while this one is computed) wherever two CTAs still fit on one SM -- the
+# shared memory per CTA below (per SM: 164 KB sm80, 100 KB sm86, 228 KB
+# sm90, less 1 KB per CTA) -- else one.  sm90 stops at 100 KB: the d = 224
+# dK kernel with two stages (112.5 KB) spills 4 bytes under NVRTC 13.0.
+_TWO_CTA_SHARED = {"sm80": 81 * 1024, "sm86": 49 * 1024, "sm90": 100 * 1024}
+
+
+def bwd_mma_shared_bytes(head_dim: int, own: int, streamed: int, needs_v: bool, stages: int) -> int:
+    """``MmaBwdTraits::kSmemBytes`` (bwd_mma.cu): the own tiles (one or two), then per
+    stage two streamed tiles of 16-bit elements and two floats per streamed row."""
+    return (2 if needs_v else 1) * own * head_dim * 2 + stages * (2 * streamed * head_dim * 2 + 2 * streamed * 4)
+
+
+def bwd_mma_name_expressions(dtype: str, head_dim: int, arch: int) -> list[str]:
+    """bwd_mma's kernels for ``dtype`` (float16 / bfloat16) and compile-time ``head_dim`` on
+    ``arch`` (>= 80), in launch order: dK/dV (or dV, then dK), then dQ."""
+    tile_class = mma_arch_class(arch)
+    if tile_class is None or head_dim not in _BWD_MMA_TILES:
+        raise ValueError(f"bwd_mma has no kernel for head_dim={head_dim} on sm_{arch}")
+    cxx, own, warps = _CXX_TYPE[dtype], _BWD_MMA_OWN, _BWD_MMA_WARPS
+    streamed, together, *dq_streamed = _BWD_MMA_TILES[head_dim]
+    streamed_dq = dq_streamed[0] if dq_streamed else streamed
+
+    def stages(rows: int, needs_v: bool) -> int:
+        two = bwd_mma_shared_bytes(head_dim, own, rows, needs_v, 2)
+        return 2 if two <= _TWO_CTA_SHARED[tile_class] else 1
+
+    names = []
+    for grads in ([BWD_GRAD_DV | BWD_GRAD_DK] if together else [BWD_GRAD_DV, BWD_GRAD_DK]):
+        names.append(f"cf::bwd_mma_dkdv_kernel<{cxx}, {head_dim}, {own}, {streamed}, {warps}, {grads}, "
+                     f"{stages(streamed, bool(grads & BWD_GRAD_DK))}>")
+    names.append(f"cf::bwd_mma_dq_kernel<{cxx}, {head_dim}, {own}, {streamed_dq}, {warps}, "
+                 f"{stages(streamed_dq, True)}>")
+    return names
 
 
 def _backward_instantiations() -> list[Instantiation]:
@@ -293,17 +340,25 @@ def _backward_instantiations() -> list[Instantiation]:
             rows.append(Instantiation(
                 name_expression=f"cf::bwd_simt_dq_kernel<{cxx}, {bucket}, {bucket}, {own}, {streamed}>",
                 block_m=own, block_n=streamed, **common))
-    own, warps = _BWD_MMA_OWN, _BWD_MMA_WARPS
+    mma = {}
     for dtype in ("float16", "bfloat16"):
-        cxx = _CXX_TYPE[dtype]
-        for d, (streamed, together, *dq_streamed) in _BWD_MMA_TILES.items():
-            streamed_dq = dq_streamed[0] if dq_streamed else streamed
-            common = dict(family="bwd_mma", entry="bwd_mma.cu", dtype=dtype, head_dim=d, head_dim_v=d,
-                          threads=32 * warps)
-            for grads in ([BWD_GRAD_DV | BWD_GRAD_DK] if together else [BWD_GRAD_DV, BWD_GRAD_DK]):
-                name = f"cf::bwd_mma_dkdv_kernel<{cxx}, {d}, {own}, {streamed}, {warps}, {grads}>"
-                rows.append(Instantiation(name_expression=name, block_m=streamed, block_n=own, **common))
-            rows.append(Instantiation(
-                name_expression=f"cf::bwd_mma_dq_kernel<{cxx}, {d}, {own}, {streamed_dq}, {warps}>",
-                block_m=own, block_n=streamed_dq, **common))
-    return rows
+        for d in _BWD_MMA_TILES:
+            for arch in _CLASS_ARCH.values():
+                for name in bwd_mma_name_expressions(dtype, d, arch):
+                    if name not in mma:
+                        mma[name] = _bwd_mma_row(dtype, d, name)
+    return rows + list(mma.values())
+
+
+# One compute capability per architecture class (mma_arch_class).
+_CLASS_ARCH = {"sm80": 80, "sm86": 86, "sm90": 90}
+
+
+def _bwd_mma_row(dtype: str, head_dim: int, name: str) -> Instantiation:
+    args = [int(a) for a in name.split("<", 1)[1].rstrip(">").split(",")[1:]]
+    own, streamed, warps, stages = args[1], args[2], args[3], args[-1]
+    kernel = name.split("<", 1)[0].removeprefix("cf::")
+    block_m, block_n = (streamed, own) if kernel == "bwd_mma_dkdv_kernel" else (own, streamed)
+    return Instantiation(family="bwd_mma", entry="bwd_mma.cu", name_expression=name, dtype=dtype,
+                         head_dim=head_dim, head_dim_v=head_dim, threads=32 * warps, block_m=block_m,
+                         block_n=block_n, kv_stages=stages)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from ._kernels import Instantiation
+from ._kernels import Instantiation, bwd_mma_shared_bytes
 
 __all__ = ["launch_config", "v1_block_sizes", "representative_shared_bytes", "backward_launch_config",
            "backward_kernel"]
@@ -39,8 +39,15 @@ def v1_block_sizes(sram_size: int, head_dim: int, seqlen_q: int, seqlen_k: int) 
 
 
 def _simt_shared_bytes(inst: Instantiation) -> int:
-    kv_width = max(inst.head_dim, inst.head_dim_v)
-    return (inst.block_m * inst.head_dim + inst.block_n * kv_width) * _ACC_BYTES[inst.dtype]
+    # SimtFwdTraits::kSmemBytes: Q, then K and V in their own buffers for float32 /
+    # float64 (copied with cp.async, kAsync), one shared K/V buffer for the 16-bit
+    # types, then P (block_m rows of block_n + 8).
+    if inst.dtype in ("float32", "float64"):
+        kv = inst.block_n * (inst.head_dim + inst.head_dim_v)
+    else:
+        kv = inst.block_n * max(inst.head_dim, inst.head_dim_v)
+    p = inst.block_m * (inst.block_n + 8)
+    return (inst.block_m * inst.head_dim + kv + p) * _ACC_BYTES[inst.dtype]
 
 
 def _mma_shared_bytes(inst: Instantiation) -> int:
@@ -144,15 +151,22 @@ def _bwd_shared_bytes(inst: Instantiation) -> int:
     if kernel == "bwd_simt_dot_do_o_kernel":
         return 0
     if kernel.startswith("bwd_simt_"):
-        # SimtBwdTraits::kSmemBytes: own and streamed rows, each a d-wide and a dv-wide tile.
-        return (inst.block_m + inst.block_n) * (inst.head_dim + inst.head_dim_v) * _ACC_BYTES[inst.dtype]
-    # MmaBwdTraits::kSmemBytes: own tiles (K and V, V only when dK is computed;
-    # Q and dO), two streamed tiles of 16-bit elements, two floats per streamed row.
+        # SimtBwdTraits::kSmemBytes: own rows, a scratch tile for P / dS, then kStages
+        # buffers of streamed rows, each a d-wide and a dv-wide tile.  Two buffers for float32 / float64
+        # (cp.async prefetch) where they fit in 72 KB.
+        own, streamed = (inst.block_n, inst.block_m) if kernel == "bwd_simt_dkdv_kernel" else (
+            inst.block_m, inst.block_n)
+        row_bytes = (inst.head_dim + inst.head_dim_v) * _ACC_BYTES[inst.dtype]
+        scratch_bytes = own * (streamed + 8) * _ACC_BYTES[inst.dtype]   # P / dS, kSPitch
+        own_bytes, stage_bytes = own * row_bytes + scratch_bytes, streamed * row_bytes
+        pipelined = inst.dtype in ("float32", "float64") and own_bytes + 2 * stage_bytes <= 72 * 1024
+        return own_bytes + (2 if pipelined else 1) * stage_bytes
+    # MmaBwdTraits::kSmemBytes (V only when the dK/dV kernel computes dK)
     if kernel == "bwd_mma_dkdv_kernel":
-        own, streamed, needs_v = inst.block_n, inst.block_m, int(_template_args(inst)[-1]) & 2
+        own, streamed, needs_v = inst.block_n, inst.block_m, bool(int(_template_args(inst)[5]) & 2)
     else:
         own, streamed, needs_v = inst.block_m, inst.block_n, True
-    return ((2 if needs_v else 1) * own + 2 * streamed) * inst.head_dim * 2 + 2 * streamed * 4
+    return bwd_mma_shared_bytes(inst.head_dim, own, streamed, needs_v, inst.kv_stages)
 
 
 def backward_launch_config(inst: Instantiation, *, batch: int, heads_q: int, heads_kv: int,

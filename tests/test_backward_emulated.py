@@ -172,8 +172,9 @@ def test_catalogue_has_delta_dkdv_and_dq_kernels_for_every_dtype_and_bucket():
         own = r.block_n if backward_kernel(r) == "bwd_simt_dkdv_kernel" else r.block_m
         streamed = r.block_m if backward_kernel(r) == "bwd_simt_dkdv_kernel" else r.block_n
         assert own % 16 == 0 and streamed % 8 == 0, r
-        # 48 KB (no opt-in) except float64 at 256; all within sm_86/sm_89's 99 KB
-        assert shared <= (99 if (r.dtype, r.head_dim) == ("float64", 256) else 48) * 1024, r
+        # 72 KB (float32/float64 prefetch into a second streamed buffer) except
+        # float64 at 256 (one buffer); all within sm_86/sm_89's 99 KB
+        assert shared <= (99 if (r.dtype, r.head_dim) == ("float64", 256) else 72) * 1024, r
 
 
 def test_backward_launch_config_grids_and_shared_memory():
@@ -183,10 +184,17 @@ def test_backward_launch_config_grids_and_shared_memory():
     assert grid == (3 * 8 * math.ceil(130 / 16), 1, 1) and block == (128, 1, 1) and shared == 0
     grid, _, shared = backward_launch_config(dkdv, **sizes)
     assert grid == (3 * 2 * math.ceil(70 / dkdv.block_n), 1, 1)
-    assert shared == (dkdv.block_m + dkdv.block_n) * (64 + 64) * 4
+    # own rows, the P / dS scratch (own rows of streamed + 8), then two buffers of
+    # streamed rows (float32: cp.async prefetch)
+    own, streamed = dkdv.block_n, dkdv.block_m
+    assert shared == ((own + 2 * streamed) * (64 + 64) + own * (streamed + 8)) * 4
     grid, _, shared = backward_launch_config(dq, **sizes)
     assert grid == (3 * 8 * math.ceil(130 / dq.block_m), 1, 1)
-    assert shared == (dq.block_m + dq.block_n) * (64 + 64) * 4
+    own, streamed = dq.block_m, dq.block_n
+    assert shared == ((own + 2 * streamed) * (64 + 64) + own * (streamed + 8)) * 4
+    _, dkdv16, _ = _gpu_bwd.select(np.float16, 64, 64, 80)   # converting loads: one buffer
+    own, streamed = dkdv16.block_n, dkdv16.block_m
+    assert backward_launch_config(dkdv16, **sizes)[2] == ((own + streamed) * (64 + 64) + own * (streamed + 8)) * 4
     with pytest.raises(ValueError, match="CTAs"):
         backward_launch_config(dq, batch=2**16, heads_q=2**10, heads_kv=1, seqlen_q=2**12, seqlen_k=1)
     with pytest.raises(ValueError, match="nothing to launch"):
@@ -429,18 +437,26 @@ def _families(case: Case, arch=80):
 
 
 def test_mma_catalogue_covers_every_fwd_mma_head_dim_for_both_dtypes():
-    for dtype in ("float16", "bfloat16"):
-        for d in MMA_HEAD_DIMS:
-            rows = [r for r in MMA_ROWS if (r.dtype, r.head_dim) == (dtype, d)]
-            kernels = [backward_kernel(r) for r in rows]
-            # dK and dV in one launch up to 128, dV then dK from 160 on
-            assert kernels == (["bwd_mma_dkdv_kernel", "bwd_mma_dq_kernel"] if d <= 128 else
-                               ["bwd_mma_dkdv_kernel"] * 2 + ["bwd_mma_dq_kernel"]), (dtype, d)
-            if d > 128:
-                assert rows[0].name_expression.endswith(", 1>") and rows[1].name_expression.endswith(", 2>")
-            for r in rows:
-                assert r.threads == 128 and r.head_dim_v == d
-                assert representative_shared_bytes(r) <= 99 * 1024, r
+    by_name = {r.name_expression: r for r in MMA_ROWS}
+    used = set()
+    for arch, limit_kb in ((80, 81), (86, 49), (89, 49), (90, 113)):
+        for dtype in ("float16", "bfloat16"):
+            for d in MMA_HEAD_DIMS:
+                rows = [r for r in _gpu_bwd.select(dtype, d, d, arch, aligned=True)[1:]]
+                used.update(r.name_expression for r in rows)
+                assert all(by_name[r.name_expression] is r for r in rows)
+                kernels = [backward_kernel(r) for r in rows]
+                # dK and dV in one launch up to 128, dV then dK from 160 on
+                assert kernels == (["bwd_mma_dkdv_kernel", "bwd_mma_dq_kernel"] if d <= 128 else
+                                   ["bwd_mma_dkdv_kernel"] * 2 + ["bwd_mma_dq_kernel"]), (dtype, d)
+                if d > 128:
+                    assert ", 1, " in rows[0].name_expression and ", 2, " in rows[1].name_expression
+                for r in rows:
+                    assert r.threads == 128 and r.head_dim_v == d and r.kv_stages in (1, 2)
+                    shared = representative_shared_bytes(r)
+                    # two stages only where two CTAs still fit on an SM of the class
+                    assert shared <= (limit_kb if r.kv_stages == 2 else 99) * 1024, (arch, r)
+    assert used == set(by_name)   # no row that no architecture launches
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=[np.dtype(d).name for d in HALF])
@@ -466,13 +482,14 @@ def test_mma_launch_config_shared_memory_matches_the_tiles():
         grid, block, shared = backward_launch_config(r, batch=2, heads_q=6, heads_kv=3, seqlen_q=100,
                                                      seqlen_k=200)
         d = r.head_dim
+        stages = r.kv_stages   # each: two streamed tiles and two floats per streamed row
         if backward_kernel(r) == "bwd_mma_dkdv_kernel":
             assert grid == (2 * 3 * math.ceil(200 / r.block_n), 1, 1)
-            own_tiles = 1 if r.name_expression.endswith(", 1>") else 2     # V only for dK
-            assert shared == (own_tiles * r.block_n + 2 * r.block_m) * d * 2 + 2 * r.block_m * 4
+            own_tiles = 1 if ", 1, " in r.name_expression else 2     # V only for dK
+            assert shared == own_tiles * r.block_n * d * 2 + stages * (2 * r.block_m * d * 2 + 2 * r.block_m * 4)
         else:
             assert grid == (2 * 6 * math.ceil(100 / r.block_m), 1, 1)
-            assert shared == (2 * r.block_m + 2 * r.block_n) * d * 2 + 2 * r.block_n * 4
+            assert shared == 2 * r.block_m * d * 2 + stages * (2 * r.block_n * d * 2 + 2 * r.block_n * 4)
         assert block == (128, 1, 1)
 
 
@@ -497,6 +514,23 @@ def test_mma_every_instantiation_matches_oracle(executor, dtype, bucket, head_di
     assert _families(case) == {"bwd_simt", "bwd_mma"}
     assert {r.head_dim for r in _gpu_bwd.select(dtype, head_dim, head_dim, 80, aligned=True)[1:]} == {bucket}
     case.check(case.run(executor))
+
+
+# The rows sm_80 does not launch: sm_86's single-stage tiles, sm_90's two-stage ones.
+OTHER_ARCH_CASES = [(86, 128), (86, 64), (90, 224), (90, 256)]
+
+
+@needs_emulator
+@pytest.mark.parametrize("arch, head_dim", OTHER_ARCH_CASES, ids=[f"sm{a}-d{d}" for a, d in OTHER_ARCH_CASES])
+def test_mma_other_architectures_stages_match_oracle(arch, head_dim):
+    rng = np.random.default_rng(arch + head_dim)
+    q, k, v = qkv(rng, np.float16, heads_kv=1, gqa_ratio=2, seqlen_q=70, seqlen_k=83, head_dim=head_dim)
+    case = Case(rng, q, k, v, gqa_ratio=2, window=(None, 0))
+    assert _families(case, arch) == {"bwd_simt", "bwd_mma"}
+    stages = [r.kv_stages for r in _gpu_bwd.select(np.float16, head_dim, head_dim, arch, aligned=True)[1:]]
+    assert stages == {(86, 128): [1, 1], (86, 64): [2, 2], (90, 224): [2, 1, 1], (90, 256): [2, 1, 1]}[
+        (arch, head_dim)]
+    case.check(case.run(EmulatorExecutor(arch=arch, seed=arch, shuffle=True, race_check=True)))
 
 
 @needs_emulator

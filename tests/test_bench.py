@@ -210,7 +210,7 @@ def test_gpu_variants_name_catalogue_rows(monkeypatch, request):
         assert [r.family for r in rows] == (["fwd_mma"] if kind == "fwd" else ["bwd_mma"] * 2), (kind, d, tile)
         if kind == "fwd":
             (row,) = rows
-            assert (row.block_m, row.block_n, row.threads // 32, row.kv_stages) == tuple(tile)
+            assert (row.block_m, row.block_n, row.threads // 32, row.kv_stages, row.lazy_rescale) == tuple(tile)
             report = _report.compile_report(module_source(row.entry), [row.name_expression], "sm_90",
                                             sass=False, filename=row.entry)
             assert report.functions[row.name_expression].spill_stores == 0, (d, tile)

@@ -49,11 +49,12 @@ def test_catalogue_has_every_head_dim_and_tile_for_both_dtypes():
         for dtype in ("float16", "bfloat16"):
             for d in MMA_HEAD_DIMS:
                 inst = _gpu.select(dtype, d, d, arch, aligned=True)
-                block_m, block_n, warps, stages = mma_tiles(arch)[d]
+                block_m, block_n, warps, stages, lazy = mma_tiles(arch)[d]
                 assert (inst.family, inst.dtype, inst.head_dim) == ("fwd_mma", dtype, d)
-                assert (inst.block_m, inst.block_n, inst.threads, inst.kv_stages) == \
-                    (block_m, block_n, 32 * warps, stages)
-                assert inst.name_expression.endswith(f"{d}, {block_m}, {block_n}, {warps}, {stages}>")
+                assert (inst.block_m, inst.block_n, inst.threads, inst.kv_stages, inst.lazy_rescale) == \
+                    (block_m, block_n, 32 * warps, stages, lazy)
+                assert inst.name_expression.endswith(
+                    f"{d}, {block_m}, {block_n}, {warps}, {stages}, {str(lazy).lower()}>")
     assert len({r.name_expression for r in MMA_ROWS}) == len(MMA_ROWS)
 
 
@@ -306,7 +307,8 @@ def _arch_serving(inst):
 
 @needs_emulator
 @pytest.mark.parametrize("inst", MMA_ROWS, ids=[f"{r.dtype}-d{r.head_dim}-{r.block_m}x{r.block_n}w"
-                                                 f"{r.threads // 32}s{r.kv_stages}" for r in MMA_ROWS])
+                                                 f"{r.threads // 32}s{r.kv_stages}"
+                                                 f"{'-lazy' if r.lazy_rescale else ''}" for r in MMA_ROWS])
 def test_every_instantiation_matches_oracle_with_tails_and_causal_mask(executors, inst):
     # Two query blocks (the second partial), Lk > Lq: key blocks fully visible, cut by
     # the diagonal, skipped, and a partial last one.
@@ -439,6 +441,28 @@ def test_extreme_and_negative_scales(executors, scale):
     family = "fwd_mma" if scale > 0 else "fwd_simt"
     assert _gpu.select(q.dtype, 32, 32, 80, aligned=True, scale=scale).family == family
     run_mma(executors[80], q, k, v, scale=scale, window=(None, 0), family=family)
+
+
+@needs_emulator
+@pytest.mark.parametrize("arch, step", [(80, 3.0), (80, 12.0), (90, 3.0), (90, 12.0)],
+                         ids=["lazy-within-slack", "lazy-moves", "every-block-3", "every-block-12"])
+def test_row_maxima_growing_from_block_to_block(executors, arch, step):
+    # Scores that grow by about `step` (log2 units) from one 64-key block to the
+    # next.  sm_80's d = 128 tile rescales lazily: within the slack of 8 the
+    # reference stays put and the probabilities reach 2^3; beyond it every block
+    # moves it.  sm_90's d = 128 tile rescales every block.
+    d, block_n = 128, 64
+    inst = _gpu.select(np.float16, d, d, arch, aligned=True)
+    assert (inst.block_n, inst.lazy_rescale) == (block_n, arch == 80)
+    rng = np.random.default_rng(int(step) + arch)
+    seqlen_q, seqlen_k = 40, 5 * block_n + 9
+    scale = 1.0 / math.sqrt(d)
+    # q_i ~ e, k_j ~ a_b e (e = ones): score ~ scale * d * a_b, a_b growing with j's block b.
+    a = (np.arange(seqlen_k) // block_n) * step * math.log(2) / (scale * d)
+    q = (1.0 + 0.1 * rng.standard_normal((1, 1, seqlen_q, d))).astype(np.float16)
+    k = (a[:, None] + 0.05 * rng.standard_normal((seqlen_k, d)))[None, None].astype(np.float16)
+    v = random_array(rng, (1, 1, seqlen_k, d), np.float16)
+    run_mma(executors[arch], q, k, v)
 
 
 @needs_emulator
