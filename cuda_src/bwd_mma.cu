@@ -29,6 +29,10 @@
 // 160 on, dK and dV accumulators together (2 x 80+ floats per lane on top of
 // the scores) spill, so the dK/dV kernel is launched twice, with
 // kGrads = kGradDV and then kGradDK (S recomputed once more).
+// deterministic=False: the launch that computes dK (kGradDK | kGradDQAtomic)
+// also adds each block pair's dQ = scale dS K to dq with float atomics, and no
+// dQ kernel runs: 5 block products per pair instead of 7, in an order that
+// changes from run to run (so do dq's last bits).
 //
 // Tiles are mma_tile.cuh's swizzled tiles, filled by cp.async with tails and
 // columns beyond the run-time d zero-filled; the dispatcher guarantees
@@ -49,6 +53,9 @@ namespace cf {
 // Which gradients a bwd_mma_dkdv_kernel launch computes (a bit set).
 constexpr int kGradDV = 1;
 constexpr int kGradDK = 2;
+// With kGradDK: also add this CTA's share of dQ = scale dS K to dq with float
+// atomics (deterministic=False), so that no dQ kernel recomputes S and dP.
+constexpr int kGradDQAtomic = 4;
 
 // Every compile-time quantity of one instantiation.  kBlockOwn rows stay in
 // shared memory for the whole CTA and are split across the warps; kBlockStream
@@ -83,7 +90,12 @@ struct MmaBwdTraits {
     static constexpr int kOwnBytes = (kNeedsV ? 2 : 1) * kOwnElems * 2;
     static constexpr int kStageBytes = 2 * kStreamElems * 2 + 2 * kBlockStream * 4;
     static constexpr int kStatsOffset = kOwnBytes + kStages * 2 * kStreamElems * 2;  // bytes
-    static constexpr int kSmemBytes = kOwnBytes + kStages * kStageBytes;
+    // kGradDQAtomic: dS^T of one block pair, [own row][streamed row], read back
+    // as the A operand of dQ = dS K (add_dq_atomically).
+    static constexpr bool kAtomicDq = (kGrads & kGradDQAtomic) != 0;
+    using DsTile = SwizzledTile<kBlockOwn, kBlockStream>;
+    static constexpr int kDsOffset = kOwnBytes + kStages * kStageBytes;  // bytes
+    static constexpr int kSmemBytes = kDsOffset + (kAtomicDq ? DsTile::kElements * 2 : 0);
     // Two CTAs of up to 4 warps leave every thread the 255-register maximum
     // (as fwd_mma): this states the occupancy aimed for, it caps nothing.
     static constexpr int kMinBlocksPerSm = kWarps <= 4 ? 2 : 1;
@@ -92,7 +104,8 @@ struct MmaBwdTraits {
     static_assert(kBlockOwn % (16 * kWarps) == 0, "own block: whole m16 tiles per warp");
     static_assert(kBlockStream % 16 == 0, "streamed block: whole k16 steps");
     static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "head dim bucket: 32 .. 256, multiple of 32");
-    static_assert(kGrads >= 1 && kGrads <= 3, "kGrads: kGradDV, kGradDK or both");
+    static_assert(kGrads >= 1 && kGrads <= 7, "kGrads: kGradDV, kGradDK, kGradDQAtomic");
+    static_assert(!kAtomicDq || kNeedsV, "kGradDQAtomic needs dS, which only kGradDK computes");
     static_assert(kStages == 1 || kStages == 2, "kStages: 1 (load, then compute) or 2 (prefetch)");
     // the per-architecture tables keep sm_86 / sm_89 tiles within their 99 KB
     static_assert(kSmemBytes <= 227 * 1024, "within sm_90's 227 KB per block");
@@ -215,6 +228,52 @@ __device__ __forceinline__ void store_gradient(float* dst, int64_t row_stride,
     }
 }
 
+// dq[query rows of one block] += scale * dS K, summed over the CTA's own keys,
+// by float atomics.  sdS holds dS^T ([key][query], Tr::DsTile) of every warp;
+// warp w takes m16 tile w / kWarpsPerTile of the block's queries and the
+// (w % kWarpsPerTile)-th slice of the head dim, so the product runs over all
+// of the CTA's keys once.  dq points at the block's first query row.
+template <class Tr, typename T>
+__device__ __forceinline__ void add_dq_atomically(float* dq, int64_t row_stride, const T* sdS, const T* sK,
+                                                  float scale, int rows_valid, int cols_valid) {
+    constexpr int kQueryTiles = Tr::kBlockStream / 16;
+    constexpr int kWarpsPerTile = Tr::kWarps / kQueryTiles;
+    constexpr int kCols = Tr::kHeadDim / kWarpsPerTile;  // head-dim columns per warp
+    static_assert(Tr::kWarps % kQueryTiles == 0 && kCols % 16 == 0, "whole m16 tiles and n16 pairs per warp");
+    // At most 32 columns per pass (16 above d = 128), a divisor of the warp's
+    // columns: the dK and dV accumulators are live here.
+    constexpr int kPassCols = Tr::kHeadDim <= 128 && kCols % 32 == 0 ? 32 : 16;
+    const int w = warp_id();
+    const int m0 = 16 * (w / kWarpsPerTile);
+#pragma unroll 1
+    for (int np0 = (kCols / 16) * (w % kWarpsPerTile), np_end = np0 + kCols / 16; np0 < np_end;
+         np0 += kPassCols / 16) {
+        float acc[2][kPassCols / 4] = {};
+#pragma unroll(Tr::kHeadDim > 128 ? 1 : 2)
+        for (int ks = 0; ks < Tr::kBlockOwn / 16; ++ks) {
+            uint32_t a[4];
+            ldmatrix_a_km<typename Tr::DsTile>(a, sdS, m0, ks);
+#pragma unroll
+            for (int np = 0; np < kPassCols / 16; ++np) {
+                uint32_t b[4];
+                ldmatrix_b_kn<typename Tr::OwnTile>(b, sK, 16 * ks, np0 + np);
+                mma_into<T>(acc, 0, 2 * np, a, b[0], b[1]);
+                mma_into<T>(acc, 0, 2 * np + 1, a, b[2], b[3]);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = m0 + fragment_row(r);
+            if (row >= rows_valid) continue;
+#pragma unroll
+            for (int c = 0; c < kPassCols / 4; ++c) {
+                const int col = 16 * np0 + fragment_col(c);
+                if (col < cols_valid) atomicAdd(dq + row * row_stride + col, acc[r][c] * scale);
+            }
+        }
+    }
+}
+
 // ---- kernels ---------------------------------------------------------------------------------
 
 // dK and/or dV (kGrads) of kBlockN keys of one (batch, kv head).
@@ -320,6 +379,15 @@ bwd_mma_dkdv_kernel(const BwdParams params) {
                 mma_own_stream<Tr>(dp, sV, sdO, row0);                         // dP^T = V dO^T
                 score_gradient<Tr>(dp, s, delta_of);                           // dS^T
                 mma_accumulate<Tr>(dk, dp, sQ);                                // dK += dS^T Q
+                if constexpr (Tr::kAtomicDq) {
+                    T* sdS = reinterpret_cast<T*>(dynamic_smem() + Tr::kDsOffset);
+                    store_accumulators<typename Tr::DsTile>(sdS, dp, row0);  // dS^T, rounded as for dK
+                    __syncthreads();  // every warp's keys visible (the last block's reads were fenced earlier)
+                    const GradSlice<T, float> grad(params, tile.batch, head);
+                    add_dq_atomically<Tr>(grad.dq + m0 * params.dq_row_stride, params.dq_row_stride, sdS, sK,
+                                          static_cast<float>(p.scale),
+                                          static_cast<int>(min64(kBlockM, p.seqlen_q - m0)), d);
+                }
             }
             if constexpr (Tr::kStages == 2) {
                 // the other stage's statistics were last read before this block's barrier

@@ -161,6 +161,16 @@ __device__ __forceinline__ void ldmatrix_b_kn(uint32_t (&b)[4], const T* tile, i
     ldmatrix_x4_trans(b, tile + Tile::chunk(lane & 15, 2 * np, lane >> 4) + k0 * Tile::row_pitch(2 * np));
 }
 
+// A operand (16 x 16) from a [k][m] tile (A stored transposed, e.g. dS^T):
+// rows m0 .. m0+15 of A (m0 a multiple of 16), k-step ks, transposed on the
+// way.  Matrix i = lane / 8 is A's (rows 8 (i % 2) .., k 8 (i / 2) ..) block:
+// k-rows 16 ks + 8 (i / 2) + lane % 8, the chunk of columns m0 + 8 (i % 2).
+template <class Tile, typename T>
+__device__ __forceinline__ void ldmatrix_a_km(uint32_t (&a)[4], const T* tile, int m0, int ks) {
+    const int lane = lane_id();
+    ldmatrix_x4_trans(a, tile + Tile::chunk(16 * ks + 8 * (lane >> 4) + (lane & 7), m0 >> 3, (lane >> 3) & 1));
+}
+
 // acc (m16 tile mi, n8 tile nj) += A * B, acc laid out as described at the top.
 template <typename T, int R, int C>
 __device__ __forceinline__ void mma_into(float (&acc)[R][C], int mi, int nj, const uint32_t (&a)[4],

@@ -153,11 +153,13 @@ def attention_backward(dout, q, k, v, out, lse, /, *, scale=None, causal=False, 
     dq over the key blocks.  Each gradient element is summed by one thread in
     a fixed order, so the results are bit-identical from run to run; the
     price is that the scores and their gradient are computed twice (7 block
-    products per pair of query and key blocks instead of the 5 of a kernel
-    that adds dq contributions with atomics, whose order, and hence rounding,
-    changes from run to run).  Every current backend is deterministic, so
-    ``deterministic=False`` runs the same code today.  Broadcast batch dims
-    are summed back onto q, k and v in a fixed order too.
+    products per pair of query and key blocks instead of 5).  With
+    ``deterministic=False`` the tensor-core path skips the dq kernel: the
+    kernel that owns blocks of keys also adds each pair's dq contribution
+    with float32 atomics, whose order, and hence the last bits of dq,
+    changes from run to run (dk and dv stay bit-identical).  The CUDA-core
+    kernels and the NumPy path are deterministic either way.  Broadcast batch
+    dims are summed back onto q, k and v in a fixed order too.
 
     Examples
     --------

@@ -6,8 +6,10 @@ each implementation that applies:
 
 on the GPU
     ``cupyflash`` (:func:`cupyflash.attention` as dispatched -- the ``kernel``
-    field says which family ran, fwd_mma or fwd_simt; the backward is
-    bwd_simt), ``cupyflash-v1`` (Algorithm 1, the fwd_v1 kernel, through
+    field says which family ran, fwd_mma or fwd_simt, bwd_mma or bwd_simt),
+    for float16/bfloat16 backward cases ``cupyflash-atomic``
+    (``attention_backward(..., deterministic=False)``: dQ by float atomics),
+    ``cupyflash-v1`` (Algorithm 1, the fwd_v1 kernel, through
     :func:`cupyflash.reference.flash_attention_v1`), ``cupy-naive`` (matmul,
     ``cupyx.scipy.special.softmax``, matmul) and, where PyTorch with CUDA is
     installed, ``torch.nn.functional.scaled_dot_product_attention`` as it
@@ -293,6 +295,9 @@ def _torch_available(device: str) -> bool:
 def implementations(device: str, case: Case) -> list[str]:
     """Names of the implementations that apply to ``case`` on ``device`` (cupyflash first)."""
     names = ["cupyflash"]
+    # the backward with dQ by float atomics (deterministic=False; bwd_mma's 16-bit path)
+    if device == "gpu" and case.backward and case.dtype in ("float16", "bfloat16"):
+        names.append("cupyflash-atomic")
     # the literal Algorithm 1 (O, l, m through global memory) is a teaching kernel:
     # timed up to 4096 x 4096 scores per head, where a call still takes milliseconds
     if device == "gpu" and not case.backward and case.seqlen_q * case.seqlen_k <= 4096 * 4096:
@@ -321,6 +326,12 @@ def prepare(impl: str, case: Case, inputs, device: str):
         out, lse = cupyflash.attention(q, k, v, causal=causal, return_lse=True)
         return (lambda: cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal),
                 kernel)
+    if impl == "cupyflash-atomic":
+        out, lse = cupyflash.attention(q, k, v, causal=causal, return_lse=True)
+        kernel = _cupyflash_kernel(case, q, k, v)
+        return (lambda: cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                                     deterministic=False),
+                f"{kernel}, atomic dQ" if kernel == "bwd_mma" else kernel)
     if impl == "cupyflash-v1":
         from .reference import flash_attention_v1
 

@@ -34,8 +34,8 @@ __all__ = ["backward", "select"]
 _SIMT_KERNELS = ("bwd_simt_dot_do_o_kernel", "bwd_simt_dkdv_kernel", "bwd_simt_dq_kernel")
 
 
-def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = False
-           ) -> tuple[Instantiation, ...]:
+def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = False,
+           deterministic: bool = True) -> tuple[Instantiation, ...]:
     """The instantiations :func:`backward` launches for these arguments, in launch order.
 
     bwd_mma (tensor cores, ``cuda_src/bwd_mma.cu``) where it applies -- the
@@ -44,9 +44,11 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
     (every row of q, k, v and dout starts on a 16-byte boundary) -- with the
     smallest of :data:`~cupyflash._kernels.MMA_HEAD_DIMS` holding
     ``head_dim``: bwd_simt's delta kernel, then bwd_mma's dK/dV kernel (two
-    launches, dV then dK, from head dim 160 on) and dQ kernel.  Otherwise
-    bwd_simt (any dtype, any strides) in the smallest head-dim bucket that
-    holds both head dims: delta, dK/dV, dQ.
+    launches, dV then dK, from head dim 160 on) and dQ kernel -- or, not
+    ``deterministic``, no dQ kernel: the launch computing dK adds dQ to a
+    zeroed dq with float atomics.  Otherwise bwd_simt (any dtype, any
+    strides) in the smallest head-dim bucket that holds both head dims:
+    delta, dK/dV, dQ (deterministic either way).
 
     Raises
     ------
@@ -63,7 +65,7 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
     mma_dim = mma_head_dim(name, d, dv, arch, aligned=aligned)
     if mma_dim is not None:
         rows = {r.name_expression: r for r in instantiations() if r.family == "bwd_mma"}
-        mma = tuple(rows[n] for n in bwd_mma_name_expressions(name, mma_dim, arch))
+        mma = tuple(rows[n] for n in bwd_mma_name_expressions(name, mma_dim, arch, deterministic))
         return (simt["bwd_simt_dot_do_o_kernel"],) + mma
     return tuple(simt[k] for k in _SIMT_KERNELS)
 
@@ -80,8 +82,10 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, *, scale, window_left, window_
     scale, window_left, window_right, gqa_ratio
         As for :func:`cupyflash._gpu.forward` (``causal`` folded into the window).
     deterministic : bool, default True
-        Accepted for the API; every backward kernel is deterministic (no
-        atomics), so both values run the same kernels.
+        False lets bwd_mma add dQ by float atomics inside its dK/dV kernel
+        (no dQ kernel, which recomputes S and dP): faster, and dq's last bits
+        then depend on the order the atomics land in.  bwd_simt is
+        deterministic either way.
     executor
         :class:`cupyflash._loader.CudaExecutor` or
         :class:`cupyflash.emulator.EmulatorExecutor`.
@@ -90,7 +94,6 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, *, scale, window_left, window_
     zero.  Keys no query row sees get zero dk and dv rows; with Lq = 0 every
     dk, dv row is zero, with Lk = 0 every dq row.
     """
-    del deterministic  # every backward launch is deterministic
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
     if batch == 0 or heads_q == 0:
@@ -109,7 +112,9 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, *, scale, window_left, window_
     sizes = dict(batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen_q,
                  seqlen_k=seqlen_k)
     kernels = select(q.dtype, head_dim, head_dim_v, executor.arch,
-                     aligned=rows_aligned(q, k, v, dout))
+                     aligned=rows_aligned(q, k, v, dout), deterministic=deterministic)
+    if not any(backward_kernel(r).endswith("_dq_kernel") for r in kernels):
+        dq.fill(0)   # the dK/dV kernel adds dQ into it (float atomics)
     # delta first (the others read it); a dK/dV launch needs keys, the others query rows.
     for inst in kernels:
         if (seqlen_k if "dkdv" in backward_kernel(inst) else seqlen_q) > 0:

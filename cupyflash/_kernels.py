@@ -122,11 +122,12 @@ MMA_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 # shared memory); lazy_rescale: the output is rescaled only on blocks where a
 # row max of the warp grows past the reference by 2^8 (softmax.cuh), which
 # removes d/8 FMUL per row and block from nearly every block -- on wherever
-# it compiles without spills under NVRTC 13.0 and 13.5.
+# it compiles without spills under NVRTC 13.0 and 13.5 and costs no CTA per
+# SM (not timed yet: benchmarks/gpu_variants.py times it both ways).
 # Shared memory = (block_m + 2 * kv_stages * block_n) * d * 2 bytes.
 # Registers, spills and occupancy (CTAs/SM x warps) from the static report
-# (python -m cupyflash kernels --family fwd_mma; "(231)" = sm_90 where it
-# differs), float16 and bfloat16 alike; every row compiles without spills or
+# (python -m cupyflash kernels --family fwd_mma, NVRTC 13.5; "(227)" = sm_90
+# where it differs), float16 and bfloat16 alike; every row compiles without spills or
 # stack for sm_80, sm_86, sm_89 and sm_90 (tests/test_fwd_mma.py checks).
 # The sm90 rows for d = 64 and 128 are measured on an H200 (sweeps in
 # benchmarks/results/2026-11-30-nvidia-h200-tuning.md); every other row is a
@@ -137,40 +138,41 @@ MMA_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 _MMA_TILES = {
     # A100 / A30 / Orin: 164 KB per SM; 2 CTAs of 4 warps at up to 255 registers.
     "sm80": {
-        32: (128, 64, 4, 2, True),    # 167 regs (177), 24 KB: 3 CTAs (registers; sm_90: 2); 128x128: 255 regs, 2
-        64: (128, 64, 4, 2, True),    # 223 regs (231), 48 KB: 2 CTAs (registers); 128x128 spills with 2 stages
-        96: (128, 64, 4, 1, True),    # 250 regs (255), 48 KB: 2 CTAs; 2 stages (72 KB) spill 12-20 B
+        32: (128, 64, 4, 2, False),   # 168 regs (176), 24 KB: 3 CTAs (registers; sm_90: 2); 128x128: 255 regs, 2.
+                                      # The lazy rescale takes 174 registers: 2 CTAs
+        64: (128, 64, 4, 2, True),    # 229 regs (227), 48 KB: 2 CTAs (registers); 128x128 spills with 2 stages
+        96: (128, 64, 4, 1, True),    # 252 regs (254), 48 KB: 2 CTAs; 2 stages (72 KB) spill 12-20 B
         128: (128, 64, 4, 1, True),   # 255 regs, 64 KB: 2 CTAs (FA2's tile); 2 stages = 96 KB -> 1 CTA here;
                                       # NVRTC 13.0 spills 8 B here (52 without the lazy rescale; 13.5: none)
-        160: (64, 64, 4, 1, True),    # 222 regs (234), 60 KB: 2 CTAs; 2 m16 tiles per warp (160 O registers) spill
-        192: (64, 64, 4, 1, True),    # 232 regs (236), 72 KB: 2 CTAs
-        224: (64, 32, 4, 1, True),    # 227 regs (242), 56 KB: 2 CTAs; 64x64 (84 KB) fits 1
-        256: (64, 32, 4, 1, True),    # 232 regs (244), 64 KB: 2 CTAs; 64x64 (96 KB) fits 1
+        160: (64, 64, 4, 1, True),    # 214 regs (231), 60 KB: 2 CTAs; 2 m16 tiles per warp (160 O registers) spill
+        192: (64, 64, 4, 1, True),    # 220 regs (228), 72 KB: 2 CTAs
+        224: (64, 32, 4, 1, True),    # 229 regs, 56 KB: 2 CTAs; 64x64 (84 KB) fits 1
+        256: (64, 32, 4, 1, True),    # 230 regs, 64 KB: 2 CTAs; 64x64 (96 KB) fits 1
     },
     # RTX 30xx/40xx, A10, L4, L40: 100 KB per SM, 99 KB per block; 2 CTAs need <= 49 KB each.
     "sm86": {
-        32: (128, 64, 4, 2, True),    # as sm80 (24 KB)
+        32: (128, 64, 4, 2, False),   # as sm80 (24 KB)
         64: (128, 64, 4, 2, True),    # as sm80 (48 KB: 2 CTAs)
         96: (128, 64, 4, 1, True),    # as sm80 (48 KB: 2 CTAs)
-        128: (128, 32, 4, 1, True),   # 248 regs, 48 KB: 2 CTAs (FA2's sm86 tile); 128x64 (64 KB) fits 1
-        160: (64, 32, 4, 1, True),    # 201 regs (224), 40 KB: 2 CTAs
-        192: (64, 32, 4, 1, True),    # 200 regs (234), 48 KB: 2 CTAs
-        224: (128, 32, 8, 1, True),   # 227 regs (232), 84 KB: 1 CTA of 8 warps; 4-warp tiles in 49 KB need block_n 16
-        256: (128, 32, 8, 1, True),   # 228 regs (244), 96 KB: 1 CTA of 8 warps
+        128: (128, 32, 4, 1, True),   # 247 regs, 48 KB: 2 CTAs (FA2's sm86 tile); 128x64 (64 KB) fits 1
+        160: (64, 32, 4, 1, True),    # 205 regs, 40 KB: 2 CTAs
+        192: (64, 32, 4, 1, True),    # 200 regs, 48 KB: 2 CTAs
+        224: (128, 32, 8, 1, True),   # 229 regs, 84 KB: 1 CTA of 8 warps; 4-warp tiles in 49 KB need block_n 16
+        256: (128, 32, 8, 1, True),   # 228 regs, 96 KB: 1 CTA of 8 warps
     },
     # H100 / H200 / B200: 228 KB per SM; 2 CTAs fit up to 113 KB each.  Measured on an
     # H200 (benchmarks/results/2026-11-30-nvidia-h200-tuning.md; bf16, B=2, H=16, L=8192,
     # TFLOP/s non-causal / causal).
     "sm90": {
-        32: (128, 64, 4, 2, True),    # as sm80
+        32: (128, 64, 4, 2, True),    # as sm80, with the lazy rescale (174 regs: 2 CTAs either way)
         64: (128, 64, 4, 2, True),    # 238 / 183; (64, 128, 4, 2) 228 / 182, (128, 128, 8, 2) 216 / 175
         96: (128, 64, 4, 1, True),    # as sm80
         128: (128, 64, 4, 1, False),  # 293 / 241; (128, 128, 8, 2) 270 / 235; 2 stages spill with NVRTC 13.0,
                                       # so does the lazy rescale (72 B; 13.5: none)
         160: (64, 64, 4, 1, True),    # as sm80
         192: (64, 64, 4, 1, True),    # as sm80
-        224: (64, 64, 4, 1, True),    # 242 regs, 84 KB: 2 CTAs; half the key blocks of 64x32
-        256: (64, 64, 4, 1, True),    # 249 regs, 96 KB: 2 CTAs (FA2's H100 tile)
+        224: (64, 64, 4, 1, True),    # 250 regs, 84 KB: 2 CTAs; half the key blocks of 64x32
+        256: (64, 64, 4, 1, True),    # 250 regs, 96 KB: 2 CTAs (FA2's H100 tile)
     },
 }
 
@@ -282,8 +284,9 @@ _BWD_MMA_TILES = {
 }
 _BWD_MMA_OWN = 64
 _BWD_MMA_WARPS = 4
-# bwd_mma_dkdv_kernel's kGrads: which gradients one launch computes (bwd_mma.cu).
-BWD_GRAD_DV, BWD_GRAD_DK = 1, 2
+# bwd_mma_dkdv_kernel's kGrads: which gradients one launch computes (bwd_mma.cu);
+# BWD_GRAD_DQ_ATOMIC (with BWD_GRAD_DK, deterministic=False): dQ by float atomics.
+BWD_GRAD_DV, BWD_GRAD_DK, BWD_GRAD_DQ_ATOMIC = 1, 2, 4
 # Streamed-tile stages of bwd_mma per GPU class: two (the next block copied
 # while this one is computed) wherever two CTAs still fit on one SM -- the
 # shared memory per CTA below (per SM: 164 KB sm80, 100 KB sm86, 228 KB
@@ -292,15 +295,23 @@ BWD_GRAD_DV, BWD_GRAD_DK = 1, 2
 _TWO_CTA_SHARED = {"sm80": 81 * 1024, "sm86": 49 * 1024, "sm90": 100 * 1024}
 
 
-def bwd_mma_shared_bytes(head_dim: int, own: int, streamed: int, needs_v: bool, stages: int) -> int:
+def bwd_mma_shared_bytes(head_dim: int, own: int, streamed: int, needs_v: bool, stages: int,
+                         atomic_dq: bool = False) -> int:
     """``MmaBwdTraits::kSmemBytes`` (bwd_mma.cu): the own tiles (one or two), then per
-    stage two streamed tiles of 16-bit elements and two floats per streamed row."""
-    return (2 if needs_v else 1) * own * head_dim * 2 + stages * (2 * streamed * head_dim * 2 + 2 * streamed * 4)
+    stage two streamed tiles of 16-bit elements and two floats per streamed row, then
+    with ``atomic_dq`` one own x streamed tile of dS."""
+    return ((2 if needs_v else 1) * own * head_dim * 2
+            + stages * (2 * streamed * head_dim * 2 + 2 * streamed * 4)
+            + (own * streamed * 2 if atomic_dq else 0))
 
 
-def bwd_mma_name_expressions(dtype: str, head_dim: int, arch: int) -> list[str]:
+def bwd_mma_name_expressions(dtype: str, head_dim: int, arch: int, deterministic: bool = True
+                             ) -> list[str]:
     """bwd_mma's kernels for ``dtype`` (float16 / bfloat16) and compile-time ``head_dim`` on
-    ``arch`` (>= 80), in launch order: dK/dV (or dV, then dK), then dQ."""
+    ``arch`` (>= 80), in launch order: dK/dV (or dV, then dK), then dQ.  Not
+    ``deterministic``: the launch computing dK also adds dQ by float atomics (into a
+    zeroed dq), and there is no dQ kernel -- except at d = 256, whose atomic dK kernel
+    would pass the 99 KB of shared memory every row keeps within."""
     tile_class = mma_arch_class(arch)
     if tile_class is None or head_dim not in _BWD_MMA_TILES:
         raise ValueError(f"bwd_mma has no kernel for head_dim={head_dim} on sm_{arch}")
@@ -308,16 +319,21 @@ def bwd_mma_name_expressions(dtype: str, head_dim: int, arch: int) -> list[str]:
     streamed, together, *dq_streamed = _BWD_MMA_TILES[head_dim]
     streamed_dq = dq_streamed[0] if dq_streamed else streamed
 
-    def stages(rows: int, needs_v: bool) -> int:
-        two = bwd_mma_shared_bytes(head_dim, own, rows, needs_v, 2)
+    def stages(rows: int, needs_v: bool, atomic_dq: bool = False) -> int:
+        two = bwd_mma_shared_bytes(head_dim, own, rows, needs_v, 2, atomic_dq)
         return 2 if two <= _TWO_CTA_SHARED[tile_class] else 1
 
+    if not deterministic and bwd_mma_shared_bytes(head_dim, own, streamed, True, 1, True) > 99 * 1024:
+        deterministic = True   # d = 256: the dS tile would pass sm_86/89's 99 KB; the dQ kernel runs
     names = []
     for grads in ([BWD_GRAD_DV | BWD_GRAD_DK] if together else [BWD_GRAD_DV, BWD_GRAD_DK]):
+        if grads & BWD_GRAD_DK and not deterministic:
+            grads |= BWD_GRAD_DQ_ATOMIC
         names.append(f"cf::bwd_mma_dkdv_kernel<{cxx}, {head_dim}, {own}, {streamed}, {warps}, {grads}, "
-                     f"{stages(streamed, bool(grads & BWD_GRAD_DK))}>")
-    names.append(f"cf::bwd_mma_dq_kernel<{cxx}, {head_dim}, {own}, {streamed_dq}, {warps}, "
-                 f"{stages(streamed_dq, True)}>")
+                     f"{stages(streamed, bool(grads & BWD_GRAD_DK), bool(grads & BWD_GRAD_DQ_ATOMIC))}>")
+    if deterministic:
+        names.append(f"cf::bwd_mma_dq_kernel<{cxx}, {head_dim}, {own}, {streamed_dq}, {warps}, "
+                     f"{stages(streamed_dq, True)}>")
     return names
 
 
@@ -344,9 +360,10 @@ def _backward_instantiations() -> list[Instantiation]:
     for dtype in ("float16", "bfloat16"):
         for d in _BWD_MMA_TILES:
             for arch in _CLASS_ARCH.values():
-                for name in bwd_mma_name_expressions(dtype, d, arch):
-                    if name not in mma:
-                        mma[name] = _bwd_mma_row(dtype, d, name)
+                for deterministic in (True, False):
+                    for name in bwd_mma_name_expressions(dtype, d, arch, deterministic):
+                        if name not in mma:
+                            mma[name] = _bwd_mma_row(dtype, d, name)
     return rows + list(mma.values())
 
 

@@ -162,11 +162,13 @@ def _bwd_shared_bytes(inst: Instantiation) -> int:
         pipelined = inst.dtype in ("float32", "float64") and own_bytes + 2 * stage_bytes <= 72 * 1024
         return own_bytes + (2 if pipelined else 1) * stage_bytes
     # MmaBwdTraits::kSmemBytes (V only when the dK/dV kernel computes dK)
+    # and the dS tile of deterministic=False's atomic dQ (kGrads bit 4)
+    grads = int(_template_args(inst)[5]) if kernel == "bwd_mma_dkdv_kernel" else 0
     if kernel == "bwd_mma_dkdv_kernel":
-        own, streamed, needs_v = inst.block_n, inst.block_m, bool(int(_template_args(inst)[5]) & 2)
+        own, streamed, needs_v = inst.block_n, inst.block_m, bool(grads & 2)
     else:
         own, streamed, needs_v = inst.block_m, inst.block_n, True
-    return bwd_mma_shared_bytes(inst.head_dim, own, streamed, needs_v, inst.kv_stages)
+    return bwd_mma_shared_bytes(inst.head_dim, own, streamed, needs_v, inst.kv_stages, bool(grads & 4))
 
 
 def backward_launch_config(inst: Instantiation, *, batch: int, heads_q: int, heads_kv: int,

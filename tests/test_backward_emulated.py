@@ -21,6 +21,7 @@ pairs, rows that see no key, keys no row sees, GQA groups, broadcast
 
 from __future__ import annotations
 
+import itertools
 import math
 import shutil
 
@@ -440,21 +441,25 @@ def test_mma_catalogue_covers_every_fwd_mma_head_dim_for_both_dtypes():
     by_name = {r.name_expression: r for r in MMA_ROWS}
     used = set()
     for arch, limit_kb in ((80, 81), (86, 49), (89, 49), (90, 113)):
-        for dtype in ("float16", "bfloat16"):
-            for d in MMA_HEAD_DIMS:
-                rows = [r for r in _gpu_bwd.select(dtype, d, d, arch, aligned=True)[1:]]
+        for dtype, d, deterministic in itertools.product(("float16", "bfloat16"), MMA_HEAD_DIMS,
+                                                         (True, False)):
+                rows = [r for r in _gpu_bwd.select(dtype, d, d, arch, aligned=True,
+                                                   deterministic=deterministic)[1:]]
                 used.update(r.name_expression for r in rows)
                 assert all(by_name[r.name_expression] is r for r in rows)
                 kernels = [backward_kernel(r) for r in rows]
-                # dK and dV in one launch up to 128, dV then dK from 160 on
-                assert kernels == (["bwd_mma_dkdv_kernel", "bwd_mma_dq_kernel"] if d <= 128 else
-                                   ["bwd_mma_dkdv_kernel"] * 2 + ["bwd_mma_dq_kernel"]), (dtype, d)
-                if d > 128:
-                    assert ", 1, " in rows[0].name_expression and ", 2, " in rows[1].name_expression
+                # dK and dV in one launch up to 128, dV then dK from 160 on; then dQ,
+                # or (not deterministic) dQ by atomics in the launch that computes dK
+                expected = ["bwd_mma_dkdv_kernel"] * (1 if d <= 128 else 2)
+                atomic = 0 if deterministic or d == 256 else 4   # d = 256: no room for the dS tile
+                assert kernels == expected + (["bwd_mma_dq_kernel"] if not atomic else []), (dtype, d)
+                grads = [int(r.name_expression.split(", ")[5]) for r in rows if "dkdv" in r.name_expression]
+                assert grads == ([3 | atomic] if d <= 128 else [1, 2 | atomic]), (dtype, d, deterministic)
                 for r in rows:
                     assert r.threads == 128 and r.head_dim_v == d and r.kv_stages in (1, 2)
                     shared = representative_shared_bytes(r)
-                    # two stages only where two CTAs still fit on an SM of the class
+                    # two stages only where two CTAs still fit on an SM of the class; every
+                    # row within sm_86/89's 99 KB (the static report launches each everywhere)
                     assert shared <= (limit_kb if r.kv_stages == 2 else 99) * 1024, (arch, r)
     assert used == set(by_name)   # no row that no architecture launches
 
@@ -485,8 +490,11 @@ def test_mma_launch_config_shared_memory_matches_the_tiles():
         stages = r.kv_stages   # each: two streamed tiles and two floats per streamed row
         if backward_kernel(r) == "bwd_mma_dkdv_kernel":
             assert grid == (2 * 3 * math.ceil(200 / r.block_n), 1, 1)
-            own_tiles = 1 if ", 1, " in r.name_expression else 2     # V only for dK
-            assert shared == own_tiles * r.block_n * d * 2 + stages * (2 * r.block_m * d * 2 + 2 * r.block_m * 4)
+            grads = int(r.name_expression.split(", ")[5])
+            own_tiles = 2 if grads & 2 else 1     # V only for dK
+            ds_tile = r.block_n * r.block_m * 2 if grads & 4 else 0   # atomic dQ: dS^T
+            assert shared == (own_tiles * r.block_n * d * 2 + stages * (2 * r.block_m * d * 2 + 2 * r.block_m * 4)
+                              + ds_tile)
         else:
             assert grid == (2 * 6 * math.ceil(100 / r.block_m), 1, 1)
             assert shared == 2 * r.block_m * d * 2 + stages * (2 * r.block_n * d * 2 + 2 * r.block_n * 4)
@@ -514,6 +522,31 @@ def test_mma_every_instantiation_matches_oracle(executor, dtype, bucket, head_di
     assert _families(case) == {"bwd_simt", "bwd_mma"}
     assert {r.head_dim for r in _gpu_bwd.select(dtype, head_dim, head_dim, 80, aligned=True)[1:]} == {bucket}
     case.check(case.run(executor))
+
+
+# deterministic=False: dQ by float atomics inside the dK/dV kernel, no dQ kernel.
+ATOMIC_CASES = [(80, d) for d in MMA_HEAD_DIMS if d < 256] + [(86, 128), (90, 224)]
+
+
+@needs_emulator
+@pytest.mark.parametrize("arch, head_dim", ATOMIC_CASES, ids=[f"sm{a}-d{d}" for a, d in ATOMIC_CASES])
+def test_mma_atomic_dq_matches_oracle_and_leaves_dk_dv_alone(arch, head_dim):
+    rng = np.random.default_rng(7 * head_dim + arch)
+    dtype = HALF[(head_dim // 32) % len(HALF)]   # alternate float16 / bfloat16
+    run_d = {32: 24, 64: 64, 96: 88, 128: 128, 160: 152, 192: 192, 224: 200, 256: 256}[head_dim]
+    q, k, v = qkv(rng, dtype, heads_kv=1, gqa_ratio=2, seqlen_q=70, seqlen_k=83, head_dim=run_d)
+    case = Case(rng, q, k, v, gqa_ratio=2, window=(None, 0) if head_dim % 64 else (None, None))
+    ex = EmulatorExecutor(arch=arch, seed=head_dim, shuffle=True, race_check=True)
+    rows = _gpu_bwd.select(dtype, run_d, run_d, arch, aligned=True, deterministic=False)
+    assert [backward_kernel(r) for r in rows][-1] == "bwd_mma_dkdv_kernel"
+    dq, dk, dv = case.grads()
+    _gpu_bwd.backward(case.dout, q, k, v, case.out, case.lse, dq, dk, dv, scale=case.scale,
+                      window_left=case.window[0], window_right=case.window[1], gqa_ratio=2,
+                      deterministic=False, executor=ex)
+    case.check((dq, dk, dv))   # dq was poisoned: zeroed, then every element added to
+    _, dk_det, dv_det = case.run(ex)
+    # dK and dV come from the same arithmetic in the same order either way
+    assert np.array_equal(dk, dk_det) and np.array_equal(dv, dv_det)
 
 
 # The rows sm_80 does not launch: sm_86's single-stage tiles, sm_90's two-stage ones.
