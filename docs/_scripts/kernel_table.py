@@ -69,8 +69,9 @@ def _kernel(row: dict) -> str:
 
 def _tile(row: dict) -> str:
     args = [a.strip() for a in row["name"].split("<", 1)[1].rstrip(">").split(",")]
-    if row["family"] == "fwd_mma":        # <T, d, block_m, block_n, warps, stages>
-        return f"{args[2]}×{args[3]}, {args[4]} warps, {args[5]} stage{'s' * (args[5] != '1')}"
+    if row["family"] == "fwd_mma":        # <T, d, block_m, block_n, warps, stages, lazy_rescale>
+        lazy = ", lazy rescale" if args[6] == "true" else ""
+        return f"{args[2]}×{args[3]}, {args[4]} warps, {args[5]} stage{'s' * (args[5] != '1')}{lazy}"
     if row["family"] == "fwd_simt":       # <T, d, dv, block_m, block_n>
         return f"{args[3]}×{args[4]}"
     if row["family"] == "bwd_simt" and len(args) == 5:   # <T, d, dv, own, streamed>
