@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: `pytest -m gpu`, the timing table, then the tile sweep, in under six minutes.
+# The GPU check: `pytest -m gpu`, the timing table, the tile sweep, then an ncu profile, in under six minutes.
 #
 # Run from anywhere on a machine with a CUDA GPU, CuPy and the checkout (nothing
 # installed: PYTHONPATH points at the checkout):
@@ -7,8 +7,8 @@
 #     bash benchmarks/gpu_check.sh
 #
 # Writes benchmarks/results/<date>-<gpu>.json and .md (see benchmarks/gpu_check.py)
-# and, when $OUT is set, copies them, the logs and the sweep's gpu_variants.json
-# there (eight files).  Without a usable
+# and, when $OUT is set, copies them, the logs, the sweep's gpu_variants.json and
+# the ncu profile (benchmarks/gpu_profile.py) there (ten files).  Without a usable
 # GPU it says so and exits 0.  Otherwise the exit status is pytest's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +18,7 @@ PY="${PYTHON:-python3}"
 TEST_SECONDS="${GPU_CHECK_TEST_SECONDS:-150}"       # an H200 took 70-80 s
 BENCH_SECONDS="${GPU_CHECK_BENCH_SECONDS:-130}"     # no new case starts after this
 VARIANT_SECONDS="${GPU_CHECK_VARIANT_SECONDS:-90}"  # benchmarks/gpu_variants.py (13 variants); 0 skips it
+PROFILE_SECONDS="${GPU_CHECK_PROFILE_SECONDS:-60}"  # ncu over benchmarks/gpu_profile.py; 0 skips it
 
 if ! reason=$("$PY" - <<'PYEOF' 2>&1
 import cupy
@@ -61,7 +62,26 @@ if [ "$VARIANT_SECONDS" -gt 0 ]; then
         2>&1 | tee "$work/variants.log"
 fi
 
+# Hardware counters of one launch of each target kernel (where ncu can read them:
+# Firecracker machines; elsewhere it fails and says so in the log).
+if [ "$PROFILE_SECONDS" -gt 0 ]; then
+    ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1)
+    if [ -n "$ncu_bin" ]; then
+        echo "gpu_check: $ncu_bin over benchmarks/gpu_profile.py (limit ${PROFILE_SECONDS}s)"
+        timeout --signal=INT --kill-after=10 "$PROFILE_SECONDS" "$ncu_bin" --clock-control none \
+            --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+            --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
+            --csv --page details "$PY" benchmarks/gpu_profile.py \
+            > "$work/profile.csv" 2> "$work/profile.log"
+        echo "gpu_check: ncu exit status $? ($(wc -l < "$work/profile.csv") CSV lines)"
+    else
+        echo "gpu_check: no ncu on this machine; the profile is skipped"
+    fi
+fi
+
 if [ -n "${OUT:-}" ]; then
+    [ -f "$work/profile.csv" ] && cp "$work/profile.csv" "$OUT/gpu_check_profile.csv"
+    [ -f "$work/profile.log" ] && cp "$work/profile.log" "$OUT/gpu_check_profile.log"
     cp "$work/precompile.log" "$OUT/gpu_check_precompile.log"
     cp "$work/pytest.log" "$OUT/gpu_check_pytest.log"
     [ -f "$work/junit.xml" ] && cp "$work/junit.xml" "$OUT/gpu_check_junit.xml"

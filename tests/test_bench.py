@@ -214,3 +214,29 @@ def test_gpu_variants_name_catalogue_rows(monkeypatch, request):
             report = _report.compile_report(module_source(row.entry), [row.name_expression], "sm_90",
                                             sass=False, filename=row.entry)
             assert report.functions[row.name_expression].spill_stores == 0, (d, tile)
+
+
+def test_gpu_profile_cases_run_the_kernels_they_name():
+    """benchmarks/gpu_profile.py (run under ncu by gpu_check.sh): every case's shape
+    dispatches to the kernel family its name says, on an H100-class GPU."""
+    import importlib.util
+    from pathlib import Path
+
+    import numpy as np
+
+    from cupyflash import _gpu, _gpu_bwd
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_profile.py"
+    spec = importlib.util.spec_from_file_location("gpu_profile", path)
+    profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile)
+    assert profile.CASES
+    for name, (kind, dtype, b, h, length, d, deterministic) in profile.CASES.items():
+        family = name.rsplit("_", 1)[0].replace("_atomic", "")
+        np_dtype = np.float16 if dtype == "bfloat16" else np.dtype(dtype)   # same dispatch as bfloat16
+        if kind == "forward":
+            assert _gpu.select(np_dtype, d, d, 90, aligned=True).family == family, name
+        else:
+            rows = _gpu_bwd.select(np_dtype, d, d, 90, aligned=True, deterministic=deterministic)
+            assert {r.family for r in rows[1:]} == {family}, name
+            assert any("_dq_kernel" in r.name_expression for r in rows) == deterministic, name
