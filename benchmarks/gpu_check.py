@@ -6,7 +6,7 @@ run alone from the checkout root: ``PYTHONPATH=. python benchmarks/gpu_check.py`
 The cases below go through :func:`cupyflash._bench.bench`, the function behind
 ``python -m cupyflash bench`` (one benchmarking implementation): every
 implementation on the same random inputs in one process -- ``cupyflash`` (as
-dispatched; the row names the kernel family), ``cupyflash-atomic`` (16-bit
+dispatched; the row names the kernel family), ``cupyflash-atomic`` (the
 backward with ``deterministic=False``), ``cupyflash-v1``, ``cupy-naive``
 and PyTorch's ``scaled_dot_product_attention`` as it dispatches and per
 backend, zero-copy through DLPack, where PyTorch is importable.  CUDA-event

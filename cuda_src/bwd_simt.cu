@@ -19,7 +19,9 @@
 // The main kernels keep their own rows in shared memory and load the streamed
 // rows block by block; for float and double the next block is copied with
 // cp.async while the current one is in use (StreamedTiles, two buffers).
-// Every gradient element is summed by one thread in a fixed order (dK, dV
+// With deterministic=False (kAtomicDq, where the streamed block is a multiple
+// of 16 rows) the dK/dV kernel also adds dQ with atomics and no dQ kernel runs.
+// Otherwise every gradient element is summed by one thread in a fixed order (dK, dV
 // over the group's query heads in order, then over query blocks in order), so
 // results are bit-identical from run to run: no atomics.  The dQ pass pays
 // for that by recomputing S and dP (7 block products per block pair instead
@@ -56,7 +58,7 @@ template <typename T, int kHeadDim_, int kHeadDimV_, int kBlockOwn, int kBlockSt
 struct SimtBwdTraits {
     using Acc = acc_t<T>;
     static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDimV_;
-    static constexpr int kStreamRows = kBlockStream;
+    static constexpr int kOwnRows = kBlockOwn, kStreamRows = kBlockStream;
     static constexpr int kThreads = 128;
     static constexpr int kLanesPerRow = 8;
     static constexpr int kRowGroups = kThreads / kLanesPerRow;
@@ -326,6 +328,48 @@ struct StreamedTiles {
     }
 };
 
+// dq[streamed rows of one block] += scale * dS K, summed over the CTA's own
+// keys, by atomics (deterministic=False).  sS holds dS^T ([own row][streamed
+// row], written by every warp; the caller synchronises the CTA first).  The
+// roles of bwd_simt_dq_kernel's threads, with the streamed rows as the rows:
+// streamed row ii * 16 + row_group, d-chunks qq * 8 + lane_in_group, a sum
+// over the own rows r of dS^T[r][row] (a broadcast to the row group) times
+// K's row r (one 16-byte load per chunk).  dq points at the block's first row.
+template <class Tr, typename Acc>
+__device__ __forceinline__ void add_dq_atomically(Acc* dq, int64_t row_stride, const Acc* sS, const Acc* sK,
+                                                  Acc scale, int rows_valid, int cols_valid,
+                                                  const SimtBwdThread<Tr>& me) {
+    static_assert(Tr::kStreamRows % Tr::kRowGroups == 0, "whole streamed rows per row group");
+    constexpr int TQ = Tr::kStreamRows / Tr::kRowGroups;  // streamed rows per thread
+    Acc acc[TQ][Tr::kChunks][Tr::kVec] = {};
+#pragma unroll 2
+    for (int r = 0; r < Tr::kOwnRows; ++r) {
+        Acc ds[TQ];
+#pragma unroll
+        for (int ii = 0; ii < TQ; ++ii) ds[ii] = sS[r * Tr::kSPitch + me.row(ii)];
+#pragma unroll
+        for (int qq = 0; qq < Tr::kChunks; ++qq) {
+            const Vec16<Acc> k = load_vec16(sK + Tr::Layout::chunk(r, me.chunk(qq)));
+#pragma unroll
+            for (int ii = 0; ii < TQ; ++ii)
+#pragma unroll
+                for (int x = 0; x < Tr::kVec; ++x) acc[ii][qq][x] += ds[ii] * k.x[x];
+        }
+    }
+#pragma unroll
+    for (int ii = 0; ii < TQ; ++ii) {
+        if (me.row(ii) >= rows_valid) continue;
+        Acc* row = dq + me.row(ii) * row_stride;
+#pragma unroll
+        for (int qq = 0; qq < Tr::kChunks; ++qq)
+#pragma unroll
+            for (int x = 0; x < Tr::kVec; ++x) {
+                const int col = me.chunk(qq) * Tr::kVec + x;
+                if (col < cols_valid) atomicAdd(row + col, acc[ii][qq][x] * scale);
+            }
+    }
+}
+
 // ---- kernels ---------------------------------------------------------------------------------
 
 // delta[i] = sum_c dout[i][c] * out[i][c] for kRows query rows per CTA (the
@@ -356,7 +400,9 @@ __global__ void __launch_bounds__(128) bwd_simt_dot_do_o_kernel(const BwdParams 
 }
 
 // dK, dV of kBlockN keys of one (batch, kv head).
-template <typename T, int kHeadDim, int kHeadDimV, int kBlockN, int kBlockM>
+// kAtomicDq (deterministic=False): also add each block pair's dQ = scale dS K
+// to dq (zeroed by the caller) with atomics; no dQ kernel runs then.
+template <typename T, int kHeadDim, int kHeadDimV, int kBlockN, int kBlockM, bool kAtomicDq>
 __global__ void __launch_bounds__(
     (SimtBwdTraits<T, kHeadDim, kHeadDimV, kBlockN, kBlockM>::kThreads),
     (SimtBwdTraits<T, kHeadDim, kHeadDimV, kBlockN, kBlockM>::kMinBlocksPerSm))
@@ -435,6 +481,12 @@ bwd_simt_dkdv_kernel(const BwdParams params) {
         accumulate_rows<Tr, LayoutV>(dv_acc, s, sS, sdO, me);           // dV += P^T dO
         score_gradient<false, Tr>(dp, s, delta);                        // dS^T
         accumulate_rows<Tr, Layout>(dk, dp, sS, sQ, me);                // dK += dS^T Q
+        if constexpr (kAtomicDq) {
+            __syncthreads();  // every row group's dS^T in the scratch tile
+            add_dq_atomically<Tr>(grad.dq + m0 * params.dq_row_stride, params.dq_row_stride, sS, sK,
+                                  static_cast<Acc>(p.scale), static_cast<int>(min64(kBlockM, p.seqlen_q - m0)),
+                                  d, me);                               // dQ += dS K (atomics)
+        }
         if constexpr (!Tr::kPipelined) __syncthreads();  // Q, dO fully read: the buffer takes the next block
         head = next_head;
         m_block = next_m_block;

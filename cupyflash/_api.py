@@ -154,12 +154,12 @@ def attention_backward(dout, q, k, v, out, lse, /, *, scale=None, causal=False, 
     a fixed order, so the results are bit-identical from run to run; the
     price is that the scores and their gradient are computed twice (7 block
     products per pair of query and key blocks instead of 5).  With
-    ``deterministic=False`` the tensor-core path skips the dq kernel: the
-    kernel that owns blocks of keys also adds each pair's dq contribution
-    with float32 atomics, whose order, and hence the last bits of dq,
-    changes from run to run (dk and dv stay bit-identical).  The CUDA-core
-    kernels and the NumPy path are deterministic either way.  Broadcast batch
-    dims are summed back onto q, k and v in a fixed order too.
+    ``deterministic=False`` the GPU path skips the dq kernel: the kernel that
+    owns blocks of keys also adds each pair's dq contribution with atomics
+    (float32; float64 for float64 inputs), whose order, and hence the last
+    bits of dq, changes from run to run (dk and dv stay bit-identical).  The
+    NumPy path is deterministic either way.  Broadcast batch dims are summed
+    back onto q, k and v in a fixed order too.
 
     Examples
     --------

@@ -7,8 +7,8 @@ each implementation that applies:
 on the GPU
     ``cupyflash`` (:func:`cupyflash.attention` as dispatched -- the ``kernel``
     field says which family ran, fwd_mma or fwd_simt, bwd_mma or bwd_simt),
-    for float16/bfloat16 backward cases ``cupyflash-atomic``
-    (``attention_backward(..., deterministic=False)``: dQ by float atomics),
+    for backward cases ``cupyflash-atomic``
+    (``attention_backward(..., deterministic=False)``: dQ by atomics),
     ``cupyflash-v1`` (Algorithm 1, the fwd_v1 kernel, through
     :func:`cupyflash.reference.flash_attention_v1`), ``cupy-naive`` (matmul,
     ``cupyx.scipy.special.softmax``, matmul) and, where PyTorch with CUDA is
@@ -295,8 +295,8 @@ def _torch_available(device: str) -> bool:
 def implementations(device: str, case: Case) -> list[str]:
     """Names of the implementations that apply to ``case`` on ``device`` (cupyflash first)."""
     names = ["cupyflash"]
-    # the backward with dQ by float atomics (deterministic=False; bwd_mma's 16-bit path)
-    if device == "gpu" and case.backward and case.dtype in ("float16", "bfloat16"):
+    # the backward with dQ by atomics (deterministic=False)
+    if device == "gpu" and case.backward:
         names.append("cupyflash-atomic")
     # the literal Algorithm 1 (O, l, m through global memory) is a teaching kernel:
     # timed up to 4096 x 4096 scores per head, where a call still takes milliseconds
@@ -328,10 +328,9 @@ def prepare(impl: str, case: Case, inputs, device: str):
                 kernel)
     if impl == "cupyflash-atomic":
         out, lse = cupyflash.attention(q, k, v, causal=causal, return_lse=True)
-        kernel = _cupyflash_kernel(case, q, k, v)
         return (lambda: cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal,
                                                      deterministic=False),
-                f"{kernel}, atomic dQ" if kernel == "bwd_mma" else kernel)
+                _cupyflash_kernel(case, q, k, v, deterministic=False))
     if impl == "cupyflash-v1":
         from .reference import flash_attention_v1
 
@@ -346,8 +345,10 @@ def prepare(impl: str, case: Case, inputs, device: str):
     raise ValueError(f"unknown implementation {impl!r}")
 
 
-def _cupyflash_kernel(case: Case, q, k, v) -> str:
-    """The kernel family :func:`cupyflash.attention` dispatches to for these CuPy arrays."""
+def _cupyflash_kernel(case: Case, q, k, v, deterministic: bool = True) -> str:
+    """The kernel family :func:`cupyflash.attention` dispatches to for these CuPy arrays
+    (backward: ``attention_backward`` with ``deterministic``; ", atomic dQ" where no dQ
+    kernel runs)."""
     import cupy
 
     from . import _gpu_bwd
@@ -358,8 +359,10 @@ def _cupyflash_kernel(case: Case, q, k, v) -> str:
     aligned = rows_aligned(q, k, v)
     if case.backward:
         # the delta pre-pass is always bwd_simt's; the family is that of the last launch
-        return _gpu_bwd.select(q.dtype, case.head_dim, case.head_dim, arch,
-                               aligned=aligned)[-1].family
+        rows = _gpu_bwd.select(q.dtype, case.head_dim, case.head_dim, arch, aligned=aligned,
+                               deterministic=deterministic)
+        atomic = not any(r.name_expression.split("<")[0].endswith("_dq_kernel") for r in rows)
+        return rows[-1].family + (", atomic dQ" if atomic else "")
     return select(q.dtype, case.head_dim, case.head_dim, arch, aligned=aligned).family
 
 

@@ -86,9 +86,8 @@ def run_forward_v1(problem: Problem, sram_size: int, return_lse: bool):
 def run_backward(problem: Problem, dout, out, lse, *, deterministic: bool = True):
     """(dq, dk, dv) with the shapes and dtypes of q, k and v.
 
-    The CPU path is deterministic whatever ``deterministic`` says; so is
-    bwd_simt.  bwd_mma adds dq with float atomics when it is False
-    (:mod:`cupyflash._gpu_bwd`).
+    The CPU path is deterministic whatever ``deterministic`` says; the CUDA
+    kernels add dq with atomics when it is False (:mod:`cupyflash._gpu_bwd`).
     """
     if problem.backend == "numpy":
         return _cpu.backward(problem, dout, out, lse)

@@ -48,7 +48,10 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
     ``deterministic``, no dQ kernel: the launch computing dK adds dQ to a
     zeroed dq with float atomics.  Otherwise bwd_simt (any dtype, any
     strides) in the smallest head-dim bucket that holds both head dims:
-    delta, dK/dV, dQ (deterministic either way).
+    delta, dK/dV, dQ -- or, not ``deterministic``, delta and the dK/dV
+    kernel that adds dQ with atomics, where its tile has one (streamed
+    blocks of a multiple of 16 rows: buckets up to 64 for float64, 128 for
+    the others).
 
     Raises
     ------
@@ -60,13 +63,17 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
     name = np.dtype(dtype).name
     d, dv = int(head_dim), int(head_dim_v)
     bucket = simt_bucket("bwd_simt", name, d, dv)
-    simt = {backward_kernel(r): r for r in instantiations()
-            if r.family == "bwd_simt" and r.dtype == name and r.head_dim == bucket}
+    rows = [r for r in instantiations()
+            if r.family == "bwd_simt" and r.dtype == name and r.head_dim == bucket]
+    simt = {backward_kernel(r): r for r in rows if not r.name_expression.endswith(", true>")}
+    atomic = [r for r in rows if r.name_expression.endswith(", true>")]
     mma_dim = mma_head_dim(name, d, dv, arch, aligned=aligned)
     if mma_dim is not None:
         rows = {r.name_expression: r for r in instantiations() if r.family == "bwd_mma"}
         mma = tuple(rows[n] for n in bwd_mma_name_expressions(name, mma_dim, arch, deterministic))
         return (simt["bwd_simt_dot_do_o_kernel"],) + mma
+    if not deterministic and atomic:
+        return (simt["bwd_simt_dot_do_o_kernel"], atomic[0])
     return tuple(simt[k] for k in _SIMT_KERNELS)
 
 
@@ -82,10 +89,9 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, *, scale, window_left, window_
     scale, window_left, window_right, gqa_ratio
         As for :func:`cupyflash._gpu.forward` (``causal`` folded into the window).
     deterministic : bool, default True
-        False lets bwd_mma add dQ by float atomics inside its dK/dV kernel
-        (no dQ kernel, which recomputes S and dP): faster, and dq's last bits
-        then depend on the order the atomics land in.  bwd_simt is
-        deterministic either way.
+        False lets the dK/dV kernel add dQ by atomics (no dQ kernel, which
+        recomputes S and dP): faster, and dq's last bits then depend on the
+        order the atomics land in (float atomics; double for float64).
     executor
         :class:`cupyflash._loader.CudaExecutor` or
         :class:`cupyflash.emulator.EmulatorExecutor`.

@@ -339,8 +339,9 @@ def bwd_mma_name_expressions(dtype: str, head_dim: int, arch: int, deterministic
 
 def _backward_instantiations() -> list[Instantiation]:
     """Backward rows in launch order per (family, dtype, head dim): bwd_simt's delta,
-    dK/dV and dQ kernels; bwd_mma's dK/dV (one or two launches) and dQ kernels
-    (bwd_mma uses bwd_simt's delta kernel)."""
+    dK/dV and dQ kernels (and, where its streamed block allows, the dK/dV kernel that
+    adds dQ by atomics); bwd_mma's dK/dV (one or two launches) and dQ kernels (bwd_mma
+    uses bwd_simt's delta kernel)."""
     rows = []
     for dtype, cxx in _CXX_TYPE.items():
         for bucket in HEAD_DIM_BUCKETS:
@@ -351,11 +352,15 @@ def _backward_instantiations() -> list[Instantiation]:
                 name_expression=f"cf::bwd_simt_dot_do_o_kernel<{cxx}, {bucket}>",
                 block_m=_BWD_DELTA_ROWS, **common))
             rows.append(Instantiation(
-                name_expression=f"cf::bwd_simt_dkdv_kernel<{cxx}, {bucket}, {bucket}, {own}, {streamed}>",
+                name_expression=f"cf::bwd_simt_dkdv_kernel<{cxx}, {bucket}, {bucket}, {own}, {streamed}, false>",
                 block_m=streamed, block_n=own, **common))
             rows.append(Instantiation(
                 name_expression=f"cf::bwd_simt_dq_kernel<{cxx}, {bucket}, {bucket}, {own}, {streamed}>",
                 block_m=own, block_n=streamed, **common))
+            if streamed % 16 == 0:   # deterministic=False: dK/dV and dQ by atomics in one launch
+                rows.append(Instantiation(
+                    name_expression=f"cf::bwd_simt_dkdv_kernel<{cxx}, {bucket}, {bucket}, {own}, {streamed}, true>",
+                    block_m=streamed, block_n=own, **common))
     mma = {}
     for dtype in ("float16", "bfloat16"):
         for d in _BWD_MMA_TILES:

@@ -213,6 +213,15 @@ def test_select_picks_the_smallest_bucket_holding_both_head_dims(dtype):
         assert [backward_kernel(r) for r in rows] == [
             "bwd_simt_dot_do_o_kernel", "bwd_simt_dkdv_kernel", "bwd_simt_dq_kernel"]
         assert {(r.dtype, r.head_dim, r.head_dim_v) for r in rows} == {(np.dtype(dtype).name, bucket, bucket)}
+        # deterministic=False: delta, then the dK/dV kernel that adds dQ by atomics,
+        # where its streamed block is whole row groups (16 rows)
+        fast = _gpu_bwd.select(dtype, d, dv, 80, deterministic=False)
+        assert fast[0] == rows[0] and {(r.dtype, r.head_dim) for r in fast} == {(np.dtype(dtype).name, bucket)}
+        if rows[1].block_m % 16 == 0:
+            assert [backward_kernel(r) for r in fast] == ["bwd_simt_dot_do_o_kernel", "bwd_simt_dkdv_kernel"]
+            assert fast[1].name_expression == rows[1].name_expression.replace(", false>", ", true>")
+        else:
+            assert fast == rows
     with pytest.raises(ValueError, match="256"):
         _gpu_bwd.select(dtype, 1, 257, 80)
     with pytest.raises(TypeError, match="int32"):
@@ -426,6 +435,33 @@ def test_extreme_and_negative_scales(executor, scale):
             assert (g == 0).all(), name
 
 
+# ---- deterministic=False on the CUDA cores: dQ by atomics in the dK/dV kernel --------------------
+
+# (float64 has atomic tiles up to bucket 64, the others up to 128)
+SIMT_ATOMIC_CASES = [(dtype, d, dv) for dtype in DTYPES
+                     for d, dv in ((24, 24), (64, 40), (50, 64) if np.dtype(dtype).itemsize == 8 else (100, 128))]
+
+
+@needs_emulator
+@pytest.mark.parametrize("dtype, head_dim, head_dim_v", SIMT_ATOMIC_CASES,
+                         ids=[f"{np.dtype(c[0]).name}-d{c[1]}-dv{c[2]}" for c in SIMT_ATOMIC_CASES])
+def test_simt_atomic_dq_matches_oracle_and_leaves_dk_dv_alone(executor, dtype, head_dim, head_dim_v):
+    # GQA, causal, partial blocks, d != dv; rows beyond Lq and columns beyond d
+    # must not receive atomics (dq is poisoned, then zeroed by the call).
+    rng = np.random.default_rng(head_dim * 7 + head_dim_v)
+    q, k, v = qkv(rng, dtype, heads_kv=1, gqa_ratio=2, seqlen_q=45, seqlen_k=70, head_dim=head_dim,
+                  head_dim_v=head_dim_v)
+    case = Case(rng, q, k, v, gqa_ratio=2, window=(None, 0))
+    rows = _gpu_bwd.select(dtype, head_dim, head_dim_v, 80, deterministic=False)
+    assert rows[-1].name_expression.endswith(", true>")
+    dq, dk, dv = case.grads()
+    _gpu_bwd.backward(case.dout, q, k, v, case.out, case.lse, dq, dk, dv, scale=case.scale,
+                      window_left=None, window_right=0, gqa_ratio=2, deterministic=False, executor=executor)
+    case.check((dq, dk, dv))
+    _, dk_det, dv_det = case.run(executor)
+    assert np.array_equal(dk, dk_det) and np.array_equal(dv, dv_det)
+
+
 # ---- bwd_mma: tensor cores -------------------------------------------------------------------------
 
 MMA_ROWS = [r for r in instantiations() if r.family == "bwd_mma"]
@@ -446,7 +482,7 @@ def test_mma_catalogue_covers_every_fwd_mma_head_dim_for_both_dtypes():
                 rows = [r for r in _gpu_bwd.select(dtype, d, d, arch, aligned=True,
                                                    deterministic=deterministic)[1:]]
                 used.update(r.name_expression for r in rows)
-                assert all(by_name[r.name_expression] is r for r in rows)
+                assert all(by_name[r.name_expression] == r for r in rows)
                 kernels = [backward_kernel(r) for r in rows]
                 # dK and dV in one launch up to 128, dV then dK from 160 on; then dQ,
                 # or (not deterministic) dQ by atomics in the launch that computes dK

@@ -281,11 +281,14 @@ def test_peak_device_memory_is_linear_in_sequence_length(rng):
     assert peak < length * length * 4 / 8       # 8x below one float32 score matrix
 
 
+ATOMIC_CASES = ([(dtype, d) for dtype in HALF for d in (64, 128, 200)]
+                + [(np.dtype(np.float32), 64), (np.dtype(np.float32), 128), (np.dtype(np.float64), 64)])
+
+
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128, 200])
-@pytest.mark.parametrize("dtype", HALF, ids=lambda d: str(d))
+@pytest.mark.parametrize("dtype, head_dim", ATOMIC_CASES, ids=[f"{d}-d{h}" for d, h in ATOMIC_CASES])
 def test_atomic_dq_matches_the_oracle_and_leaves_dk_dv_bit_identical(rng, dtype, head_dim, causal):
-    """deterministic=False: bwd_mma adds dQ by float atomics in its dK/dV kernel."""
+    """deterministic=False: the dK/dV kernel (bwd_mma or bwd_simt) adds dQ by atomics."""
     shape_q, shape_kv = (2, 4, 333, head_dim), (2, 2, 300, head_dim)
     q, k, v = random_qkv(rng, shape_q, shape_kv, shape_kv, dtype)
     qd, kd, vd = _gpu(q, k, v)
@@ -294,9 +297,9 @@ def test_atomic_dq_matches_the_oracle_and_leaves_dk_dv_bit_identical(rng, dtype,
     dout = random_array(rng, out.shape, dtype)
     arch = int(cp.cuda.Device().compute_capability)
     rows = _gpu_bwd.select(dtype, head_dim, head_dim, arch, aligned=True, deterministic=False)
-    assert "bwd_mma_dq_kernel" not in [r.name_expression.split("<")[0].removeprefix("cf::") for r in rows]
+    assert not any(r.name_expression.split("<")[0].endswith("_dq_kernel") for r in rows)
     grads = cupyflash.attention_backward(cp.asarray(dout), qd, kd, vd, out, lse, deterministic=False, **kw)
     exact = cupyflash.attention_backward(cp.asarray(dout), qd, kd, vd, out, lse, deterministic=True, **kw)
     _check(tuple(_host(g) for g in grads), dout, q, k, v, _host(out), dtype, **kw)
     for name, a, b in zip(("dk", "dv"), grads[1:], exact[1:]):
-        assert cp.array_equal(a.view(cp.uint16), b.view(cp.uint16)), name
+        assert cp.array_equal(a.view(cp.uint8), b.view(cp.uint8)), name

@@ -64,6 +64,8 @@ def _picked_mma(rows: list[dict]) -> set[tuple[str, str]]:
 
 def _kernel(row: dict) -> str:
     base = row["name"].split("<", 1)[0].removeprefix("cf::")
+    if base == "bwd_simt_dkdv_kernel" and row["name"].endswith(", true>"):
+        return "dK/dV + atomic dQ"
     return SHORT_KERNEL.get(base, base)
 
 
@@ -74,7 +76,7 @@ def _tile(row: dict) -> str:
         return f"{args[2]}×{args[3]}, {args[4]} warps, {args[5]} stage{'s' * (args[5] != '1')}{lazy}"
     if row["family"] == "fwd_simt":       # <T, d, dv, block_m, block_n>
         return f"{args[3]}×{args[4]}"
-    if row["family"] == "bwd_simt" and len(args) == 5:   # <T, d, dv, own, streamed>
+    if row["family"] == "bwd_simt" and len(args) >= 5:   # <T, d, dv, own, streamed[, atomic dQ]>
         return f"{args[3]}×{args[4]}"
     return "–"
 
