@@ -60,14 +60,18 @@ QUICK = [CASES[0], CASES[8], CASES[11]]
 
 
 def precompile(workers: int) -> int:
-    """Compile every kernel instantiation into CuPy's on-disk cache, ``workers`` processes
-    at a time, so that the test run (and its xdist workers) only load modules."""
+    """Compile every kernel instantiation this GPU can launch into CuPy's on-disk cache,
+    ``workers`` processes at a time, so that the test run (and its xdist workers) only
+    load modules."""
     import time
     from concurrent.futures import ProcessPoolExecutor
 
-    from cupyflash._kernels import instantiations
+    import cupy
 
-    rows = [(r.entry, r.name_expression) for r in instantiations()]
+    from cupyflash._kernels import instantiations, launchable
+
+    keep = launchable(int(cupy.cuda.Device(0).compute_capability))
+    rows = [(r.entry, r.name_expression) for r in instantiations() if r.name_expression in keep]
     start = time.perf_counter()
     with ProcessPoolExecutor(max_workers=workers) as pool:
         failures = [f for f in pool.map(_compile_one, rows) if f]

@@ -27,14 +27,15 @@ def precompile(*, dtypes=None, head_dims=None, families=None, device=None):
         dispatcher picks for it. Default all.
     families : sequence of str, optional
         Kernel families (``"fwd_simt"``, ``"fwd_mma"``, ``"fwd_v1"``,
-        ``"bwd_simt"``); default all.
+        ``"bwd_simt"``, ``"bwd_mma"``); default all.
     device : int, optional
         CUDA device id; default the current device.
 
     Returns
     -------
     list
-        The instantiations compiled (already compiled ones included).
+        The instantiations compiled (already compiled ones included): those
+        a call on the device's architecture can launch.
 
     Notes
     -----

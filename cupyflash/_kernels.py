@@ -13,7 +13,8 @@ import functools
 from dataclasses import dataclass
 
 __all__ = ["Instantiation", "instantiations", "HEAD_DIM_BUCKETS", "MMA_HEAD_DIMS", "mma_arch_class",
-           "mma_tiles", "mma_name_expression", "bwd_mma_name_expressions", "bwd_mma_shared_bytes"]
+           "mma_tiles", "mma_name_expression", "bwd_mma_name_expressions", "bwd_mma_shared_bytes",
+           "launchable"]
 
 
 @dataclass(frozen=True)
@@ -207,6 +208,21 @@ def mma_name_expression(dtype: str, head_dim: int, block_m: int, block_n: int, w
     """``cf::fwd_mma_kernel<T, head_dim, block_m, block_n, warps, kv_stages, lazy_rescale>``."""
     return (f"cf::fwd_mma_kernel<{_CXX_TYPE[dtype]}, {head_dim}, {block_m}, {block_n}, {warps}, "
             f"{kv_stages}, {'true' if lazy_rescale else 'false'}>")
+
+
+def launchable(arch: int) -> frozenset[str]:
+    """Name expressions of the catalogue rows some call may launch on compute capability
+    ``arch``: every SIMT and fwd_v1 row, and the tensor-core rows of ``arch``'s class
+    (none below sm_80) -- what :func:`cupyflash.precompile` compiles for a device."""
+    names = {r.name_expression for r in instantiations() if r.family not in ("fwd_mma", "bwd_mma")}
+    tiles = mma_tiles(arch)
+    if tiles is not None:
+        for dtype in _MMA_DTYPES:
+            for d in MMA_HEAD_DIMS:
+                names.add(mma_name_expression(dtype, d, *tiles[d]))
+                for deterministic in (True, False):
+                    names.update(bwd_mma_name_expressions(dtype, d, arch, deterministic))
+    return frozenset(names)
 
 
 def _mma_instantiations() -> list[Instantiation]:

@@ -420,7 +420,9 @@ def precompile(*, dtypes=None, head_dims=None, families=None, device=None,
     Returns
     -------
     list of Instantiation
-        The catalogue rows compiled (already-compiled ones included).
+        The catalogue rows compiled (already-compiled ones included): those the
+        filters select that a call on this device's architecture may launch (the
+        tensor-core tiles of other GPU classes are left out).
 
     Notes
     -----
@@ -429,13 +431,15 @@ def precompile(*, dtypes=None, head_dims=None, families=None, device=None,
     """
     import cupy
 
-    from ._kernels import instantiations
+    from ._kernels import instantiations, launchable
 
     rows = select(instantiations(), dtypes=dtypes, head_dims=head_dims, families=families)
     if device is None:
         device_id = cupy.cuda.runtime.getDevice()
     else:
         device_id = int(getattr(device, "id", device))
+    keep = launchable(int(cupy.cuda.Device(device_id).compute_capability))
+    rows = [r for r in rows if r.name_expression in keep]
     cache = module_caches.for_device(device_id)
 
     def compile_one(row) -> None:

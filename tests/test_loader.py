@@ -353,3 +353,27 @@ def test_select_filters_by_family_dtype_and_head_dim():
     assert select(_CAT, head_dims=300) == []
     with pytest.raises(ValueError, match="nope"):
         select(_CAT, families=["nope"])
+
+
+def test_launchable_is_what_the_dispatchers_pick_on_each_architecture():
+    """precompile() compiles launchable(arch): every row a call on that architecture can
+    pick, and no other tensor-core tile; each catalogue row is launchable somewhere."""
+    from cupyflash import _gpu, _gpu_bwd
+    from cupyflash._kernels import MMA_HEAD_DIMS, instantiations, launchable
+
+    everywhere = set()
+    for arch in (75, 80, 86, 89, 90):
+        keep = launchable(arch)
+        everywhere |= keep
+        picked = set()
+        for dtype in ("float16", "bfloat16", "float32", "float64"):
+            for d in MMA_HEAD_DIMS:
+                picked.add(_gpu.select(dtype, d, d, arch, aligned=True).name_expression)
+                for deterministic in (True, False):
+                    picked.update(r.name_expression for r in _gpu_bwd.select(
+                        dtype, d, d, arch, aligned=True, deterministic=deterministic))
+        assert picked <= keep, (arch, sorted(picked - keep)[:3])
+        mma = {n for n in keep if "_mma_" in n}
+        assert mma == {n for n in picked if "_mma_" in n}, arch   # no other class's tiles
+        assert (arch < 80) == (not mma)
+    assert everywhere == {r.name_expression for r in instantiations()}
