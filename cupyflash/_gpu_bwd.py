@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._gpu import _accumulator_dtype, _array_module, mma_head_dim, rows_aligned, simt_bucket
-from ._kernels import Instantiation, bwd_mma_name_expressions, instantiations
+from ._kernels import Instantiation, bwd_mma_name_expressions, by_name, instantiations
 from ._launch import backward_kernel, backward_launch_config
 from ._params_bwd import bwd_params
 
@@ -69,7 +69,7 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
     atomic = [r for r in rows if r.name_expression.endswith(", true>")]
     mma_dim = mma_head_dim(name, d, dv, arch, aligned=aligned)
     if mma_dim is not None:
-        rows = {r.name_expression: r for r in instantiations() if r.family == "bwd_mma"}
+        rows = by_name()
         mma = tuple(rows[n] for n in bwd_mma_name_expressions(name, mma_dim, arch, deterministic))
         return (simt["bwd_simt_dot_do_o_kernel"],) + mma
     if not deterministic and atomic:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 __all__ = ["Instantiation", "instantiations", "HEAD_DIM_BUCKETS", "MMA_HEAD_DIMS", "mma_arch_class",
            "mma_tiles", "mma_name_expression", "bwd_mma_name_expressions", "bwd_mma_shared_bytes",
-           "launchable"]
+           "launchable", "by_name"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,14 @@ def instantiations() -> list[Instantiation]:
 def refresh() -> None:
     """Rebuild :func:`instantiations` from the tables on its next call."""
     _catalogue.cache_clear()
+    by_name.cache_clear()
+
+
+@functools.lru_cache(maxsize=1)
+def by_name() -> dict[str, Instantiation]:
+    """The catalogue keyed by name expression (built once, like :func:`instantiations`;
+    do not modify)."""
+    return {r.name_expression: r for r in _catalogue()}
 
 
 @functools.lru_cache(maxsize=1)
