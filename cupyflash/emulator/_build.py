@@ -315,7 +315,8 @@ class ModuleCache:
             return self._runtimes[cache_dir]
 
     def assembled(self, entry: str) -> str:
-        return _source.assemble(entry, substitutions={"ptx.cuh": INCLUDE_DIR / "ptx.cuh"})
+        return _source.assemble(entry, substitutions={"ptx.cuh": INCLUDE_DIR / "ptx.cuh",
+                                                      "wgmma.cuh": INCLUDE_DIR / "wgmma.cuh"})
 
     def module_for(self, entry: str, name_expressions: list[str], instrument: bool) -> Module:
         """Build (or find) and load the module holding exactly these instantiations."""

@@ -49,6 +49,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -201,7 +203,7 @@ double tf32_to_double(uint32_t r) {
 // ---- per-launch state ----------------------------------------------------------
 
 enum class St : uint8_t { Runnable, BlockBar, WarpOp, Exited };
-enum class Op : uint8_t { None, Syncwarp, Shfl, Vote, Mma, Ldmatrix };
+enum class Op : uint8_t { None, Syncwarp, Shfl, Vote, Mma, Ldmatrix, Wgmma };
 
 struct ShflArgs {
     uint64_t in, out;
@@ -220,6 +222,30 @@ struct MmaArgs {
 struct LdmArgs {
     uint32_t* d;
     const char* row;
+};
+struct WgmmaArgs {
+    int kind, n, trans_b, accumulate;
+    float* d;           // this thread's float[2][n / 4] register tile
+    const uint32_t* a;  // 4 registers, or null: A from desc_a
+    uint64_t desc_a, desc_b;
+};
+
+// The shared memory one warpgroup's wgmma read, checked when its group retires.
+struct WgmmaRead {
+    std::vector<size_t> offsets;
+    std::vector<char> bytes;
+    const void* pc;
+    bool checked = false;
+};
+// One thread's part of a wgmma in flight (issued, its group not retired).
+struct WgmmaPending {
+    uint32_t group;
+    float* d;
+    std::vector<float> result;  // the thread's float[2][n / 4], written back when the group retires
+    const uint32_t* a;
+    uint32_t a_copy[4];
+    std::shared_ptr<WgmmaRead> read;
+    const void* pc;
 };
 
 struct Copy {
@@ -249,12 +275,19 @@ struct Fiber {
     int bar_result;  // ... and the block's count of true predicates
     std::vector<Copy> copies;  // issued, not yet performed (group == committed: uncommitted)
     uint32_t committed;
+    // wgmma: fenced since the registers were last handed back, groups committed,
+    // operations in flight; and fence.proxy.async calls so far.
+    bool wg_fenced = false;
+    uint32_t wg_committed = 0;
+    std::vector<WgmmaPending> wg_pending;
+    uint32_t proxy_fences = 0;
 };
 
 // What one shared-memory byte remembers since the last __syncthreads().
 struct Shadow {
     uint32_t w_epoch, r_epoch;  // barrier epoch of the last write / of the readers
     uint32_t w_wsync, r_wsync;  // the warp's __syncwarp count at the write / latest read
+    uint32_t w_proxy;                            // the writer's fence.proxy.async count at the write
     uint16_t w_tid, r_first, r_second, pending;  // pending: issuing thread + 1 of an in-flight cp.async
     uint8_t r_many, r_mixed;                     // several readers / readers of several warps
     const void* w_pc;
@@ -277,6 +310,8 @@ const char* op_name(Op op, int variant) {
                                           "mma.sync.m16n8k8 (tf32)"};
             return names[variant % 3];
         }
+        case Op::Wgmma:
+            return (variant >> 1) & 1 ? "wgmma.mma_async (A from registers)" : "wgmma.mma_async (A from shared memory)";
         case Op::Ldmatrix: {
             static const char* names[] = {"ldmatrix.x1", "ldmatrix.x1.trans", "ldmatrix.x2", "ldmatrix.x2.trans",
                                           "ldmatrix.x4", "ldmatrix.x4.trans"};
@@ -442,6 +477,7 @@ struct Launch {
                 s->w_tid = static_cast<uint16_t>(tid);
                 s->w_wsync = ws;
                 s->w_pc = pc;
+                s->w_proxy = f->proxy_fences;
                 s->r_epoch = 0;
             } else if (s->r_epoch != epoch) {
                 s->r_epoch = epoch;
@@ -701,6 +737,244 @@ struct Launch {
         }
     }
 
+    // ---- wgmma (warpgroup matrix multiply, sm_90a) -------------------------------
+    // wgmma.cuh describes the operand layouts and the ordering rules checked here.
+    // The product is computed when the warpgroup's 128th thread arrives, from
+    // the shared memory as it is then; each thread's accumulators are poisoned
+    // (NaN) until its wgmma.wait_group retires the group, which writes the
+    // result back, checks that the A registers and the shared memory read are
+    // unchanged, and requires a new wgmma.fence before the thread's next wgmma.
+
+    void wgmma_op(Fiber* f, WgmmaArgs* args, const void* pc) {
+        const int variant = (args->kind & 1) | ((args->a != nullptr) << 1) | ((args->trans_b & 1) << 2) |
+                            (args->n << 4);
+        const char* what = op_name(Op::Wgmma, variant);
+        if (!f->wg_fenced)
+            fail(format("%s executes %s without a wgmma.fence since its last wgmma.wait_group (or the kernel "
+                        "start): the accumulator and A registers may be stale%s",
+                        who(f->tid).c_str(), what, location(pc).c_str()));
+        if (args->n < 8 || args->n > 256 || args->n % 8)
+            fail(format("%s: %s with n = %d (must be a multiple of 8 in 8..256)%s", who(f->tid).c_str(), what,
+                        args->n, location(pc).c_str()));
+        const int first = (f->warp & ~3) * 32;
+        if (first + 128 > static_cast<int>(nthreads))
+            fail(format("%s executes %s, but its warpgroup (warps %d-%d) is incomplete: the block has %u threads%s",
+                        who(f->tid).c_str(), what, f->warp & ~3, (f->warp & ~3) + 3, nthreads,
+                        location(pc).c_str()));
+        f->state = St::WarpOp;
+        f->op = Op::Wgmma;
+        f->op_variant = variant;
+        f->op_mask = kFullMask;
+        f->op_args = args;
+        f->op_pc = pc;
+        bool complete = true;
+        for (int t = first; t < first + 128; ++t) {
+            const Fiber& g = fibers[t];
+            if (g.state == St::Exited)
+                fail(format("%s executes %s, but thread %d of its warpgroup has exited%s", who(f->tid).c_str(),
+                            what, t, location(pc).c_str()));
+            if (g.state != St::WarpOp) {
+                complete = false;
+                continue;
+            }
+            if (g.op != Op::Wgmma) {
+                if ((t >> 5) == f->warp)
+                    fail(format("divergent warp collective: %s executes %s%s while lane %d of its warp waits at "
+                                "%s%s",
+                                who(f->tid).c_str(), what, location(pc).c_str(), g.lane,
+                                op_name(g.op, g.op_variant), location(g.op_pc).c_str()));
+                complete = false;
+                continue;
+            }
+            const auto* o = static_cast<const WgmmaArgs*>(g.op_args);
+            if (g.op_variant != variant || o->accumulate != args->accumulate || o->desc_b != args->desc_b ||
+                (!args->a && o->desc_a != args->desc_a))
+                fail(format("%s executes %s%s with operands that differ from those of thread %d at %s%s (shape, "
+                            "type, descriptors and scale-d must be the same in the whole warpgroup)",
+                            who(f->tid).c_str(), what, location(pc).c_str(), t, op_name(g.op, g.op_variant),
+                            location(g.op_pc).c_str()));
+        }
+        if (complete) {
+            finish_wgmma(first);
+            for (int t = first; t < first + 128; ++t) make_runnable(fibers[t]);
+        }
+        yield(f);
+    }
+
+    // Byte offset in shared memory of element (row, k) of a 128-byte-swizzled
+    // operand: row indexes M (A) or N (B).  K-major: 8-row groups SBO apart, k
+    // along the 128-byte line; MN-major: 64-element lines, 64-wide blocks LBO
+    // apart along M/N, 8-line groups SBO apart along K.  The swizzle XORs
+    // address bits 4-6 with bits 7-9.
+    size_t operand_offset(const Fiber& f, uint64_t desc, bool mn_major, int row, int k, const char* what,
+                          const char* operand) {
+        const uint64_t start = (desc & 0x3fffu) << 4, lbo = ((desc >> 16) & 0x3fffu) << 4,
+                       sbo = ((desc >> 32) & 0x3fffu) << 4;
+        const unsigned base_offset = static_cast<unsigned>((desc >> 49) & 7), layout = static_cast<unsigned>(desc >> 62);
+        if (layout != 1 || base_offset != 0 || (start & 0x380))
+            fail(format("%s: %s %s descriptor 0x%016llx: the emulator supports the 128-byte swizzle (layout 1) "
+                        "with base offset 0, whose start must lie in the first 128 bytes of a 1024-byte aligned "
+                        "block (got layout %u, base offset %u, start %llu)%s",
+                        who(f.tid).c_str(), what, operand, static_cast<unsigned long long>(desc), layout, base_offset,
+                        static_cast<unsigned long long>(start), location(f.op_pc).c_str()));
+        uint64_t a = mn_major ? start + (row / 64) * lbo + (k / 8) * sbo + (k % 8) * 128 + (row % 64) * 2
+                              : start + (row / 8) * sbo + (row % 8) * 128 + k * 2;
+        a ^= ((a >> 7) & 7) << 4;
+        if (a + 2 > smem_size)
+            fail(format("%s: %s %s element (%d, k %d) at shared offset %llu is outside the %zu bytes of dynamic "
+                        "shared memory (descriptor 0x%016llx)%s",
+                        who(f.tid).c_str(), what, operand, row, k, static_cast<unsigned long long>(a), smem_size,
+                        static_cast<unsigned long long>(desc), location(f.op_pc).c_str()));
+        return static_cast<size_t>(a);
+    }
+
+    // One element read by the tensor core: recorded for the retirement check;
+    // with race checking, ordered after its write (barrier, and the writer's
+    // fence.proxy.async after the write) and recorded as a read by `reader`.
+    uint16_t wgmma_read(Fiber& reader, size_t off, WgmmaRead& rec, const char* what) {
+        uint16_t e;
+        std::memcpy(&e, smem + off, 2);
+        rec.offsets.push_back(off);
+        rec.bytes.push_back(smem[off]);
+        rec.bytes.push_back(smem[off + 1]);
+        if (race) {
+            for (size_t i = off; i < off + 2; ++i) {
+                const Shadow& s = shadow[i];
+                if (s.w_epoch != 0 && !s.pending && fibers[s.w_tid].proxy_fences <= s.w_proxy)
+                    fail(format("%s reads shared offset %zu, written by %s%s, which ran no fence.proxy.async "
+                                "after that write: the tensor core (async proxy) may not see it%s",
+                                what, i, who(s.w_tid).c_str(), location(s.w_pc).c_str(),
+                                location(reader.op_pc).c_str()));
+            }
+            access(&reader, reinterpret_cast<uintptr_t>(smem + off), 2, false, reader.op_pc, " in wgmma");
+        }
+        return e;
+    }
+
+    void finish_wgmma(int first) {
+        Fiber& f0 = fibers[first];
+        const auto* args0 = static_cast<const WgmmaArgs*>(f0.op_args);
+        const int N = args0->n;
+        const bool a_regs = args0->a != nullptr, trans_b = args0->trans_b != 0;
+        const char* what = op_name(Op::Wgmma, f0.op_variant);
+        auto cvt = args0->kind == CFEMU_MMA_F16 ? half_to_double : bf16_to_double;
+        auto rec = std::make_shared<WgmmaRead>();
+        rec->pc = f0.op_pc;
+        std::vector<double> A(64 * 16), B(16 * N), C(64 * N, 0.0);
+        // A: rows 16w .. 16w + 15 belong to warp w (its lane 0 is the reader of record).
+        for (int w = 0; w < 4; ++w) {
+            Fiber& owner = fibers[first + 32 * w];
+            for (int l = 0; l < 32; ++l) {
+                const auto* m = static_cast<const WgmmaArgs*>(fibers[first + 32 * w + l].op_args);
+                const int g = l >> 2, t = l & 3;
+                if (a_regs) {
+                    for (int i = 0; i < 8; ++i) {
+                        const uint32_t h = (m->a[i >> 1] >> (16 * (i & 1))) & 0xffffu;
+                        const int row = 16 * w + g + 8 * ((i >> 1) & 1), col = 2 * t + (i & 1) + 8 * (i >> 2);
+                        A[row * 16 + col] = cvt(h);
+                    }
+                }
+            }
+            if (!a_regs)
+                for (int r = 16 * w; r < 16 * w + 16; ++r)
+                    for (int k = 0; k < 16; ++k)
+                        A[r * 16 + k] =
+                            cvt(wgmma_read(owner, operand_offset(owner, args0->desc_a, false, r, k, what, "A"), *rec,
+                                           what));
+        }
+        // B: read by every warp of the group (lane 0 of each is the reader of record).
+        for (int n = 0; n < N; ++n)
+            for (int k = 0; k < 16; ++k) {
+                const size_t off = operand_offset(f0, args0->desc_b, trans_b, n, k, what, "B");
+                B[k * N + n] = cvt(wgmma_read(f0, off, *rec, what));
+                if (race)
+                    for (int w = 1; w < 4; ++w)
+                        access(&fibers[first + 32 * w], reinterpret_cast<uintptr_t>(smem + off), 2, false,
+                               f0.op_pc, " in wgmma");
+            }
+        // C: the thread's registers, or the result of its own wgmma in flight on them (a chain).
+        const int cols = N / 4;
+        std::vector<const float*> c_src(128);
+        for (int i = 0; i < 128; ++i) {
+            Fiber& f = fibers[first + i];
+            const auto* m = static_cast<const WgmmaArgs*>(f.op_args);
+            const float* src = m->d;
+            for (const WgmmaPending& p : f.wg_pending)
+                if (p.d == m->d) {
+                    if (p.result.size() != static_cast<size_t>(N / 2))
+                        fail(format("%s: %s chains onto a wgmma in flight with another n%s", who(f.tid).c_str(),
+                                    what, location(f.op_pc).c_str()));
+                    src = p.result.data();
+                }
+            c_src[i] = src;
+            if (args0->accumulate) {
+                const int w = i >> 5, g = (i & 31) >> 2, t = i & 3;
+                for (int r = 0; r < 2; ++r)
+                    for (int c = 0; c < cols; ++c)
+                        C[(16 * w + 8 * r + g) * N + 8 * (c >> 1) + 2 * t + (c & 1)] = src[r * cols + c];
+            }
+        }
+        std::vector<float> D(64 * N);
+        for (int r = 0; r < 64; ++r)
+            for (int n = 0; n < N; ++n) {
+                double acc = C[r * N + n];
+                for (int k = 0; k < 16; ++k) acc += A[r * 16 + k] * B[k * N + n];
+                D[r * N + n] = static_cast<float>(acc);
+            }
+        for (int i = 0; i < 128; ++i) {
+            Fiber& f = fibers[first + i];
+            auto* m = static_cast<WgmmaArgs*>(f.op_args);
+            const int w = i >> 5, g = (i & 31) >> 2, t = i & 3;
+            WgmmaPending p;
+            p.group = f.wg_committed;
+            p.d = m->d;
+            p.result.resize(N / 2);
+            for (int r = 0; r < 2; ++r)
+                for (int c = 0; c < cols; ++c)
+                    p.result[r * cols + c] = D[(16 * w + 8 * r + g) * N + 8 * (c >> 1) + 2 * t + (c & 1)];
+            p.a = m->a;
+            if (m->a) std::memcpy(p.a_copy, m->a, sizeof(p.a_copy));
+            p.read = rec;
+            p.pc = f.op_pc;
+            f.wg_pending.push_back(std::move(p));
+            const float poison = std::numeric_limits<float>::quiet_NaN();
+            for (int e = 0; e < N / 2; ++e) m->d[e] = poison;  // undefined until the group retires
+        }
+    }
+
+    void wgmma_wait(Fiber* f, int n, const void* pc) {
+        if (n < 0 || n > 7) fail(format("%s: wgmma.wait_group %d (must be 0..7)%s", who(f->tid).c_str(), n,
+                                        location(pc).c_str()));
+        const uint32_t limit = f->wg_committed > static_cast<uint32_t>(n) ? f->wg_committed - n : 0;
+        size_t kept = 0;
+        bool retired = false;
+        for (size_t i = 0; i < f->wg_pending.size(); ++i) {
+            WgmmaPending& p = f->wg_pending[i];
+            if (p.group >= limit) {
+                if (kept != i) f->wg_pending[kept] = std::move(p);
+                ++kept;
+                continue;
+            }
+            retired = true;
+            if (p.a && std::memcmp(p.a, p.a_copy, sizeof(p.a_copy)) != 0)
+                fail(format("%s changed the A registers of a wgmma (issued%s) before wgmma.wait_group retired it%s",
+                            who(f->tid).c_str(), location(p.pc).c_str(), location(pc).c_str()));
+            if (!p.read->checked) {
+                p.read->checked = true;
+                for (size_t j = 0; j < p.read->offsets.size(); ++j) {
+                    const size_t off = p.read->offsets[j];
+                    if (smem[off] != p.read->bytes[2 * j] || smem[off + 1] != p.read->bytes[2 * j + 1])
+                        fail(format("shared offset %zu, read by a wgmma (issued%s), was overwritten before the "
+                                    "warpgroup's wgmma.wait_group retired it (found by %s%s)",
+                                    off, location(p.pc).c_str(), who(f->tid).c_str(), location(pc).c_str()));
+                }
+            }
+            std::memcpy(p.d, p.result.data(), p.result.size() * sizeof(float));
+        }
+        f->wg_pending.resize(kept);
+        if (retired) f->wg_fenced = false;
+    }
+
     // ---- cp.async --------------------------------------------------------------
 
     void cp_async(Fiber* f, char* dst, const char* src, int size, int src_bytes, const void* pc) {
@@ -773,6 +1047,11 @@ struct Launch {
                         who(f->tid).c_str(), f->copies.size(), f->copies.size() == 1 ? "y" : "ies", uncommitted,
                         location(f->copies.front().pc).c_str()));
         }
+        if (!f->wg_pending.empty())
+            fail(format("%s exits with %zu wgmma operation%s in flight (first issued%s); retire them with "
+                        "wgmma.wait_group",
+                        who(f->tid).c_str(), f->wg_pending.size(), f->wg_pending.size() == 1 ? "" : "s",
+                        location(f->wg_pending.front().pc).c_str()));
         f->state = St::Exited;
         --live;
         const int base = f->warp * 32;
@@ -801,6 +1080,9 @@ struct Launch {
             f.op = Op::None;
             f.copies.clear();
             f.committed = 0;
+            f.wg_fenced = false;
+            f.wg_committed = 0;
+            f.wg_pending.clear();  // proxy_fences keeps counting: shadow entries outlive a block
             context_init(f.context, stacks + static_cast<size_t>(f.tid) * stack_bytes + page_size(),
                          stack_bytes - page_size(), &Launch::fiber_main, &f);
         }
@@ -1151,6 +1433,33 @@ CFEMU_API void cfemu_cp_async_commit(void) {
 CFEMU_API void cfemu_cp_async_wait(int n) {
     Launch* L = current_launch("cp.async.wait_group");
     L->cp_async_wait(L->cur, n, __builtin_return_address(0));
+}
+
+CFEMU_API void cfemu_wgmma(int kind, int n, float* d, const uint32_t* a, uint64_t desc_a, uint64_t desc_b,
+                           int trans_b, int accumulate) {
+    Launch* L = current_launch("wgmma.mma_async");
+    WgmmaArgs w{kind, n, trans_b != 0, accumulate != 0, d, a, desc_a, desc_b};
+    L->wgmma_op(L->cur, &w, __builtin_return_address(0));
+}
+
+CFEMU_API void cfemu_wgmma_fence(void) {
+    Launch* L = current_launch("wgmma.fence");
+    L->cur->wg_fenced = true;
+}
+
+CFEMU_API void cfemu_wgmma_commit(void) {
+    Launch* L = current_launch("wgmma.commit_group");
+    ++L->cur->wg_committed;
+}
+
+CFEMU_API void cfemu_wgmma_wait(int n) {
+    Launch* L = current_launch("wgmma.wait_group");
+    L->wgmma_wait(L->cur, n, __builtin_return_address(0));
+}
+
+CFEMU_API void cfemu_fence_proxy_async(void) {
+    Launch* L = current_launch("fence.proxy.async");
+    ++L->cur->proxy_fences;
 }
 
 CFEMU_API void cfemu_trap(const char* what, const char* file, int line) {

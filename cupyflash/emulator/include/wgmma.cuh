@@ -1,0 +1,49 @@
+// wgmma.cuh (emulated) -- the CPU emulator's twin of cuda_src/wgmma.cuh.
+//
+// Same names, signatures and semantics.  A wgmma is a rendezvous of the
+// warpgroup's 128 threads in the emulator runtime, which reads the operands
+// through the descriptors (128-byte swizzle), computes the m64nNk16 product
+// and hands each thread its accumulators back at the wgmma.wait_group that
+// retires the group; until then they read as NaN.  The runtime checks the
+// ordering rules listed in the real header (fence before a batch, A registers
+// and shared memory unchanged until retirement, fence.proxy.async after the
+// writes a wgmma reads).  Keep the two headers in step.
+#pragma once
+
+#include "ptx.cuh"
+
+namespace cf {
+
+__device__ __forceinline__ void wgmma_fence() { cfemu_wgmma_fence(); }
+__device__ __forceinline__ void wgmma_commit() { cfemu_wgmma_commit(); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    static_assert(N >= 0 && N <= 7, "wgmma.wait_group takes an immediate in 0..7");
+    cfemu_wgmma_wait(N);
+}
+__device__ __forceinline__ void fence_proxy_async_shared() { cfemu_fence_proxy_async(); }
+
+// As the real header: bits 0-13 address >> 4, 16-29 LBO >> 4, 32-45 SBO >> 4,
+// 62-63 layout (1: 128-byte swizzle); the address is the shared-memory offset.
+__device__ __forceinline__ uint64_t wgmma_desc_sw128(const void* p, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+    const uint64_t addr = smem_addr(p);
+    return ((addr & 0x3ffffu) >> 4) | (static_cast<uint64_t>((lbo_bytes >> 4) & 0x3fffu) << 16) |
+           (static_cast<uint64_t>((sbo_bytes >> 4) & 0x3fffu) << 32) | (uint64_t(1) << 62);
+}
+
+template <typename T> struct WgmmaKind;
+template <> struct WgmmaKind<__half> { static constexpr int kValue = CFEMU_MMA_F16; };
+template <> struct WgmmaKind<__nv_bfloat16> { static constexpr int kValue = CFEMU_MMA_BF16; };
+
+template <typename T, int N>
+struct Wgmma {
+    static_assert(N % 64 == 0 && N <= 256, "the real header instantiates n = 64, 128, 192, 256");
+    __device__ static void ss(float (&d)[2][N / 4], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+        cfemu_wgmma(WgmmaKind<T>::kValue, N, &d[0][0], nullptr, desc_a, desc_b, 0, accumulate);
+    }
+    __device__ static void rs_mn(float (&d)[2][N / 4], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+        cfemu_wgmma(WgmmaKind<T>::kValue, N, &d[0][0], a, 0, desc_b, 1, accumulate);
+    }
+};
+
+}  // namespace cf
