@@ -14,14 +14,31 @@ shared_mem, params)``.
 from __future__ import annotations
 
 import importlib
+import os
 
 import numpy as np
 
-from ._kernels import MMA_HEAD_DIMS, Instantiation, instantiations, mma_name_expression, mma_tiles
+from ._kernels import (MMA_HEAD_DIMS, WGMMA_ARCH, WGMMA_HEAD_DIMS, Instantiation, by_name, instantiations,
+                       mma_name_expression, mma_tiles, wgmma_name_expression, wgmma_tiles)
 from ._launch import launch_config, v1_block_sizes
 from ._params import data_pointer, fwd_params
 
-__all__ = ["forward", "forward_v1", "select", "rows_aligned"]
+__all__ = ["forward", "forward_v1", "select", "rows_aligned", "wgmma_enabled"]
+
+# fwd_wgmma has not run on a GPU yet: it is opt-in until the GPU tier has checked it.
+WGMMA_ENV = "CUPYFLASH_WGMMA"
+
+
+# Set by the benchmarks to time fwd_wgmma without touching the environment (None: use it).
+wgmma_override: bool | None = None
+
+
+def wgmma_enabled() -> bool:
+    """Whether :func:`select` may pick fwd_wgmma on sm_90: ``CUPYFLASH_WGMMA=1`` (read
+    at each call). Off by default until the kernel has been checked on a GPU."""
+    if wgmma_override is not None:
+        return wgmma_override
+    return os.environ.get(WGMMA_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _dtype_name(dtype) -> str:
@@ -29,8 +46,12 @@ def _dtype_name(dtype) -> str:
 
 
 def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = False,
-           scale: float = 1.0) -> Instantiation:
+           scale: float = 1.0, wgmma: bool | None = None) -> Instantiation:
     """The instantiation :func:`forward` runs for these arguments.
+
+    ``fwd_wgmma`` (Hopper's wgmma, ``cuda_src/fwd_wgmma.cu``) where fwd_mma would
+    run on ``arch == 90`` in a head dim of :data:`~cupyflash._kernels.WGMMA_HEAD_DIMS`
+    and ``wgmma`` is true (default: :func:`wgmma_enabled`).  Otherwise:
 
     ``fwd_mma`` (tensor cores, ``cuda_src/fwd_mma.cu``) where it applies:
 
@@ -61,8 +82,12 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
     d, dv = int(head_dim), int(head_dim_v)
     bucket = mma_head_dim(name, d, dv, arch, aligned=aligned) if scale > 0 else None
     if bucket is not None:
-        wanted = mma_name_expression(name, bucket, *mma_tiles(arch)[bucket])
-        return next(r for r in instantiations() if r.name_expression == wanted)
+        if (int(arch) == WGMMA_ARCH and bucket in WGMMA_HEAD_DIMS
+                and (wgmma_enabled() if wgmma is None else wgmma)):
+            wanted = wgmma_name_expression(name, bucket, *wgmma_tiles()[bucket])
+        else:
+            wanted = mma_name_expression(name, bucket, *mma_tiles(arch)[bucket])
+        return by_name()[wanted]
     bucket = simt_bucket("fwd_simt", name, d, dv)
     return next(r for r in instantiations()
                 if r.family == "fwd_simt" and r.dtype == name and r.head_dim == bucket)
@@ -137,8 +162,8 @@ def forward(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio, e
     """out (and lse) = attention(q, k, v) with fwd_mma or fwd_simt (FlashAttention-2 order).
 
     :func:`select` picks the kernel: fwd_mma for float16/bfloat16 on sm_80+
-    with ``d == dv <= 256``, 16-byte aligned rows and ``scale > 0``, fwd_simt
-    otherwise.
+    with ``d == dv <= 256``, 16-byte aligned rows and ``scale > 0`` (fwd_wgmma
+    instead on sm_90 where enabled), fwd_simt otherwise.
 
     Rows that see no key (including every row when Lk = 0) get zeros and
     lse = -inf.  Nothing is launched when there are no query rows.

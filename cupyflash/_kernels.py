@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 __all__ = ["Instantiation", "instantiations", "HEAD_DIM_BUCKETS", "MMA_HEAD_DIMS", "mma_arch_class",
            "mma_tiles", "mma_name_expression", "bwd_mma_name_expressions", "bwd_mma_shared_bytes",
-           "launchable", "by_name"]
+           "launchable", "by_name", "WGMMA_HEAD_DIMS", "wgmma_tiles", "wgmma_name_expression",
+           "compile_target"]
 
 
 @dataclass(frozen=True)
@@ -28,8 +29,8 @@ class Instantiation:
     threads: int           # threads per block
     block_m: int = 0       # query rows per CTA (0: chosen at run time, fwd_v1)
     block_n: int = 0       # keys per K/V block (0: chosen at run time, fwd_v1)
-    kv_stages: int = 0     # fwd_mma: K/V buffer pairs, bwd_mma: streamed tile buffers (1 or 2; 0 otherwise)
-    lazy_rescale: bool = False  # fwd_mma: rescale the output only when a row max moves far
+    kv_stages: int = 0     # fwd_mma/fwd_wgmma: K/V buffer pairs, bwd_mma: streamed tile buffers (1 or 2)
+    lazy_rescale: bool = False  # fwd_mma/fwd_wgmma: rescale the output only when a row max moves far
 
 
 # C++ spelling of each dtype in name expressions.
@@ -114,6 +115,7 @@ def _catalogue() -> tuple[Instantiation, ...]:
             dtype=dtype, head_dim=HEAD_DIM_BUCKETS[-1], head_dim_v=HEAD_DIM_BUCKETS[-1],
             threads=_V1_THREADS))
     rows.extend(_mma_instantiations())
+    rows.extend(_wgmma_instantiations())
     rows.extend(_backward_instantiations())
     return tuple(rows)
 
@@ -220,9 +222,13 @@ def mma_name_expression(dtype: str, head_dim: int, block_m: int, block_n: int, w
 
 def launchable(arch: int) -> frozenset[str]:
     """Name expressions of the catalogue rows some call may launch on compute capability
-    ``arch``: every SIMT and fwd_v1 row, and the tensor-core rows of ``arch``'s class
-    (none below sm_80) -- what :func:`cupyflash.precompile` compiles for a device."""
-    names = {r.name_expression for r in instantiations() if r.family not in ("fwd_mma", "bwd_mma")}
+    ``arch``: every SIMT and fwd_v1 row, the tensor-core rows of ``arch``'s class
+    (none below sm_80), and on sm_90 exactly the fwd_wgmma rows -- what
+    :func:`cupyflash.precompile` compiles for a device."""
+    names = {r.name_expression for r in instantiations()
+             if r.family not in ("fwd_mma", "bwd_mma", "fwd_wgmma")}
+    if int(arch) == WGMMA_ARCH:
+        names.update(r.name_expression for r in instantiations() if r.family == "fwd_wgmma")
     tiles = mma_tiles(arch)
     if tiles is not None:
         for dtype in _MMA_DTYPES:
@@ -246,6 +252,68 @@ def _mma_instantiations() -> list[Instantiation]:
                     head_dim=head_dim, head_dim_v=head_dim, threads=32 * warps, block_m=block_m,
                     block_n=block_n, kv_stages=stages, lazy_rescale=lazy))
     return list(rows.values())
+
+# ---- fwd_wgmma: Hopper's warpgroup mma (wgmma.mma_async), float16 / bfloat16, sm_90a ----------
+
+# The compute capability whose sm_90a target fwd_wgmma is built for: wgmma and
+# the "a" target run on 9.0 devices only (H100, H200, GH200), not on later ones.
+WGMMA_ARCH = 90
+# Kernels built for an architecture-specific target: entry -> {arch: target}.
+# CuPy's RawModule compiles for the device's plain sm_XX, so the loader compiles
+# these itself (cupyflash/_loader.py); the static report only for the arch listed.
+_ARCH_SPECIFIC = {"fwd_wgmma.cu": {"sm_90": "sm_90a"}}
+
+
+def compile_target(entry: str, arch: str) -> str | None:
+    """The NVRTC target ``cuda_src/<entry>`` is built for on ``arch`` (``"sm_90"``):
+    ``arch`` itself, its architecture-specific target (``"sm_90a"`` for fwd_wgmma), or
+    None where the entry has no kernels for ``arch``."""
+    targets = _ARCH_SPECIFIC.get(entry)
+    return arch if targets is None else targets.get(arch)
+
+
+# Head dims with wgmma kernels: whole 64-column pages of the 128-byte-swizzled
+# tiles.  The tensor-core head dims in between (32, 96, 160, 224) keep fwd_mma:
+# padding them to the next page would add 33-100 % of work.
+WGMMA_HEAD_DIMS = (64, 128, 192, 256)
+
+# (block_n, warpgroups, lazy_rescale) per head dim.  A CTA owns 64 query rows
+# per warpgroup (each warp 16, the rows of its m64 slice); K/V double-buffered.
+# Per thread: S block_n / 2 floats, O d / 2 floats, P block_n / 4 registers.
+# Shared memory (Q + 2 x (K + V)) x 2 bytes + 1 KB of alignment slack.
+# Registers from the static report (NVRTC 13.5, sm_90a), no spills; not yet
+# timed on a GPU (benchmarks/gpu_check.sh times each row against fwd_mma).
+_WGMMA_TILES = {
+    64: (128, 2, True),     # 128 rows, 81 KB: 2 CTAs x 8 warps per SM
+    128: (128, 2, True),    # 204 regs, 161 KB: 1 CTA of 8 warps (FA3's 128 x 128 non-causal tile, without
+                            # its producer warpgroup)
+    192: (64, 2, True),     # 121 KB: 1 CTA of 8 warps
+    256: (64, 2, True),     # 161 KB: 1 CTA of 8 warps (O is 128 floats per thread)
+}
+
+
+def wgmma_tiles() -> dict[int, tuple[int, int, bool]]:
+    """``{head_dim: (block_n, warpgroups, lazy_rescale)}`` of fwd_wgmma (sm_90 only)."""
+    return dict(_WGMMA_TILES)
+
+
+def wgmma_name_expression(dtype: str, head_dim: int, block_n: int, warpgroups: int,
+                          lazy_rescale: bool) -> str:
+    """``cf::fwd_wgmma_kernel<T, head_dim, block_n, warpgroups, lazy_rescale>``."""
+    return (f"cf::fwd_wgmma_kernel<{_CXX_TYPE[dtype]}, {head_dim}, {block_n}, {warpgroups}, "
+            f"{'true' if lazy_rescale else 'false'}>")
+
+
+def _wgmma_instantiations() -> list[Instantiation]:
+    rows = []
+    for dtype in _MMA_DTYPES:
+        for head_dim, (block_n, groups, lazy) in _WGMMA_TILES.items():
+            rows.append(Instantiation(
+                family="fwd_wgmma", entry="fwd_wgmma.cu",
+                name_expression=wgmma_name_expression(dtype, head_dim, block_n, groups, lazy),
+                dtype=dtype, head_dim=head_dim, head_dim_v=head_dim, threads=128 * groups,
+                block_m=64 * groups, block_n=block_n, kv_stages=2, lazy_rescale=lazy))
+    return rows
 
 # ---- backward ----------------------------------------------------------------------------------
 

@@ -3,7 +3,8 @@
 One function, :func:`launch_config`, used by the GPU path and the emulator
 alike, so both run a kernel with the same geometry.  The shared-memory sizes
 mirror the kernels' own arithmetic (``SimtFwdTraits::kSmemBytes`` in
-``cuda_src/fwd_simt.cu``, ``MmaFwdTraits::kSmemBytes`` in ``cuda_src/fwd_mma.cu``;
+``cuda_src/fwd_simt.cu``, ``MmaFwdTraits::kSmemBytes`` in ``cuda_src/fwd_mma.cu``,
+``WgmmaFwdTraits::kSmemBytes`` in ``cuda_src/fwd_wgmma.cu``;
 the buffer list at the top of ``fwd_v1_kernel``).
 """
 
@@ -56,6 +57,12 @@ def _mma_shared_bytes(inst: Instantiation) -> int:
     return (inst.block_m + 2 * inst.kv_stages * inst.block_n) * inst.head_dim * 2
 
 
+def _wgmma_shared_bytes(inst: Instantiation) -> int:
+    # WgmmaFwdTraits::kSmemBytes: Q, then 2 x (K, V), 16-bit elements, and 1 KB
+    # to align the tiles to 1024 bytes.
+    return (inst.block_m + 2 * inst.kv_stages * inst.block_n) * inst.head_dim * 2 + 1024
+
+
 def _v1_shared_bytes(inst: Instantiation, block_m: int, block_n: int, head_dim: int,
                      head_dim_v: int) -> int:
     elements = (block_n * (head_dim + head_dim_v) + block_m * (head_dim + head_dim_v)
@@ -97,11 +104,11 @@ def launch_config(inst: Instantiation, *, batch: int, heads: int, seqlen_q: int,
     if inst.family == "fwd_simt":
         ctas = -(-seqlen_q // inst.block_m) * heads * batch
         shared = _simt_shared_bytes(inst)
-    elif inst.family == "fwd_mma":
+    elif inst.family in ("fwd_mma", "fwd_wgmma"):
         if -(-seqlen_k // inst.block_n) > _MAX_GRID_X:   # the kernel counts key blocks in 32 bits
-            raise ValueError(f"fwd_mma: seqlen_k={seqlen_k} has more than 2**31 - 1 key blocks")
+            raise ValueError(f"{inst.family}: seqlen_k={seqlen_k} has more than 2**31 - 1 key blocks")
         ctas = -(-seqlen_q // inst.block_m) * heads * batch
-        shared = _mma_shared_bytes(inst)
+        shared = _mma_shared_bytes(inst) if inst.family == "fwd_mma" else _wgmma_shared_bytes(inst)
     elif inst.family == "fwd_v1":
         if sram_size is None:
             raise ValueError("fwd_v1 needs `sram_size` (Algorithm 1's M, in elements)")

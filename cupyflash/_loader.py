@@ -180,13 +180,90 @@ class ModuleCache:
                 self._smem_limits[fid] = nbytes
 
 
+def _cache_dir() -> str:
+    """Where architecture-specific cubins are kept: ``cupyflash/`` in CuPy's kernel cache."""
+    root = os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
+    return os.path.join(root, "cupyflash")
+
+
+class _CubinModule:
+    """A cubin built here for an architecture-specific target, loaded as a ``cupy.RawModule``.
+
+    CuPy's RawModule compiles for the device's plain ``sm_XX`` (it appends its own
+    ``-arch``), but wgmma needs ``sm_90a``: :func:`_compile_arch_specific` compiles
+    with NVRTC directly and this wrapper maps name expressions to the mangled names
+    NVRTC reported, so the module answers ``get_function(name_expression)`` like one
+    built with ``name_expressions``.
+    """
+
+    def __init__(self, path: str, lowered: dict[str, str]) -> None:
+        import cupy
+
+        self._module = cupy.RawModule(path=path)
+        self._lowered = dict(lowered)
+
+    def get_function(self, name_expression: str):
+        return self._module.get_function(self._lowered[name_expression])
+
+
+def _compile_arch_specific(entry: str, name_expressions: tuple[str, ...], target: str) -> _CubinModule:
+    """Compile ``name_expressions`` of ``cuda_src/<entry>`` for ``target`` (e.g. ``"sm_90a"``)
+    with NVRTC and load the cubin; cached on disk by source, options, NVRTC version and names."""
+    import hashlib
+    import json
+
+    from ._report import _include_options, _nvrtc
+
+    nvrtc = _nvrtc()
+    source = module_source(entry)
+    options = COMPILE_OPTIONS + _include_options() + (
+        f"-arch={target}", "--device-as-default-execution-space", "-ftz=true")
+    key = hashlib.sha256("\0".join((source, *options, repr(nvrtc.version), *name_expressions))
+                         .encode()).hexdigest()[:32]
+    directory = _cache_dir()
+    cubin_path = os.path.join(directory, f"{key}.cubin")
+    names_path = os.path.join(directory, f"{key}.json")
+    try:
+        with open(names_path) as f:
+            lowered = json.load(f)
+        if set(lowered) != set(name_expressions) or not os.path.isfile(cubin_path):
+            raise FileNotFoundError(cubin_path)
+    except (OSError, ValueError):
+        try:
+            _log, cubin, lowered = nvrtc.compile(source, name_expressions, options, f"cuda_src/{entry}")
+        except Exception as error:
+            _add_note(error, f"cupyflash: while compiling {', '.join(name_expressions)} "
+                             f"from cuda_src/{entry} for {target}")
+            raise
+        os.makedirs(directory, exist_ok=True)
+        # Written under temporary names, then renamed: a concurrent process never
+        # sees a partial file, and the names file (checked first) lands last.
+        for path, data in ((cubin_path, cubin), (names_path, json.dumps(lowered).encode())):
+            tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+    return _CubinModule(cubin_path, lowered)
+
+
 def _compile_rawmodule(device_id: int) -> Callable[[str, tuple[str, ...]], object]:
-    """A compile function building ``cupy.RawModule`` objects on ``device_id``."""
+    """A compile function building ``cupy.RawModule`` objects on ``device_id`` (or, for
+    entries with an architecture-specific target such as fwd_wgmma's sm_90a, a
+    :class:`_CubinModule`)."""
 
     def compile_module(entry: str, name_expressions: tuple[str, ...]):
         import cupy
 
+        from ._kernels import compile_target
+
         with cupy.cuda.Device(device_id):
+            arch = f"sm_{cupy.cuda.Device(device_id).compute_capability}"
+            target = compile_target(entry, arch)
+            if target is None:
+                raise RuntimeError(f"cupyflash: cuda_src/{entry} has no kernels for {arch} "
+                                   f"(device {device_id})")
+            if target != arch:
+                return _compile_arch_specific(entry, name_expressions, target)
             module = cupy.RawModule(code=module_source(entry), options=COMPILE_OPTIONS,
                                     name_expressions=list(name_expressions))
             try:

@@ -111,6 +111,13 @@ SM_LIMITS: dict[int, SMLimits] = {
 }
 
 
+def _target_name(arch) -> str:
+    """``"sm_90"``, ``"90"``, ``90`` -> ``"sm_90"``; ``"sm_90a"`` -> ``"sm_90a"`` (an
+    architecture-specific target keeps its suffix)."""
+    suffix = "a" if str(arch).endswith("a") else ""
+    return f"sm_{_arch_number(arch)}{suffix}"
+
+
 def _arch_number(arch) -> int:
     """``"sm_90"``, ``"90"`` or ``90`` -> 90."""
     text = str(arch)
@@ -261,7 +268,7 @@ def nvrtc_options(arch) -> tuple[str, ...]:
     nvrtc = _nvrtc()
     extra = ("--no-cache",) if nvrtc.version >= (12, 9) else ()
     return (COMPILE_OPTIONS + _include_options()
-            + (f"-arch=sm_{_arch_number(arch)}", "--device-as-default-execution-space",
+            + (f"-arch={_target_name(arch)}", "--device-as-default-execution-space",
                "-ftz=true", "--ptxas-options=-v") + extra)
 
 
@@ -430,7 +437,7 @@ def compile_report(source: str, name_expressions: Iterable[str], arch="sm_80", *
     Cached in-process by (source, name expressions, arch, sass).
     """
     names = tuple(dict.fromkeys(name_expressions))
-    arch_name = f"sm_{_arch_number(arch)}"
+    arch_name = _target_name(arch)
     key = (source, names, arch_name, sass)
 
     def build() -> ModuleReport:
@@ -496,13 +503,18 @@ def kernel_report(archs: Sequence = ("sm_80",), instantiations=None, *,
     groups: dict[str, list] = {}
     for inst in rows_in:
         groups.setdefault(inst.entry, []).append(inst)
-    jobs = [(entry, arch) for arch in arch_names for entry in groups]
+    # An entry with an architecture-specific target (fwd_wgmma: sm_90a) is compiled
+    # for that target on its arch and not at all on the others.
+    from ._kernels import compile_target
+
+    jobs = [(entry, arch) for arch in arch_names for entry in groups
+            if compile_target(entry, arch) is not None]
     sources = {entry: module_source(entry) for entry in groups}
 
     def run(job):
         entry, arch = job
         names = [inst.name_expression for inst in groups[entry]]
-        return job, compile_report(sources[entry], names, arch, sass=sass,
+        return job, compile_report(sources[entry], names, compile_target(entry, arch), sass=sass,
                                    filename=f"cuda_src/{entry}")
 
     workers = max_workers or max(1, min(len(jobs), os.cpu_count() or 1))
@@ -512,7 +524,9 @@ def kernel_report(archs: Sequence = ("sm_80",), instantiations=None, *,
     rows = []
     for arch in arch_names:
         for inst in rows_in:
-            module = modules[(inst.entry, arch)]
+            module = modules.get((inst.entry, arch))
+            if module is None:
+                continue
             fn = module.functions[inst.name_expression]
             dynamic = _dynamic_shared_bytes(inst)
             shared = fn.static_shared_bytes + dynamic
@@ -526,7 +540,7 @@ def kernel_report(archs: Sequence = ("sm_80",), instantiations=None, *,
                 shared_bytes=shared, spill_stores=fn.spill_stores, spill_loads=fn.spill_loads,
                 stack_bytes=fn.stack_bytes, barriers=fn.barriers, occupancy=blocks,
                 occupancy_limit=limiter, occupancy_warps=blocks * -(-inst.threads // 32),
-                sass=fn.sass, compile_seconds=round(module.compile_seconds, 3),
+                sass=fn.sass, compile_seconds=round(module.compile_seconds, 3), target=module.arch,
                 mangled=fn.mangled))
     return rows
 
@@ -540,7 +554,7 @@ DEFAULT_ARCHS = ARCHS
 
 # SASS opcodes shown in the table: tensor-core mma, ldmatrix, cp.async,
 # local-memory traffic (must be 0), FP32 FMA, special-function unit (exp2).
-SASS_COLUMNS = ("HMMA", "LDSM", "LDGSTS", "LDL", "STL", "FFMA", "MUFU")
+SASS_COLUMNS = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "LDL", "STL", "FFMA", "MUFU")
 
 
 def _parser() -> argparse.ArgumentParser:

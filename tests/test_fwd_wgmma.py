@@ -1,0 +1,259 @@
+"""fwd_wgmma, the Hopper forward kernel (cuda_src/fwd_wgmma.cu, sm_90a), without a GPU.
+
+Dispatch: fwd_wgmma is opt-in (``CUPYFLASH_WGMMA=1``) on compute capability 9.0
+only, for the head dims of whole 64-column pages.
+
+Static tier: every fwd_wgmma row compiled offline by NVRTC for sm_90a (its only
+target) -- no spills, no stack, no local memory; the SASS issues HGMMA
+(wgmma) and cp.async and no ldmatrix (the tensor cores read Q, K and V from
+shared memory through descriptors).
+
+Emulated tier: the emulator's wgmma (cupyflash/emulator/include/wgmma.cuh)
+against NumPy, each ordering rule of cuda_src/wgmma.cuh broken on purpose
+(tests/emulator_planted/wgmma_planted.cu), then the kernel itself through
+:func:`cupyflash._gpu.forward` on an emulated sm_90, with the accuracy
+criterion of tests/test_fwd_mma.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cupyflash import _gpu, _kernels, _report
+from cupyflash._kernels import WGMMA_HEAD_DIMS, compile_target, instantiations, launchable
+from cupyflash._launch import launch_config
+from cupyflash.emulator import EmulatorError, EmulatorExecutor, emulator_available
+
+from _util import bfloat16, poisoned, random_array
+from test_fwd_mma import HALF_DTYPES, HALF_IDS, qkv, run_mma
+
+WGMMA_ROWS = [r for r in instantiations() if r.family == "fwd_wgmma"]
+PROBE = str(Path(__file__).resolve().parent / "emulator_planted" / "wgmma_planted.cu")
+
+_OK, _WHY = emulator_available()
+needs_emulator = pytest.mark.skipif(not _OK, reason=f"CPU emulator unavailable: {_WHY}")
+
+
+# ---- the catalogue and the dispatcher -----------------------------------------------------------
+
+def test_select_picks_fwd_wgmma_only_on_sm90_when_enabled(monkeypatch):
+    monkeypatch.delenv(_gpu.WGMMA_ENV, raising=False)
+    assert not _gpu.wgmma_enabled()
+    for dtype in HALF_IDS:
+        for d in (64, 100, 128, 192, 256):
+            bucket = min(b for b in WGMMA_HEAD_DIMS if b >= d)
+            on = _gpu.select(dtype, d, d, 90, aligned=True, wgmma=True)
+            assert (on.family, on.head_dim) == ("fwd_wgmma", bucket)
+            assert _gpu.select(dtype, d, d, 90, aligned=True).family == "fwd_mma"  # default: off
+            for arch in (80, 86, 89, 100, 120):
+                assert _gpu.select(dtype, d, d, arch, aligned=True, wgmma=True).family == "fwd_mma"
+        for d in (32, 96, 160, 224):   # between pages: fwd_mma's own head dims
+            assert _gpu.select(dtype, d, d, 90, aligned=True, wgmma=True).family == "fwd_mma"
+        assert _gpu.select(dtype, 64, 64, 90, aligned=False, wgmma=True).family == "fwd_simt"
+        assert _gpu.select(dtype, 64, 64, 90, aligned=True, scale=-1.0, wgmma=True).family == "fwd_simt"
+        assert _gpu.select(dtype, 64, 48, 90, aligned=True, wgmma=True).family == "fwd_simt"
+    monkeypatch.setenv(_gpu.WGMMA_ENV, "1")
+    assert _gpu.select("bfloat16", 128, 128, 90, aligned=True).family == "fwd_wgmma"
+    monkeypatch.setenv(_gpu.WGMMA_ENV, "0")
+    assert _gpu.select("bfloat16", 128, 128, 90, aligned=True).family == "fwd_mma"
+
+
+def test_only_sm90_compiles_and_launches_fwd_wgmma():
+    names = {r.name_expression for r in WGMMA_ROWS}
+    assert len(WGMMA_ROWS) == 2 * len(WGMMA_HEAD_DIMS)
+    assert names <= launchable(90)
+    for arch in (80, 86, 89, 100, 120):
+        assert not names & launchable(arch)
+    assert compile_target("fwd_wgmma.cu", "sm_90") == "sm_90a"
+    assert compile_target("fwd_wgmma.cu", "sm_80") is None
+    assert compile_target("fwd_mma.cu", "sm_90") == "sm_90"
+
+
+def test_launch_config_and_shared_memory():
+    for inst in WGMMA_ROWS:
+        grid, block, shared = launch_config(inst, batch=2, heads=3, seqlen_q=1000, seqlen_k=77)
+        assert block == (inst.threads, 1, 1) and inst.threads == 2 * inst.block_m
+        assert grid == (2 * 3 * -(-1000 // inst.block_m), 1, 1)
+        assert shared == (inst.block_m + 4 * inst.block_n) * inst.head_dim * 2 + 1024
+        assert shared <= 227 * 1024
+
+
+# ---- static: NVRTC for sm_90a -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def report():
+    return _report.kernel_report(("sm_80", "sm_90"), WGMMA_ROWS)
+
+
+def test_every_wgmma_kernel_compiles_for_sm90a_without_spills(report):
+    assert {(r["arch"], r["target"], r["name"]) for r in report} == \
+        {("sm_90", "sm_90a", r.name_expression) for r in WGMMA_ROWS}
+    for r in report:
+        sass = r["sass"]
+        assert not (r["spill_stores"] or r["spill_loads"] or r["stack_bytes"]), r["name"]
+        assert not (sass.get("LDL") or sass.get("STL")), r["name"]
+        assert r["occupancy"] >= 1 and r["registers"] <= 255, r["name"]
+
+
+def test_sass_issues_hgmma_per_key_block_and_no_ldmatrix(report):
+    # Per key block a warpgroup issues d/16 wgmma for S = Q K^T and block_n/16 for O += P V.
+    insts = {i.name_expression: i for i in WGMMA_ROWS}
+    for r in report:
+        inst, sass = insts[r["name"]], r["sass"]
+        assert sass.get("HGMMA") == inst.head_dim // 16 + inst.block_n // 16, (r["name"], sass.get("HGMMA"))
+        assert not sass.get("HMMA") and not sass.get("LDSM"), r["name"]
+        assert sass.get("LDGSTS", 0) > 0 and sass.get("MUFU", 0) > 0, r["name"]
+
+
+# ---- emulated: the wgmma instruction and its ordering rules -------------------------------------
+
+@pytest.fixture(scope="module")
+def probe_ex():
+    e = EmulatorExecutor(arch=90, seed=3, shuffle=True, race_check=True)
+    e.compile(PROBE, ["wgmma_probe<true>", "wgmma_probe<false>"])
+    return e
+
+
+def _probe(executor, regs_a: bool, flags: int = 0):
+    from test_emulator import planted_params
+
+    rng = np.random.default_rng(21)
+    inp = rng.standard_normal(2048).astype(np.float32)
+    out = np.full(64 * 64, np.nan, np.float32)
+    executor.launch(PROBE, f"wgmma_probe<{'true' if regs_a else 'false'}>", 1, 128,
+                    2 * 64 * 64 * 2, planted_params(inp, out, None, 0, flags))
+    return inp, out.reshape(64, 64)
+
+
+def _bf16_round(x):
+    bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff0000
+    return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+@needs_emulator
+@pytest.mark.parametrize("regs_a", [False, True], ids=["A-shared", "A-registers"])
+def test_wgmma_product_matches_numpy(probe_ex, regs_a):
+    inp, out = _probe(probe_ex, regs_a)
+    a, b = _bf16_round(inp[:1024]).reshape(64, 16), _bf16_round(inp[1024:]).reshape(16, 64)
+    np.testing.assert_allclose(out, a @ b, rtol=1e-6, atol=1e-6)
+
+
+@needs_emulator
+@pytest.mark.parametrize("regs_a, flags, match", [
+    (False, 1, "no fence.proxy.async"),
+    (True, 1, "no fence.proxy.async"),
+    (False, 2, "without a wgmma.fence"),
+    (True, 8, "race|overwritten"),
+    (True, 16, "changed the A registers"),
+    (False, 32, "in flight"),
+], ids=["no-proxy-fence", "no-proxy-fence-rs", "no-wgmma-fence", "smem-overwritten", "a-regs-changed",
+        "no-wait"])
+def test_broken_ordering_rules_are_reported(probe_ex, regs_a, flags, match):
+    with pytest.raises(EmulatorError, match=match):
+        _probe(probe_ex, regs_a, flags)
+
+
+@needs_emulator
+def test_accumulators_read_before_the_wait_are_poison(probe_ex):
+    _, out = _probe(probe_ex, False, 4)
+    assert np.isnan(out).all()
+
+
+# ---- emulated: the kernel ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ex90():
+    return EmulatorExecutor(arch=90, seed=2090, shuffle=True, race_check=True)
+
+
+@pytest.fixture
+def wgmma_on(monkeypatch):
+    monkeypatch.setenv(_gpu.WGMMA_ENV, "1")
+
+
+@needs_emulator
+@pytest.mark.parametrize("inst", WGMMA_ROWS, ids=lambda r: f"{r.dtype}-d{r.head_dim}")
+def test_every_instantiation_matches_oracle_with_tails_and_causal_mask(ex90, wgmma_on, inst):
+    if inst.dtype == "bfloat16" and bfloat16 is None:
+        pytest.skip("needs ml_dtypes")
+    dtype = bfloat16 if inst.dtype == "bfloat16" else np.dtype(inst.dtype)
+    rng = np.random.default_rng(inst.head_dim)
+    # Tails in both axes: a partial query block and a partial key block.
+    q, k, v = qkv(rng, dtype, seqlen_q=inst.block_m + 19, seqlen_k=2 * inst.block_n + 21,
+                  head_dim=inst.head_dim)
+    run_mma(ex90, q, k, v, family="fwd_wgmma")
+    run_mma(ex90, q, k, v, window=(None, 0), family="fwd_wgmma")
+
+
+@needs_emulator
+@pytest.mark.parametrize("head_dim", [40, 104, 184, 248], ids=["d40", "d104", "d184", "d248"])
+def test_padded_head_dims_match_oracle(ex90, wgmma_on, head_dim):
+    # Columns beyond d are zero-filled in shared memory and never stored (rows stay 16-byte aligned).
+    rng = np.random.default_rng(head_dim)
+    q, k, v = qkv(rng, np.float16, batch=2, seqlen_q=70, seqlen_k=90, head_dim=head_dim)
+    run_mma(ex90, q, k, v, family="fwd_wgmma")
+
+
+@needs_emulator
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(150, 100), (70, 300)], ids=["lq>lk", "lq<lk"])
+@pytest.mark.parametrize("window", [(None, 0), (16, 0), (5, 40), (130, None)],
+                         ids=["causal", "w16-0", "w5-40", "w130-N"])
+def test_masks_match_oracle(ex90, wgmma_on, seqlen_q, seqlen_k, window):
+    rng = np.random.default_rng(seqlen_q * 3 + seqlen_k)
+    q, k, v = qkv(rng, np.float16, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=64)
+    run_mma(ex90, q, k, v, window=window, family="fwd_wgmma")
+
+
+@needs_emulator
+def test_rows_with_no_key_are_zero_with_lse_minus_inf(ex90, wgmma_on):
+    rng = np.random.default_rng(7)
+    q, k, v = qkv(rng, np.float16, seqlen_q=300, seqlen_k=40, head_dim=64)
+    out, lse = run_mma(ex90, q, k, v, window=(None, 0), family="fwd_wgmma")
+    assert (out[:, :, :260] == 0).all()
+    assert np.isneginf(lse[:, :, :260]).all() and np.isfinite(lse[:, :, 260:]).all()
+    out, lse = run_mma(ex90, q, k, v, window=(0, 0), family="fwd_wgmma")
+    np.testing.assert_array_equal(out[0, 0, 260:], v[0, 0])
+
+
+@needs_emulator
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=HALF_IDS)
+def test_gqa_strides_and_transposed_views(ex90, wgmma_on, dtype):
+    rng = np.random.default_rng(12)
+    b, hkv, ratio, lq, lk, d = 2, 2, 2, 70, 90, 128
+    q = random_array(rng, (b, lq, hkv * ratio, d), dtype).transpose(0, 2, 1, 3)
+    k = random_array(rng, (b, hkv, 2 * lk, d), dtype)[:, :, ::2]
+    v = random_array(rng, (b, hkv, lk, d), dtype)[:, :, ::-1]
+    out = poisoned((b, lq, hkv * ratio, d), dtype).transpose(0, 2, 1, 3)
+    lse = poisoned((b, lq, hkv * ratio), np.float32).transpose(0, 2, 1)
+    assert _gpu.rows_aligned(q, k, v, out)
+    run_mma(ex90, q, k, v, out=out, lse=lse, gqa_ratio=ratio, window=(20, 5), family="fwd_wgmma")
+
+
+@needs_emulator
+def test_without_lse_and_growing_row_maxima(ex90, wgmma_on):
+    # Scores growing by 12 (log2) per 128-key block: the lazy rescale moves its reference.
+    rng = np.random.default_rng(13)
+    d, lk = 64, 3 * 128 + 5
+    a = (np.arange(lk) // 128) * 12.0 * np.log(2) / (d ** 0.5)
+    q = (1.0 + 0.1 * rng.standard_normal((1, 1, 40, d))).astype(np.float16)
+    k = (a[:, None] + 0.05 * rng.standard_normal((lk, d)))[None, None].astype(np.float16)
+    v = random_array(rng, (1, 1, lk, d), np.float16)
+    run_mma(ex90, q, k, v, family="fwd_wgmma")
+    run_mma(ex90, q, k, v, with_lse=False, family="fwd_wgmma")
+
+
+def test_wgmma_rows_are_in_the_catalogue_table():
+    assert set(_kernels.wgmma_tiles()) == set(WGMMA_HEAD_DIMS)
+
+
+def test_generated_wgmma_wrappers_are_up_to_date():
+    from cupyflash import _gen_wgmma
+    from cupyflash._source import cuda_src_dir
+
+    text = (cuda_src_dir() / "wgmma.cuh").read_text()
+    assert _gen_wgmma.header_text(text) == text, "run python -m cupyflash._gen_wgmma"
+    assert text.count("wgmma.mma_async.sync.aligned.m64n") == 2 * len(_gen_wgmma.TYPES) * len(_gen_wgmma.NS)

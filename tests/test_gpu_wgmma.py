@@ -1,0 +1,99 @@
+"""Tier 1: fwd_wgmma, the Hopper forward kernel, on a real sm_90 GPU (H100, H200).
+
+fwd_wgmma is opt-in (``CUPYFLASH_WGMMA=1``) until this tier has passed on a
+device; every test here turns it on.  The matrix of tests/test_gpu_mma.py for
+the head dims fwd_wgmma serves (padded ones too): tails in both axes, causal
+and window masks with Lq < Lk and Lq > Lk, GQA/MQA, strided views, rows with
+no key, and (B, H, L, d) = (4, 16, 8192, 128) against a float32 reference,
+bit-identical across runs; outputs poisoned with NaN before each launch, and
+a check that fwd_wgmma is the kernel that ran.  Skipped on other GPUs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupyflash
+from cupyflash import _gpu
+
+from _util import random_array
+from test_fwd_mma import HALF_DTYPES, HALF_IDS, ULP_AT_ONE, check_against_oracle
+from test_gpu_mma import _float32_reference, _poisoned, _window_kw, attention_on_gpu, launched  # noqa: F401
+
+cp = pytest.importorskip("cupy")
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sm90_only():
+    arch = int(cp.cuda.Device().compute_capability)
+    if arch != 90:
+        pytest.skip(f"fwd_wgmma runs on sm_90 (compute capability 9.0) only; this GPU is sm_{arch}")
+
+
+@pytest.fixture(autouse=True)
+def wgmma_on(monkeypatch):
+    monkeypatch.setenv(_gpu.WGMMA_ENV, "1")
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=HALF_IDS)
+@pytest.mark.parametrize("d", [40, 64, 104, 128, 184, 192, 248, 256])
+def test_every_head_dim_runs_fwd_wgmma_and_matches_oracle(rng, launched, dtype, d):  # noqa: F811
+    q = random_array(rng, (2, 3, 200, d), dtype)
+    k = random_array(rng, (2, 3, 331, d), dtype)
+    v = random_array(rng, (2, 3, 331, d), dtype)
+    out, lse = attention_on_gpu(q, k, v)
+    assert [n.split("<")[0] for n in launched] == ["cf::fwd_wgmma_kernel"]
+    check_against_oracle(out, lse, q, k, v)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=HALF_IDS)
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(300, 170), (150, 420)], ids=["lq>lk", "lq<lk"])
+@pytest.mark.parametrize("window", [(None, 0), (16, 0), (0, 0), (5, 40), (None, 9), (100, None)],
+                         ids=["causal", "w16-0", "w0-0", "w5-40", "wN-9", "w100-N"])
+def test_masks_match_oracle(rng, dtype, seqlen_q, seqlen_k, window):
+    q = random_array(rng, (1, 4, seqlen_q, 128), dtype)
+    k = random_array(rng, (1, 4, seqlen_k, 128), dtype)
+    v = random_array(rng, (1, 4, seqlen_k, 128), dtype)
+    out, lse = attention_on_gpu(q, k, v, **_window_kw(window))
+    check_against_oracle(out, lse, q, k, v, window=window)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=HALF_IDS)
+def test_rows_with_no_key_gqa_and_strided_views(rng, launched, dtype):  # noqa: F811
+    q = random_array(rng, (2, 2, 500, 64), dtype)
+    k = random_array(rng, (2, 2, 60, 64), dtype)
+    v = random_array(rng, (2, 2, 60, 64), dtype)
+    out, lse = attention_on_gpu(q, k, v, causal=True)
+    check_against_oracle(out, lse, q, k, v, window=(None, 0))
+    assert (out[:, :, :440] == 0).all() and np.isneginf(lse[:, :, :440]).all()
+    # GQA 4:1 with (B, L, H, d) storage and every other key row.
+    qs = cp.asarray(random_array(rng, (2, 90, 8, 128), dtype)).transpose(0, 2, 1, 3)
+    ks = cp.asarray(random_array(rng, (2, 2, 2 * 77, 128), dtype))[:, :, ::2]
+    vs = cp.asarray(random_array(rng, (2, 2, 77, 128), dtype))
+    out = cupyflash.attention(qs, ks, vs, enable_gqa=True, window=(30, 4), backend="cuda")
+    check_against_oracle(cp.asnumpy(out), None, cp.asnumpy(qs), cp.asnumpy(ks), cp.asnumpy(vs),
+                         window=(30, 4), gqa_ratio=4)
+    assert all(n.startswith("cf::fwd_wgmma_kernel") for n in launched)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=HALF_IDS)
+def test_long_sequence_d128_against_float32_reference_and_bit_identical(launched, dtype, causal):  # noqa: F811
+    shape = (4, 16, 8192, 128)
+    gen = cp.random.default_rng(1234)
+    q, k, v = (gen.standard_normal(shape, dtype=cp.float32).astype(dtype) for _ in range(3))
+    outs = []
+    for _ in range(2):
+        out = _poisoned(shape, dtype)
+        cupyflash.attention(q, k, v, causal=causal, out=out, backend="cuda")
+        outs.append(out)
+    assert [n.split("<")[0] for n in launched] == ["cf::fwd_wgmma_kernel"] * 2
+    assert not bool(cp.isnan(outs[0].astype(cp.float32)).any())
+    assert cp.asnumpy(outs[0]).tobytes() == cp.asnumpy(outs[1]).tobytes(), "runs differ"
+    ref, naive = _float32_reference(q, k, v, causal=causal)
+    err = float(cp.abs(outs[0].astype(cp.float32) - ref).max())
+    naive_err = float(cp.abs(naive.astype(cp.float32) - ref).max())
+    assert err <= 2 * naive_err + ULP_AT_ONE[np.dtype(dtype).name], (err, naive_err)
