@@ -7,7 +7,8 @@ each implementation that applies:
 on the GPU
     ``cupyflash`` (:func:`cupyflash.attention` as dispatched -- the ``kernel``
     field says which family ran, fwd_mma or fwd_simt, bwd_mma or bwd_simt),
-    for backward cases ``cupyflash-atomic``
+    for forward cases on an sm_90 GPU ``cupyflash-wgmma`` (the Hopper kernel, opt-in), for
+    backward cases ``cupyflash-atomic``
     (``attention_backward(..., deterministic=False)``: dQ by atomics),
     ``cupyflash-v1`` (Algorithm 1, the fwd_v1 kernel, through
     :func:`cupyflash.reference.flash_attention_v1`), ``cupy-naive`` (matmul,
@@ -298,6 +299,9 @@ def implementations(device: str, case: Case) -> list[str]:
     # the backward with dQ by atomics (deterministic=False)
     if device == "gpu" and case.backward:
         names.append("cupyflash-atomic")
+    # the Hopper wgmma forward (opt-in until measured), on compute capability 9.0
+    if device == "gpu" and not case.backward and case.dtype in ("float16", "bfloat16") and _is_sm90():
+        names.append("cupyflash-wgmma")
     # the literal Algorithm 1 (O, l, m through global memory) is a teaching kernel:
     # timed up to 4096 x 4096 scores per head, where a call still takes milliseconds
     if device == "gpu" and not case.backward and case.seqlen_q * case.seqlen_k <= 4096 * 4096:
@@ -331,6 +335,17 @@ def prepare(impl: str, case: Case, inputs, device: str):
         return (lambda: cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal,
                                                      deterministic=False),
                 _cupyflash_kernel(case, q, k, v, deterministic=False))
+    if impl == "cupyflash-wgmma":
+        from . import _gpu
+
+        def run_wgmma():
+            _gpu.wgmma_override = True
+            try:
+                return cupyflash.attention(q, k, v, causal=causal)
+            finally:
+                _gpu.wgmma_override = None
+
+        return run_wgmma, _cupyflash_kernel(case, q, k, v, wgmma=True)
     if impl == "cupyflash-v1":
         from .reference import flash_attention_v1
 
@@ -345,7 +360,16 @@ def prepare(impl: str, case: Case, inputs, device: str):
     raise ValueError(f"unknown implementation {impl!r}")
 
 
-def _cupyflash_kernel(case: Case, q, k, v, deterministic: bool = True) -> str:
+def _is_sm90() -> bool:
+    try:
+        import cupy
+
+        return int(cupy.cuda.Device().compute_capability) == 90
+    except Exception:  # noqa: BLE001 - no CuPy or no device: not an sm_90
+        return False
+
+
+def _cupyflash_kernel(case: Case, q, k, v, deterministic: bool = True, wgmma: bool | None = None) -> str:
     """The kernel family :func:`cupyflash.attention` dispatches to for these CuPy arrays
     (backward: ``attention_backward`` with ``deterministic``; ", atomic dQ" where no dQ
     kernel runs)."""
@@ -363,7 +387,7 @@ def _cupyflash_kernel(case: Case, q, k, v, deterministic: bool = True) -> str:
                                deterministic=deterministic)
         atomic = not any(r.name_expression.split("<")[0].endswith("_dq_kernel") for r in rows)
         return rows[-1].family + (", atomic dQ" if atomic else "")
-    return select(q.dtype, case.head_dim, case.head_dim, arch, aligned=aligned).family
+    return select(q.dtype, case.head_dim, case.head_dim, arch, aligned=aligned, wgmma=wgmma).family
 
 
 def _prepare_torch(impl: str, case: Case, inputs):

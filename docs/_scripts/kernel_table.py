@@ -27,6 +27,7 @@ BEGIN, END = "<!-- kernel-report:begin -->", "<!-- kernel-report:end -->"
 ARCHS = ("sm_80", "sm_90")
 FAMILIES = (
     ("fwd_mma", "Tensor-core forward (`fwd_mma`, float16/bfloat16, the tile each GPU class gets)"),
+    ("fwd_wgmma", "Hopper forward (`fwd_wgmma`, float16/bfloat16, sm_90a only; opt-in with `CUPYFLASH_WGMMA=1`)"),
     ("fwd_simt", "SIMT forward (`fwd_simt`)"),
     ("bwd_simt", "SIMT backward (`bwd_simt`: delta, dK/dV and dQ kernels)"),
     ("fwd_v1", "Algorithm 1 (`fwd_v1`; shared memory at d = 64, M = 8192 elements)"),
@@ -74,6 +75,9 @@ def _tile(row: dict) -> str:
     if row["family"] == "fwd_mma":        # <T, d, block_m, block_n, warps, stages, lazy_rescale>
         lazy = ", lazy rescale" if args[6] == "true" else ""
         return f"{args[2]}×{args[3]}, {args[4]} warps, {args[5]} stage{'s' * (args[5] != '1')}{lazy}"
+    if row["family"] == "fwd_wgmma":      # <T, d, block_n, warpgroups, lazy_rescale>
+        lazy = ", lazy rescale" if args[4] == "true" else ""
+        return f"{64 * int(args[3])}×{args[2]}, {args[3]} warpgroups{lazy}"
     if row["family"] == "fwd_simt":       # <T, d, dv, block_m, block_n>
         return f"{args[3]}×{args[4]}"
     if row["family"] == "bwd_simt" and len(args) >= 5:   # <T, d, dv, own, streamed[, atomic dQ]>
