@@ -131,6 +131,17 @@ struct KVPipeline {
         if constexpr (Tr::kStages == 2) load(v(0), v_src, p.v_row_stride, n_begin);
     }
 
+    // Issue the copies of query block m_block's Q tile (rows past Lq and columns
+    // past d zero-filled) and of the first key block, and commit them as one group.
+    __device__ void start_with_queries(T* sQ, const T* q, int m_block, int n_begin) const {
+        const int64_t m0 = static_cast<int64_t>(m_block) * Tr::kBlockM;
+        const int rows = static_cast<int>(min64(Tr::kBlockM, p.seqlen_q - m0));
+        cp_async_tile<Tr::kThreads, typename Tr::QTile>(sQ, q, m0, p.q_row_stride, rows,
+                                                        static_cast<int>(p.head_dim));
+        start(n_begin);
+        cp_async_commit();
+    }
+
     // Before S = Q K^T of block n_block: its K (and V) visible to every thread,
     // every warp done with the previous block; then the next copies go out --
     // block n_block + 1's K and V (two stages) or this block's V (one stage).

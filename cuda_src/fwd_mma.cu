@@ -127,14 +127,7 @@ fwd_mma_kernel(const FwdParams params) {
     int n_begin, n_end;
     const UnmaskedBlocks unmasked = key_blocks<Tr>(params, m_block, n_begin, n_end);
     KVPipeline<Tr, T> kv(params, in.k, in.v, sQ + Tr::QTile::kElements, n_end);
-    if (n_begin < n_end) {
-        const int64_t m0 = static_cast<int64_t>(m_block) * kBlockM;
-        const int rows = static_cast<int>(min64(kBlockM, params.seqlen_q - m0));
-        cp_async_tile<Tr::kThreads, typename Tr::QTile>(sQ, in.q, m0, params.q_row_stride, rows,
-                                                        static_cast<int>(params.head_dim));
-        kv.start(n_begin);
-        cp_async_commit();
-    }
+    if (n_begin < n_end) kv.start_with_queries(sQ, in.q, m_block, n_begin);
 
     OnlineSoftmax<float, Tr::kRows, 4> softmax;
     float o[Tr::kRows][Tr::kOCols] = {};
