@@ -18,8 +18,8 @@ import cupyflash
 from cupyflash import _gpu
 
 from _util import random_array
-from test_fwd_mma import HALF_DTYPES, HALF_IDS, ULP_AT_ONE, check_against_oracle
-from test_gpu_mma import _float32_reference, _poisoned, _window_kw, attention_on_gpu, launched  # noqa: F401
+from test_fwd_mma import HALF_DTYPES, HALF_IDS, check_against_oracle
+from test_gpu_mma import _window_kw, attention_on_gpu, check_long_sequence, launched  # noqa: F401
 
 cp = pytest.importorskip("cupy")
 
@@ -82,18 +82,4 @@ def test_rows_with_no_key_gqa_and_strided_views(rng, launched, dtype):  # noqa: 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=HALF_IDS)
 def test_long_sequence_d128_against_float32_reference_and_bit_identical(launched, dtype, causal):  # noqa: F811
-    shape = (4, 16, 8192, 128)
-    gen = cp.random.default_rng(1234)
-    q, k, v = (gen.standard_normal(shape, dtype=cp.float32).astype(dtype) for _ in range(3))
-    outs = []
-    for _ in range(2):
-        out = _poisoned(shape, dtype)
-        cupyflash.attention(q, k, v, causal=causal, out=out, backend="cuda")
-        outs.append(out)
-    assert [n.split("<")[0] for n in launched] == ["cf::fwd_wgmma_kernel"] * 2
-    assert not bool(cp.isnan(outs[0].astype(cp.float32)).any())
-    assert cp.asnumpy(outs[0]).tobytes() == cp.asnumpy(outs[1]).tobytes(), "runs differ"
-    ref, naive = _float32_reference(q, k, v, causal=causal)
-    err = float(cp.abs(outs[0].astype(cp.float32) - ref).max())
-    naive_err = float(cp.abs(naive.astype(cp.float32) - ref).max())
-    assert err <= 2 * naive_err + ULP_AT_ONE[np.dtype(dtype).name], (err, naive_err)
+    check_long_sequence(launched, dtype, causal, "cf::fwd_wgmma_kernel")
