@@ -25,7 +25,7 @@ def _accumulators(n: int) -> list[str]:
     return [f"d[{(i >> 1) & 1}][{2 * (i >> 2) + (i & 1)}]" for i in range(n // 2)]
 
 
-def _statement(ptx_type: str, n: int, registers_a: bool) -> str:
+def _statement(ptx_type: str, n: int, registers_a: bool, transposed_a: bool = False) -> str:
     acc = _accumulators(n)
     count = len(acc)
     d = "{" + ", ".join(f"%{i}" for i in range(count)) + "}"
@@ -34,7 +34,9 @@ def _statement(ptx_type: str, n: int, registers_a: bool) -> str:
         b, pred, immediates = f"%{count + 4}", f"%{count + 5}", "p, 1, 1, 1"   # scale a, b; B transposed
         inputs = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate))'
     else:
-        a, b, pred, immediates = f"%{count}", f"%{count + 1}", f"%{count + 2}", "p, 1, 1, 0, 0"
+        # scale a, b; transpose A, B (MN-major)
+        immediates = "p, 1, 1, 1, 1" if transposed_a else "p, 1, 1, 0, 0"
+        a, b, pred = f"%{count}", f"%{count + 1}", f"%{count + 2}"
         inputs = '"l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate))'
     outputs = ",\n          ".join(", ".join(f'"+f"({r})' for r in acc[i:i + 4]) for i in range(0, count, 4))
     return (f'        asm volatile(\n'
@@ -60,6 +62,11 @@ def generated() -> str:
                        f"uint64_t desc_b,\n"
                        f"                                 bool accumulate) {{\n"
                        f"{_statement(ptx_type, n, True)}"
+                       f"    }}\n"
+                       f"    __device__ static void ss_mn(float (&d)[2][{n // 4}], uint64_t desc_a, "
+                       f"uint64_t desc_b,\n"
+                       f"                                 bool accumulate) {{\n"
+                       f"{_statement(ptx_type, n, False, True)}"
                        f"    }}\n"
                        f"}};\n")
     return "".join(out)

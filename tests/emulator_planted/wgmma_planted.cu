@@ -1,5 +1,6 @@
 // wgmma_planted.cu -- one m64n64k16 wgmma for tests/test_fwd_wgmma.py: the product
-// against NumPy (A from shared memory or from registers, B K-major or MN-major), and
+// against NumPy (A from shared memory, K-major or -- bit 64 of p.arg -- MN-major, or
+// from registers; B K-major or MN-major), and
 // each ordering rule of wgmma.cuh broken on purpose by a bit of p.arg, so that the
 // emulator's checks are shown to fire:
 //   1  no fence.proxy.async after the shared-memory stores
@@ -8,6 +9,7 @@
 //   8  thread 0 overwrites a B element before wgmma.wait_group
 //  16  an A register changed before wgmma.wait_group (A from registers)
 //  32  no wgmma.wait_group at all
+//  64  (not a fault) A and B MN-major, from shared memory
 #include "mma_tile.cuh"
 #include "ptx.cuh"
 #include "wgmma.cuh"
@@ -29,13 +31,17 @@ __global__ void wgmma_probe(const PlantedParams p) {
     using KTile = cf::SwizzledTile<64, 64>;   // B^T ([n][k], K-major) for the ss form
     using VTile = cf::SwizzledTile<16, 64>;   // B ([k][n], MN-major) for the rs form
     const int t = threadIdx.x, flags = p.arg;
+    const bool mn_major = !kRegsA && (flags & 64);   // A ([k][m]) and B ([k][n]) MN-major: ss_mn
     bf16* sA = reinterpret_cast<bf16*>(cf::dynamic_smem());
     bf16* sB = sA + ATile::kElements;
     for (int i = t; i < 64 * 16; i += 128) {
         const int r = i / 16, k = i % 16;
-        sA[ATile::chunk(r, k / 8) + k % 8] = __float2bfloat16(p.in[i]);
+        if (mn_major)
+            sA[VTile::chunk(k, r / 8) + r % 8] = __float2bfloat16(p.in[i]);
+        else
+            sA[ATile::chunk(r, k / 8) + k % 8] = __float2bfloat16(p.in[i]);
         const int kb = i / 64, n = i % 64;  // B element i: row kb, column n
-        if (kRegsA)
+        if (kRegsA || mn_major)
             sB[VTile::chunk(kb, n / 8) + n % 8] = __float2bfloat16(p.in[1024 + i]);
         else
             sB[KTile::chunk(n, kb / 8) + kb % 8] = __float2bfloat16(p.in[1024 + i]);
@@ -53,6 +59,9 @@ __global__ void wgmma_probe(const PlantedParams p) {
     if (!(flags & 2)) cf::wgmma_fence();
     if (kRegsA)
         cf::Wgmma<bf16, 64>::rs_mn(d, a, cf::wgmma_desc_sw128(sB, VTile::kRows * 128, 1024), false);
+    else if (mn_major)
+        cf::Wgmma<bf16, 64>::ss_mn(d, cf::wgmma_desc_sw128(sA, VTile::kRows * 128, 1024),
+                                   cf::wgmma_desc_sw128(sB, VTile::kRows * 128, 1024), false);
     else
         cf::Wgmma<bf16, 64>::ss(d, cf::wgmma_desc_sw128(sA, 16, 1024), cf::wgmma_desc_sw128(sB, 16, 1024), false);
     cf::wgmma_commit();

@@ -74,10 +74,11 @@ CFEMU_API void cfemu_cp_async_commit(void);
 CFEMU_API void cfemu_cp_async_wait(int n);
 // wgmma.mma_async m64n{n}k16 (kind: CFEMU_MMA_F16 / CFEMU_MMA_BF16), a warpgroup
 // collective: d is the thread's float[2][n / 4] accumulator tile, a its 4 A
-// registers or null (A from desc_a); trans_b: B is MN-major.  The result lands
+// registers or null (A from desc_a); trans: bit 0 B is MN-major, bit 1 A (from
+// shared memory) is.  The result lands
 // in d when cfemu_wgmma_wait retires the group (see wgmma.cuh).
 CFEMU_API void cfemu_wgmma(int kind, int n, float* d, const uint32_t* a, uint64_t desc_a, uint64_t desc_b,
-                           int trans_b, int accumulate);
+                           int trans, int accumulate);
 CFEMU_API void cfemu_wgmma_fence(void);
 CFEMU_API void cfemu_wgmma_commit(void);
 CFEMU_API void cfemu_wgmma_wait(int n);

@@ -44,6 +44,9 @@ struct Wgmma {
     __device__ static void rs_mn(float (&d)[2][N / 4], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
         cfemu_wgmma(WgmmaKind<T>::kValue, N, &d[0][0], a, 0, desc_b, 1, accumulate);
     }
+    __device__ static void ss_mn(float (&d)[2][N / 4], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+        cfemu_wgmma(WgmmaKind<T>::kValue, N, &d[0][0], nullptr, desc_a, desc_b, 3, accumulate);
+    }
 };
 
 }  // namespace cf

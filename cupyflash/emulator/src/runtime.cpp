@@ -228,6 +228,7 @@ struct WgmmaArgs {
     float* d;           // this thread's float[2][n / 4] register tile
     const uint32_t* a;  // 4 registers, or null: A from desc_a
     uint64_t desc_a, desc_b;
+    int trans_a;        // A from shared memory, MN-major
 };
 
 // The shared memory one warpgroup's wgmma read, checked when its group retires.
@@ -311,7 +312,9 @@ const char* op_name(Op op, int variant) {
             return names[variant % 3];
         }
         case Op::Wgmma:
-            return (variant >> 1) & 1 ? "wgmma.mma_async (A from registers)" : "wgmma.mma_async (A from shared memory)";
+            return (variant >> 1) & 1   ? "wgmma.mma_async (A from registers)"
+                   : (variant >> 3) & 1 ? "wgmma.mma_async (A from shared memory, MN-major)"
+                                        : "wgmma.mma_async (A from shared memory)";
         case Op::Ldmatrix: {
             static const char* names[] = {"ldmatrix.x1", "ldmatrix.x1.trans", "ldmatrix.x2", "ldmatrix.x2.trans",
                                           "ldmatrix.x4", "ldmatrix.x4.trans"};
@@ -747,11 +750,14 @@ struct Launch {
 
     void wgmma_op(Fiber* f, WgmmaArgs* args, const void* pc) {
         const int variant = (args->kind & 1) | ((args->a != nullptr) << 1) | ((args->trans_b & 1) << 2) |
-                            (args->n << 4);
+                            ((args->trans_a & 1) << 3) | (args->n << 4);
         const char* what = op_name(Op::Wgmma, variant);
         if (!f->wg_fenced)
             fail(format("%s executes %s without a wgmma.fence since its last wgmma.wait_group (or the kernel "
                         "start): the accumulator and A registers may be stale%s",
+                        who(f->tid).c_str(), what, location(pc).c_str()));
+        if (args->a && args->trans_a)
+            fail(format("%s: %s with a transposed A from registers (only a shared-memory A may be MN-major)%s",
                         who(f->tid).c_str(), what, location(pc).c_str()));
         if (args->n < 8 || args->n > 256 || args->n % 8)
             fail(format("%s: %s with n = %d (must be a multiple of 8 in 8..256)%s", who(f->tid).c_str(), what,
@@ -855,7 +861,7 @@ struct Launch {
         Fiber& f0 = fibers[first];
         const auto* args0 = static_cast<const WgmmaArgs*>(f0.op_args);
         const int N = args0->n;
-        const bool a_regs = args0->a != nullptr, trans_b = args0->trans_b != 0;
+        const bool a_regs = args0->a != nullptr, trans_b = args0->trans_b != 0, trans_a = args0->trans_a != 0;
         const char* what = op_name(Op::Wgmma, f0.op_variant);
         auto cvt = args0->kind == CFEMU_MMA_F16 ? half_to_double : bf16_to_double;
         auto rec = std::make_shared<WgmmaRead>();
@@ -879,7 +885,7 @@ struct Launch {
                 for (int r = 16 * w; r < 16 * w + 16; ++r)
                     for (int k = 0; k < 16; ++k)
                         A[r * 16 + k] =
-                            cvt(wgmma_read(owner, operand_offset(owner, args0->desc_a, false, r, k, what, "A"), *rec,
+                            cvt(wgmma_read(owner, operand_offset(owner, args0->desc_a, trans_a, r, k, what, "A"), *rec,
                                            what));
         }
         // B: read by every warp of the group (lane 0 of each is the reader of record).
@@ -1436,9 +1442,9 @@ CFEMU_API void cfemu_cp_async_wait(int n) {
 }
 
 CFEMU_API void cfemu_wgmma(int kind, int n, float* d, const uint32_t* a, uint64_t desc_a, uint64_t desc_b,
-                           int trans_b, int accumulate) {
+                           int trans, int accumulate) {
     Launch* L = current_launch("wgmma.mma_async");
-    WgmmaArgs w{kind, n, trans_b != 0, accumulate != 0, d, a, desc_a, desc_b};
+    WgmmaArgs w{kind, n, (trans & 1) != 0, accumulate != 0, d, a, desc_a, desc_b, (trans & 2) != 0};
     L->wgmma_op(L->cur, &w, __builtin_return_address(0));
 }
 
