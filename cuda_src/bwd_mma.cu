@@ -42,6 +42,7 @@
 
 #include "block_info.cuh"
 #include "block_info_bwd.cuh"
+#include "bwd_blocks.cuh"
 #include "mask.cuh"
 #include "mma_tile.cuh"
 #include "params_bwd.cuh"
@@ -111,11 +112,6 @@ struct MmaBwdTraits {
     static_assert(kSmemBytes <= 227 * 1024, "within sm_90's 227 KB per block");
 };
 
-// Row and column, within the warp's tile, of accumulator element [r][c] of
-// this lane (mma_tile.cuh's register-tile layout).
-__device__ __forceinline__ int fragment_row(int r) { return 16 * (r >> 1) + 8 * (r & 1) + (lane_id() >> 2); }
-__device__ __forceinline__ int fragment_col(int c) { return 8 * (c >> 1) + 2 * (lane_id() & 3) + (c & 1); }
-
 // ---- block products ------------------------------------------------------------------------
 
 // s = X Y^T for the warp's own rows (from row0 of the own tile X) and every
@@ -146,84 +142,6 @@ __device__ __forceinline__ void mma_accumulate(float (&g)[Tr::kRows][Tr::kGCols]
                 mma_into<T>(g, mi, 2 * np, a[mi], b[0], b[1]);
                 mma_into<T>(g, mi, 2 * np + 1, a[mi], b[2], b[3]);
             }
-        }
-    }
-}
-
-// ---- probabilities and their gradient ------------------------------------------------------
-// A query row's statistics come from `stat(r, c)`, a callable giving the value
-// for accumulator element [r][c]: indexed by the row in the dQ kernel (one
-// register per accumulator row), by the column in the dK/dV kernel (staged in
-// shared memory, one float per streamed query row).
-
-// lse * log2(e) and delta of query row i; +inf and 0 past Lq and for a row
-// that sees no key (lse = -inf), whose probabilities are then exp2(-inf) = 0.
-__device__ __forceinline__ void query_stats(float& lse_log2, float& delta, const float* lse,
-                                            int64_t lse_row_stride, const float* delta_in,
-                                            int64_t delta_row_stride, int64_t i, int64_t seqlen_q) {
-    constexpr float kLog2e = 1.44269504088896340736f;
-    lse_log2 = -neg_inf<float>();
-    delta = 0.0f;
-    if (i < seqlen_q) {
-        const float l = lse[i * lse_row_stride];
-        if (l != neg_inf<float>()) lse_log2 = l * kLog2e;
-        delta = delta_in[i * delta_row_stride];
-    }
-}
-
-// s (raw scores) -> P = exp2(s * scale_log2 - lse_log2(r, c)).
-template <class Tr, class Stat>
-__device__ __forceinline__ void probabilities(float (&s)[Tr::kRows][Tr::kSCols], const Stat& lse_log2,
-                                              float scale_log2) {
-#pragma unroll
-    for (int r = 0; r < Tr::kRows; ++r)
-#pragma unroll
-        for (int c = 0; c < Tr::kSCols; ++c) s[r][c] = exp2_approx(s[r][c] * scale_log2 - lse_log2(r, c));
-}
-
-// P of pairs (query, key) that are not admissible (window, causal, past Lq or
-// Lk) -> 0, by a select.  The element [r][c] is query first_query + (row or
-// column) and key first_key + (column or row), the key relative to n0.
-template <bool kQueryRows, class Tr>
-__device__ __forceinline__ void apply_mask(float (&p)[Tr::kRows][Tr::kSCols], const WindowMask& mask,
-                                           int64_t first_query, int64_t n0, int first_key, int block_n,
-                                           int64_t seqlen_q) {
-#pragma unroll
-    for (int r = 0; r < Tr::kRows; ++r)
-#pragma unroll
-        for (int c = 0; c < Tr::kSCols; ++c) {
-            const int64_t i = first_query + (kQueryRows ? fragment_row(r) : fragment_col(c));
-            const int j = first_key + (kQueryRows ? fragment_col(c) : fragment_row(r));
-            int lo, hi;
-            mask.row_range(i, n0, block_n, lo, hi);
-            if (i >= seqlen_q || j < lo || j >= hi) p[r][c] = 0.0f;
-        }
-}
-
-// dp (dO V^T) -> dS = P o (dP - delta(r, c)).
-template <class Tr, class Stat>
-__device__ __forceinline__ void score_gradient(float (&dp)[Tr::kRows][Tr::kSCols],
-                                               const float (&p)[Tr::kRows][Tr::kSCols], const Stat& delta) {
-#pragma unroll
-    for (int r = 0; r < Tr::kRows; ++r)
-#pragma unroll
-        for (int c = 0; c < Tr::kSCols; ++c) dp[r][c] = p[r][c] * (dp[r][c] - delta(r, c));
-}
-
-// Write factor * g for the warp's rows below rows_valid and columns below
-// cols_valid; dst points at the warp's first row.
-template <class Tr>
-__device__ __forceinline__ void store_gradient(float* dst, int64_t row_stride,
-                                               const float (&g)[Tr::kRows][Tr::kGCols], float factor,
-                                               int rows_valid, int cols_valid) {
-#pragma unroll
-    for (int r = 0; r < Tr::kRows; ++r) {
-        const int row = fragment_row(r);
-        if (row >= rows_valid) continue;
-#pragma unroll
-        for (int c = 0; c < Tr::kGCols; ++c) {
-            const int col = fragment_col(c);
-            if (col < cols_valid) dst[row * row_stride + col] = g[r][c] * factor;
         }
     }
 }

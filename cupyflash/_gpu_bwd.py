@@ -14,7 +14,8 @@ the input dtype) is the caller's job.
 Three or four launches, in order: ``delta = rowsum(dout * out)`` into a
 workspace allocated here (``cuda_src/bwd_simt.cu``), then dK/dV (one launch,
 or dV and dK apart for bwd_mma's large head dims), then dQ, by the SIMT
-kernels or the tensor-core ones (``cuda_src/bwd_mma.cu``; :func:`select`).
+kernels or the tensor-core ones (``cuda_src/bwd_mma.cu``, on Hopper
+``cuda_src/bwd_wgmma.cu``; :func:`select`).
 Every gradient element is summed by one thread in a fixed order, so the
 results are bit-identical from run to run.
 """
@@ -23,8 +24,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._gpu import _accumulator_dtype, _array_module, mma_head_dim, rows_aligned, simt_bucket
-from ._kernels import Instantiation, bwd_mma_name_expressions, by_name, instantiations
+from ._gpu import _accumulator_dtype, _array_module, mma_head_dim, rows_aligned, simt_bucket, wgmma_enabled
+from ._kernels import (WGMMA_ARCH, WGMMA_BWD_HEAD_DIMS, Instantiation, bwd_mma_name_expressions,
+                       bwd_wgmma_name_expressions, by_name, instantiations)
 from ._launch import backward_kernel, backward_launch_config
 from ._params_bwd import bwd_params
 
@@ -35,8 +37,15 @@ _SIMT_KERNELS = ("bwd_simt_dot_do_o_kernel", "bwd_simt_dkdv_kernel", "bwd_simt_d
 
 
 def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = False,
-           deterministic: bool = True) -> tuple[Instantiation, ...]:
+           deterministic: bool = True, wgmma: bool | None = None) -> tuple[Instantiation, ...]:
     """The instantiations :func:`backward` launches for these arguments, in launch order.
+
+    bwd_wgmma (Hopper's wgmma, ``cuda_src/bwd_wgmma.cu``) where bwd_mma would run
+    on ``arch == 90`` in a head dim of :data:`~cupyflash._kernels.WGMMA_BWD_HEAD_DIMS`
+    and ``wgmma`` is true (default: :func:`cupyflash._gpu.wgmma_enabled`, the
+    forward's switch): bwd_simt's delta kernel, bwd_wgmma's dK/dV kernel and its dQ
+    kernel -- or, not ``deterministic``, the dK/dV kernel that adds dQ by atomics.
+    Otherwise:
 
     bwd_mma (tensor cores, ``cuda_src/bwd_mma.cu``) where it applies -- the
     conditions of fwd_mma (:func:`cupyflash._gpu.select`): ``arch >= 80``,
@@ -68,6 +77,11 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
     simt = {backward_kernel(r): r for r in rows if not r.name_expression.endswith(", true>")}
     atomic = [r for r in rows if r.name_expression.endswith(", true>")]
     mma_dim = mma_head_dim(name, d, dv, arch, aligned=aligned)
+    if (mma_dim in WGMMA_BWD_HEAD_DIMS and int(arch) == WGMMA_ARCH
+            and (wgmma_enabled() if wgmma is None else wgmma)):
+        rows = by_name()
+        return (simt["bwd_simt_dot_do_o_kernel"],) + tuple(
+            rows[n] for n in bwd_wgmma_name_expressions(name, mma_dim, deterministic))
     if mma_dim is not None:
         rows = by_name()
         mma = tuple(rows[n] for n in bwd_mma_name_expressions(name, mma_dim, arch, deterministic))

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 __all__ = ["Instantiation", "instantiations", "HEAD_DIM_BUCKETS", "MMA_HEAD_DIMS", "mma_arch_class",
            "mma_tiles", "mma_name_expression", "bwd_mma_name_expressions", "bwd_mma_shared_bytes",
            "launchable", "by_name", "WGMMA_HEAD_DIMS", "wgmma_tiles", "wgmma_name_expression",
-           "compile_target"]
+           "compile_target", "WGMMA_BWD_HEAD_DIMS", "bwd_wgmma_tiles", "bwd_wgmma_name_expressions",
+           "bwd_wgmma_shared_bytes"]
 
 
 @dataclass(frozen=True)
@@ -223,12 +224,12 @@ def mma_name_expression(dtype: str, head_dim: int, block_m: int, block_n: int, w
 def launchable(arch: int) -> frozenset[str]:
     """Name expressions of the catalogue rows some call may launch on compute capability
     ``arch``: every SIMT and fwd_v1 row, the tensor-core rows of ``arch``'s class
-    (none below sm_80), and on sm_90 exactly the fwd_wgmma rows -- what
+    (none below sm_80), and on sm_90 exactly the fwd_wgmma and bwd_wgmma rows -- what
     :func:`cupyflash.precompile` compiles for a device."""
     names = {r.name_expression for r in instantiations()
-             if r.family not in ("fwd_mma", "bwd_mma", "fwd_wgmma")}
+             if r.family not in ("fwd_mma", "bwd_mma", "fwd_wgmma", "bwd_wgmma")}
     if int(arch) == WGMMA_ARCH:
-        names.update(r.name_expression for r in instantiations() if r.family == "fwd_wgmma")
+        names.update(r.name_expression for r in instantiations() if r.family in ("fwd_wgmma", "bwd_wgmma"))
     tiles = mma_tiles(arch)
     if tiles is not None:
         for dtype in _MMA_DTYPES:
@@ -261,7 +262,7 @@ WGMMA_ARCH = 90
 # Kernels built for an architecture-specific target: entry -> {arch: target}.
 # CuPy's RawModule compiles for the device's plain sm_XX, so the loader compiles
 # these itself (cupyflash/_loader.py); the static report only for the arch listed.
-_ARCH_SPECIFIC = {"fwd_wgmma.cu": {"sm_90": "sm_90a"}}
+_ARCH_SPECIFIC = {"fwd_wgmma.cu": {"sm_90": "sm_90a"}, "bwd_wgmma.cu": {"sm_90": "sm_90a"}}
 
 
 def compile_target(entry: str, arch: str) -> str | None:
@@ -278,17 +279,20 @@ def compile_target(entry: str, arch: str) -> str | None:
 WGMMA_HEAD_DIMS = (64, 128, 192, 256)
 
 # (block_n, warpgroups, lazy_rescale) per head dim.  A CTA owns 64 query rows
-# per warpgroup (each warp 16, the rows of its m64 slice); K/V double-buffered.
-# Per thread: S block_n / 2 floats, O d / 2 floats, P block_n / 4 registers.
-# Shared memory (Q + 2 x (K + V)) x 2 bytes + 1 KB of alignment slack.
-# Registers from the static report (NVRTC 13.5, sm_90a), no spills; not yet
-# timed on a GPU (benchmarks/gpu_check.sh times each row against fwd_mma).
+# per warpgroup (each warp 16, the rows of its m64 slice); K/V double-buffered,
+# V one block behind K (the P V product of block n - 1 runs behind S of block n).
+# Per thread: S block_n / 2 floats, O d / 2 floats, P block_n / 4 registers for
+# the block in flight and as many for the next.  Shared memory (Q + 2 x (K + V))
+# x 2 bytes + 1 KB of alignment slack.  Registers from the static report (NVRTC
+# 13.5, sm_90a), no spills; one CTA of 8 warps per SM everywhere (registers).
+# Not yet timed on a GPU: benchmarks/gpu_check.sh times each row against
+# fwd_mma, benchmarks/gpu_variants.py the alternatives.
 _WGMMA_TILES = {
-    64: (128, 2, True),     # 128 rows, 81 KB: 2 CTAs x 8 warps per SM
-    128: (128, 2, True),    # 204 regs, 161 KB: 1 CTA of 8 warps (FA3's 128 x 128 non-causal tile, without
-                            # its producer warpgroup)
-    192: (64, 2, True),     # 121 KB: 1 CTA of 8 warps
-    256: (64, 2, True),     # 161 KB: 1 CTA of 8 warps (O is 128 floats per thread)
+    64: (128, 2, True),     # 184 regs, 81 KB (block_n 64: 127 regs, two CTAs per SM -- a variant to time)
+    128: (128, 2, True),    # 216 regs, 161 KB: FA3's 128 x 128 non-causal tile, without its producer
+                            # warpgroup (block_n 192 spills; three warpgroups do not fit the registers)
+    192: (64, 2, True),     # 194 regs, 145 KB
+    256: (64, 2, True),     # 222 regs, 193 KB (O is 128 floats per thread)
 }
 
 
@@ -461,7 +465,74 @@ def _backward_instantiations() -> list[Instantiation]:
                     for name in bwd_mma_name_expressions(dtype, d, arch, deterministic):
                         if name not in mma:
                             mma[name] = _bwd_mma_row(dtype, d, name)
-    return rows + list(mma.values())
+    return rows + list(mma.values()) + _bwd_wgmma_instantiations()
+
+
+# ---- bwd_wgmma: the backward on Hopper's wgmma (cuda_src/bwd_wgmma.cu), sm_90a --------------------
+
+# Head dims with bwd_wgmma kernels.  Above 128 the dK and dV accumulators of a
+# 64-key warpgroup slice (d / 2 floats each per thread) leave no registers for
+# S and dP: 192 and 256 keep bwd_mma, which launches dV and dK apart there.
+WGMMA_BWD_HEAD_DIMS = (64, 128)
+
+# (streamed query rows of the dK/dV kernel, warpgroups, streamed keys of the dQ
+# kernel) per head dim.  A CTA owns 64 rows per warpgroup (keys in dK/dV, query
+# rows in dQ), one CTA per SM; the streamed tiles are double-buffered.  Per
+# thread in dK/dV: dK and dV d / 4 floats each, S^T and dP^T streamed / 4.
+# Registers from the static report (NVRTC 13.5, sm_90a), no spills; not yet
+# timed on a GPU (FlashAttention-3's Hopper backward uses the same 128-key x
+# 64-query (d = 128) and 128 x 128 (d = 64) blocks).
+_BWD_WGMMA_TILES = {
+    64: (128, 2, 128),    # dK/dV 255 regs, 99 KB (131 KB with the atomic-dQ dS tile); dQ 224 regs, 99 KB
+    128: (64, 2, 128),    # dK/dV 255 regs, 130 KB (146 KB atomic); dQ 255 regs, 195 KB
+}
+
+
+def bwd_wgmma_tiles() -> dict[int, tuple[int, int, int]]:
+    """``{head_dim: (dkdv_streamed_rows, warpgroups, dq_streamed_keys)}`` of bwd_wgmma."""
+    return dict(_BWD_WGMMA_TILES)
+
+
+def bwd_wgmma_name_expressions(dtype: str, head_dim: int, deterministic: bool = True) -> list[str]:
+    """bwd_wgmma's kernels for ``dtype`` and ``head_dim`` (one of
+    :data:`WGMMA_BWD_HEAD_DIMS`), in launch order: dK/dV, then dQ -- or, not
+    ``deterministic``, the dK/dV kernel that adds dQ by float atomics alone."""
+    if head_dim not in _BWD_WGMMA_TILES:
+        raise ValueError(f"bwd_wgmma has no kernel for head_dim={head_dim}")
+    cxx = _CXX_TYPE[dtype]
+    streamed, groups, streamed_dq = _BWD_WGMMA_TILES[head_dim]
+    own = 64 * groups
+    names = [f"cf::bwd_wgmma_dkdv_kernel<{cxx}, {head_dim}, {own}, {streamed}, {groups}, "
+             f"{'false' if deterministic else 'true'}>"]
+    if deterministic:
+        names.append(f"cf::bwd_wgmma_dq_kernel<{cxx}, {head_dim}, {own}, {streamed_dq}, {groups}>")
+    return names
+
+
+def bwd_wgmma_shared_bytes(head_dim: int, own: int, streamed: int, atomic_dq: bool) -> int:
+    """``WgmmaBwdTraits::kSmemBytes`` (bwd_wgmma.cu): two own tiles, two stages of two
+    streamed tiles and of two floats per streamed row, the dS^T tile with
+    ``atomic_dq``, and 1 KB to align the start to 1024 bytes."""
+    return (2 * own * head_dim * 2 + 2 * 2 * streamed * head_dim * 2 + 2 * 2 * streamed * 4
+            + (own * streamed * 2 if atomic_dq else 0) + 1024)
+
+
+def _bwd_wgmma_instantiations() -> list[Instantiation]:
+    rows = []
+    for dtype in _MMA_DTYPES:
+        for d in _BWD_WGMMA_TILES:
+            for deterministic in (True, False):
+                for name in bwd_wgmma_name_expressions(dtype, d, deterministic):
+                    args = [a.strip() for a in name.split("<", 1)[1].rstrip(">").split(",")]
+                    own, streamed, groups = int(args[2]), int(args[3]), int(args[4])
+                    dkdv = "dkdv" in name
+                    row = Instantiation(
+                        family="bwd_wgmma", entry="bwd_wgmma.cu", name_expression=name, dtype=dtype,
+                        head_dim=d, head_dim_v=d, threads=128 * groups,
+                        block_m=streamed if dkdv else own, block_n=own if dkdv else streamed, kv_stages=2)
+                    if row not in rows:
+                        rows.append(row)
+    return rows
 
 
 # One compute capability per architecture class (mma_arch_class).

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from ._kernels import Instantiation, bwd_mma_shared_bytes
+from ._kernels import Instantiation, bwd_mma_shared_bytes, bwd_wgmma_shared_bytes
 
 __all__ = ["launch_config", "v1_block_sizes", "representative_shared_bytes", "backward_launch_config",
            "backward_kernel"]
@@ -144,7 +144,8 @@ def backward_kernel(inst: Instantiation) -> str:
     """Which backward kernel a catalogue row is: its template name without ``cf::``.
 
     ``"bwd_simt_dot_do_o_kernel"`` (delta), ``"bwd_simt_dkdv_kernel"``,
-    ``"bwd_simt_dq_kernel"``, ``"bwd_mma_dkdv_kernel"`` or ``"bwd_mma_dq_kernel"``.
+    ``"bwd_simt_dq_kernel"``, ``"bwd_mma_dkdv_kernel"``, ``"bwd_mma_dq_kernel"``,
+    ``"bwd_wgmma_dkdv_kernel"`` or ``"bwd_wgmma_dq_kernel"``.
     """
     return inst.name_expression.split("<", 1)[0].removeprefix("cf::")
 
@@ -168,6 +169,12 @@ def _bwd_shared_bytes(inst: Instantiation) -> int:
         own_bytes, stage_bytes = own * row_bytes + scratch_bytes, streamed * row_bytes
         pipelined = inst.dtype in ("float32", "float64") and own_bytes + 2 * stage_bytes <= 72 * 1024
         return own_bytes + (2 if pipelined else 1) * stage_bytes
+    if kernel.startswith("bwd_wgmma_"):
+        # WgmmaBwdTraits::kSmemBytes; the dK/dV kernel's last template argument: atomic dQ
+        dkdv = kernel == "bwd_wgmma_dkdv_kernel"
+        own, streamed = (inst.block_n, inst.block_m) if dkdv else (inst.block_m, inst.block_n)
+        return bwd_wgmma_shared_bytes(inst.head_dim, own, streamed,
+                                      dkdv and _template_args(inst)[-1] == "true")
     # MmaBwdTraits::kSmemBytes (V only when the dK/dV kernel computes dK)
     # and the dS tile of deterministic=False's atomic dQ (kGrads bit 4)
     grads = int(_template_args(inst)[5]) if kernel == "bwd_mma_dkdv_kernel" else 0
@@ -208,9 +215,9 @@ def backward_launch_config(inst: Instantiation, *, batch: int, heads_q: int, hea
         a backward kernel.
     """
     kernel = backward_kernel(inst)
-    if kernel in ("bwd_simt_dot_do_o_kernel", "bwd_simt_dq_kernel", "bwd_mma_dq_kernel"):
+    if kernel in ("bwd_simt_dot_do_o_kernel", "bwd_simt_dq_kernel", "bwd_mma_dq_kernel", "bwd_wgmma_dq_kernel"):
         heads, rows, block_rows = heads_q, seqlen_q, inst.block_m
-    elif kernel in ("bwd_simt_dkdv_kernel", "bwd_mma_dkdv_kernel"):
+    elif kernel in ("bwd_simt_dkdv_kernel", "bwd_mma_dkdv_kernel", "bwd_wgmma_dkdv_kernel"):
         heads, rows, block_rows = heads_kv, seqlen_k, inst.block_n
     else:
         raise ValueError(f"no backward launch configuration for {inst.name_expression!r}")

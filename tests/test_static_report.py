@@ -83,9 +83,10 @@ INTENDED_SASS = {
     "bwd_simt": {"float": ("FFMA",), "double": ("DFMA",)},
     "bwd_mma": {"float": ("HMMA", "LDSM", "LDGSTS", "MUFU")},
     "fwd_wgmma": {"float": ("HGMMA", "LDGSTS", "MUFU")},
+    "bwd_wgmma": {"float": ("HGMMA", "LDGSTS", "MUFU")},
 }
 ABSENT_SASS = {"fwd_simt": ("HMMA",), "fwd_v1": ("HMMA",), "bwd_simt": ("HMMA",),
-               "fwd_wgmma": ("HMMA", "LDSM")}
+               "fwd_wgmma": ("HMMA", "LDSM"), "bwd_wgmma": ("HMMA", "LDSM")}
 
 
 def test_each_family_compiles_to_its_intended_instructions(rows):

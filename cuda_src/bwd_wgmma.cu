@@ -1,0 +1,391 @@
+// bwd_wgmma.cu -- the Hopper backward kernels: bwd_mma's algorithm on
+// wgmma.mma_async (float16 / bfloat16 inputs, float32 accumulation), sm_90a.
+//
+// The split into kernels is bwd_mma.cu's: bwd_simt's delta kernel first, then
+//   bwd_wgmma_dkdv_kernel  a CTA owns kBlockN = 64 kWarpGroups keys of one kv
+//                          head, each warpgroup 64 of them (the rows of its m64
+//                          slice), each warp 16.  K and V stay in shared memory
+//                          and dK, dV in registers; the query blocks that see
+//                          the keys stream through a cp.async double buffer
+//                          (Q, dO and their rows' lse, delta), head by head
+//                          through the kv head's group.  Per query block a
+//                          warpgroup computes, for its 64 keys,
+//       S^T  = K Q^T      wgmma, A = K and B = Q from shared memory (K-major)
+//       dP^T = V dO^T     wgmma likewise, issued in the same batch as S^T
+//       P^T  = exp2(S^T c - lse c), masked, while dP^T is in the tensor cores
+//       dV  += P^T dO     wgmma, A = P^T from registers, B = dO MN-major
+//       dS^T = P^T o (dP^T - delta), while dV is in the tensor cores
+//       dK  += dS^T Q     wgmma, A = dS^T from registers, B = Q MN-major
+//   bwd_wgmma_dq_kernel    a CTA owns kBlockM = 64 kWarpGroups query rows; Q
+//                          and dO stay in shared memory, dQ in registers; the
+//                          key blocks its rows see stream through
+//       S = Q K^T, dP = dO V^T (one batch), P, dS,
+//       dQ += dS K        wgmma, A = dS from registers, B = K MN-major.
+// deterministic=False (kAtomicDq): the dK/dV kernel also rounds dS^T into a
+// shared tile, and after a barrier the CTA computes dQ = dS K for the query
+// block over all of its keys -- wgmma with A = dS (MN-major: the tile is
+// [key][query]) and B = K (MN-major), warpgroup w taking one m64 slice of the
+// queries and one slice of the head dim -- and adds it to dq with float
+// atomics; no dQ kernel runs (5 block products per block pair instead of 7).
+//
+// Shared tiles are SwizzledTile pages, wgmma's 128-byte-swizzle layout
+// (wgmma.cuh), 1024-byte aligned.  Every thread copies with cp.async and runs
+// fence.proxy.async after its copies land, before the barrier that publishes
+// them to the tensor cores; a buffer is refilled only after that barrier,
+// which every warpgroup reaches after retiring the wgmma groups that read it.
+// Needs head dims that are multiples of 64 (others pass through with zero-
+// filled columns), 16-byte aligned rows, dv == d and scale > 0 -- the
+// dispatcher's conditions (cupyflash/_gpu_bwd.py).  Gradients are float32.
+#pragma once
+
+#include "block_info.cuh"
+#include "block_info_bwd.cuh"
+#include "bwd_blocks.cuh"
+#include "mask.cuh"
+#include "mma_tile.cuh"
+#include "params_bwd.cuh"
+#include "ptx.cuh"
+#include "softmax.cuh"
+#include "wgmma.cuh"
+
+namespace cf {
+
+// Every compile-time quantity of one instantiation.  kBlockOwn rows (keys in
+// the dK/dV kernel, query rows in the dQ kernel) stay in shared memory, 64 per
+// warpgroup; kBlockStream rows are reloaded per block.  The tile table, with
+// the reason for each row, is _BWD_WGMMA_TILES in cupyflash/_kernels.py.
+template <typename T, int kHeadDim_, int kBlockOwn_, int kBlockStream_, int kWarpGroups_, bool kAtomicDq_>
+struct WgmmaBwdTraits {
+    static constexpr int kHeadDim = kHeadDim_, kBlockOwn = kBlockOwn_, kBlockStream = kBlockStream_;
+    static constexpr int kWarpGroups = kWarpGroups_;
+    static constexpr bool kAtomicDq = kAtomicDq_;
+    static constexpr int kWarps = 4 * kWarpGroups;
+    static constexpr int kThreads = 32 * kWarps;
+    static constexpr int kMTiles = 1;
+    static constexpr int kRows = 2;                         // accumulator rows per lane (g, g + 8)
+    static constexpr int kSCols = kBlockStream / 4;         // score columns per lane and row
+    static constexpr int kGCols = kHeadDim / 4;             // gradient columns per lane and row
+    static constexpr int kKSteps = kHeadDim / 16;           // k16 steps over the head dim
+    static constexpr int kStreamSteps = kBlockStream / 16;  // k16 steps over the streamed rows
+
+    using OwnTile = SwizzledTile<kBlockOwn, kHeadDim>;
+    using StreamTile = SwizzledTile<kBlockStream, kHeadDim>;
+    using DsTile = SwizzledTile<kBlockOwn, kBlockStream>;   // dS^T, [key][query]
+
+    // Shared memory, in bytes from a 1024-byte aligned start: two own tiles
+    // (K, V or Q, dO), two stages of two streamed tiles (Q, dO or K, V), two
+    // stages of the streamed rows' lse * log2(e) and delta (the dK/dV kernel),
+    // and the dS^T tile with kAtomicDq; plus 1 KB of alignment slack.
+    static constexpr int kOwnBytes = 2 * OwnTile::kElements * 2;
+    static constexpr int kStageBytes = 2 * StreamTile::kElements * 2;
+    static constexpr int kStatsOffset = kOwnBytes + 2 * kStageBytes;
+    static constexpr int kDsOffset = kStatsOffset + 2 * 2 * kBlockStream * 4;
+    static constexpr int kSmemBytes = kDsOffset + (kAtomicDq ? DsTile::kElements * 2 : 0) + 1024;
+
+    // Descriptor strides (wgmma.cuh): 8-row groups 1024 bytes apart; an
+    // MN-major operand's 64-column pages a tile's page apart.
+    static constexpr uint32_t kGroupBytes = 1024;
+    static constexpr uint32_t kOwnPageBytes = kBlockOwn * 128;
+    static constexpr uint32_t kStreamPageBytes = kBlockStream * 128;
+
+    // kAtomicDq: dQ of a query block is kBlockStream / 64 m64 slices by
+    // kDqSlices head-dim slices of kDqCols columns, one per warpgroup.
+    static constexpr int kDqSlices = kWarpGroups / (kBlockStream / 64 > 0 ? kBlockStream / 64 : 1);
+    static constexpr int kDqCols = kHeadDim / (kDqSlices > 0 ? kDqSlices : 1);
+
+    static_assert(sizeof(T) == 2, "float16 / bfloat16 only");
+    static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "head dim: whole 64-column pages, at most 256");
+    static_assert(kBlockOwn == 64 * kWarpGroups, "own block: one m64 slice per warpgroup");
+    static_assert(kBlockStream % 64 == 0 && kBlockStream <= 256, "streamed block: an n of wgmma, whole pages");
+    static_assert(kWarpGroups >= 1 && kWarpGroups <= 3, "1 to 3 warpgroups");
+    static_assert(!kAtomicDq || ((kBlockStream / 64) * kDqSlices == kWarpGroups && kDqCols % 64 == 0),
+                  "atomic dQ: one (m64 slice, whole-page head-dim slice) per warpgroup");
+    static_assert(kDsOffset % 1024 == 0, "the dS^T tile starts 1024-byte aligned");
+    static_assert(kSmemBytes <= 227 * 1024, "within sm_90's 227 KB per block");
+};
+
+template <class Tr, typename T>
+__device__ __forceinline__ uint64_t k_major(const T* tile_chunk) {
+    return wgmma_desc_sw128(tile_chunk, 16, Tr::kGroupBytes);
+}
+
+// x = A B^T for the warpgroup's 64 own rows (from row wg_row0 of own tile sA)
+// and every row of streamed tile sB, both [row][head dim]: kKSteps wgmma into
+// x, not committed.
+template <class Tr, typename T>
+__device__ __forceinline__ void wgmma_own_stream(float (&x)[Tr::kRows][Tr::kSCols], const T* sA, const T* sB,
+                                                 int wg_row0) {
+#pragma unroll
+    for (int ks = 0; ks < Tr::kKSteps; ++ks)
+        Wgmma<T, Tr::kBlockStream>::ss(x, k_major<Tr>(sA + Tr::OwnTile::chunk(wg_row0, 2 * ks)),
+                                       k_major<Tr>(sB + Tr::StreamTile::chunk(0, 2 * ks)), ks > 0);
+}
+
+// g += x Z, x (own rows x streamed rows) re-packed as A operands, Z the
+// streamed tile [streamed row][head dim] read MN-major: one committed group.
+template <class Tr, typename T>
+__device__ __forceinline__ void wgmma_accumulate(float (&g)[Tr::kRows][Tr::kGCols],
+                                                 const uint32_t (&a)[Tr::kStreamSteps][4], const T* sZ) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < Tr::kStreamSteps; ++kk)
+        Wgmma<T, Tr::kHeadDim>::rs_mn(
+            g, a[kk], wgmma_desc_sw128(sZ + Tr::StreamTile::chunk(16 * kk, 0), Tr::kStreamPageBytes, Tr::kGroupBytes),
+            true);
+    wgmma_commit();
+}
+
+// x rounded to T and packed as A operands (kStreamSteps k16 slices).
+template <class Tr, typename T>
+__device__ __forceinline__ void pack_a(uint32_t (&a)[Tr::kStreamSteps][4], const float (&x)[Tr::kRows][Tr::kSCols]) {
+#pragma unroll
+    for (int kk = 0; kk < Tr::kStreamSteps; ++kk) accumulator_to_a<T>(a[kk], x, 0, kk);
+}
+
+// kAtomicDq: dq[rows of one query block] += scale * dS K over the CTA's keys.
+// sdS holds dS^T ([key][query]) of every warpgroup; warpgroup w computes m64
+// slice w / kDqSlices of the queries and head-dim slice w % kDqSlices.  dq
+// points at the block's first query row.
+template <class Tr, typename T>
+__device__ __forceinline__ void add_dq_atomically(float* dq, int64_t row_stride, const T* sdS, const T* sK,
+                                                  float scale, int rows_valid, int cols_valid) {
+    const int wg = warp_id() >> 2;
+    const int m_slice = wg / Tr::kDqSlices, col0 = (wg % Tr::kDqSlices) * Tr::kDqCols;
+    float acc[Tr::kRows][Tr::kDqCols / 4];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < Tr::kBlockOwn / 16; ++kk)
+        Wgmma<T, Tr::kDqCols>::ss_mn(
+            acc,
+            wgmma_desc_sw128(sdS + Tr::DsTile::chunk(16 * kk, 8 * m_slice), Tr::kOwnPageBytes, Tr::kGroupBytes),
+            wgmma_desc_sw128(sK + Tr::OwnTile::chunk(16 * kk, col0 / 8), Tr::kOwnPageBytes, Tr::kGroupBytes),
+            kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    const int row_base = 64 * m_slice + 16 * (warp_id() & 3);
+#pragma unroll
+    for (int r = 0; r < Tr::kRows; ++r) {
+        const int row = row_base + fragment_row(r);
+        if (row >= rows_valid) continue;
+#pragma unroll
+        for (int c = 0; c < Tr::kDqCols / 4; ++c) {
+            const int col = col0 + fragment_col(c);
+            if (col < cols_valid) atomicAdd(dq + row * row_stride + col, acc[r][c] * scale);
+        }
+    }
+}
+
+// ---- kernels ---------------------------------------------------------------------------------
+
+// dK and dV (and, kAtomicDq, dQ by atomics) of kBlockN keys of one (batch, kv head).
+template <typename T, int kHeadDim, int kBlockN, int kBlockM, int kWarpGroups, bool kAtomicDq>
+__global__ void __launch_bounds__((WgmmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarpGroups, kAtomicDq>::kThreads), 1)
+bwd_wgmma_dkdv_kernel(const BwdParams params) {
+    using Tr = WgmmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarpGroups, kAtomicDq>;
+    using Own = typename Tr::OwnTile;
+    using Stream = typename Tr::StreamTile;
+    const FwdParams& p = params.fwd;
+
+    const KeyTileIndex tile(p, kBlockN, blockIdx.x);
+    const WindowMask mask(p);
+    const KeyBlock block(p, mask, tile.n_block * kBlockN, kBlockN);
+    const float scale_log2 = static_cast<float>(p.scale_log2);
+    const int d = static_cast<int>(p.head_dim);
+    const int row0 = warp_id() * 16;             // the warp's first key in the K tile
+    const int wg_row0 = (warp_id() >> 2) * 64;   // its warpgroup's
+    const int64_t first_head = tile.head_kv * p.gqa_ratio;
+
+    char* smem = dynamic_smem();
+    smem += (1024 - (smem_addr(smem) & 1023)) & 1023;  // 128-byte swizzle atoms are 1024-byte aligned
+    T* const sK = reinterpret_cast<T*>(smem);
+    T* const sV = sK + Own::kElements;
+    T* const sStream = sV + Own::kElements;  // 2 x (Q, dO)
+    float* const sStats = reinterpret_cast<float*>(smem + Tr::kStatsOffset);  // 2 x (lse, delta)
+    T* const sdS = reinterpret_cast<T*>(smem + Tr::kDsOffset);  // kAtomicDq only
+    const auto q_tile = [sStream](int stage) { return sStream + 2 * stage * Stream::kElements; };
+    const auto do_tile = [sStream](int stage) { return sStream + (2 * stage + 1) * Stream::kElements; };
+
+    // Issue the copies of query block (head, m_block)'s Q and dO into `stage`,
+    // and load the statistics of its row threadIdx.x (threads below kBlockM).
+    const auto issue_queries = [&](int stage, int64_t head, int64_t m_block, float& lse_log2, float& delta) {
+        const int64_t m0 = m_block * kBlockM;
+        const int rows = static_cast<int>(min64(kBlockM, p.seqlen_q - m0));
+        const HeadSlice<T, float> qo(p, tile.batch, head);
+        const GradSlice<T, float> grad(params, tile.batch, head);
+        cp_async_tile<Tr::kThreads, Stream>(q_tile(stage), qo.q, m0, p.q_row_stride, rows, d);
+        cp_async_tile<Tr::kThreads, Stream>(do_tile(stage), grad.dout, m0, params.dout_row_stride, rows, d);
+        cp_async_commit();
+        if (threadIdx.x < kBlockM)
+            query_stats(lse_log2, delta, qo.lse, p.lse_row_stride, grad.delta, params.delta_row_stride,
+                        m0 + static_cast<int>(threadIdx.x), p.seqlen_q);
+    };
+    const auto store_stats = [sStats](int stage, float lse_log2, float delta) {
+        sStats[2 * stage * kBlockM + threadIdx.x] = lse_log2;
+        sStats[(2 * stage + 1) * kBlockM + threadIdx.x] = delta;
+    };
+    static_assert(kBlockM <= Tr::kThreads, "one thread per streamed row loads its statistics");
+
+    // The query blocks that see these keys, head by head through the kv head's group.
+    const int64_t m_begin = block.m_begin(kBlockM), m_end = block.m_end(kBlockM);
+    const int64_t head_end = first_head + p.gqa_ratio;
+    const HeadSlice<T, float> kv(p, tile.batch, first_head);
+    cp_async_tile<Tr::kThreads, Own>(sK, kv.k, block.n0, p.k_row_stride, block.keys, d);
+    cp_async_tile<Tr::kThreads, Own>(sV, kv.v, block.n0, p.v_row_stride, block.keys, d);
+    cp_async_commit();
+    if (m_begin < m_end) {
+        float lse_log2, delta;
+        issue_queries(0, first_head, m_begin, lse_log2, delta);
+        if (threadIdx.x < kBlockM) store_stats(0, lse_log2, delta);
+    }
+
+    float dk[Tr::kRows][Tr::kGCols] = {};
+    float dv[Tr::kRows][Tr::kGCols] = {};
+    int stage = 0;  // the buffers of the current block
+    for (int64_t head = first_head; head < head_end; ++head) {
+        for (int64_t m_block = m_begin; m_block < m_end; ++m_block) {
+            cp_async_wait<0>();
+            fence_proxy_async_shared();
+            __syncthreads();  // this block's Q, dO, lse, delta visible; every wgmma on the other stage retired
+            float next_lse_log2 = 0.0f, next_delta = 0.0f;
+            const bool head_done = m_block + 1 == m_end;
+            const bool has_next = !head_done || head + 1 < head_end;
+            if (has_next)
+                issue_queries(stage ^ 1, head_done ? head + 1 : head, head_done ? m_begin : m_block + 1,
+                              next_lse_log2, next_delta);
+            const T* sQ = q_tile(stage);
+            const T* sdO = do_tile(stage);
+            const float* sLse = sStats + 2 * stage * kBlockM;
+            const float* sDelta = sLse + kBlockM;
+            const auto lse_of = [sLse](int, int c) { return sLse[fragment_col(c)]; };  // by query column
+            const auto delta_of = [sDelta](int, int c) { return sDelta[fragment_col(c)]; };
+            const int64_t m0 = m_block * kBlockM;
+
+            float s[Tr::kRows][Tr::kSCols], dp[Tr::kRows][Tr::kSCols];
+            wgmma_fence();
+            wgmma_own_stream<Tr>(s, sK, sQ, wg_row0);      // S^T = K Q^T
+            wgmma_commit();
+            wgmma_own_stream<Tr>(dp, sV, sdO, wg_row0);    // dP^T = V dO^T
+            wgmma_commit();
+            wgmma_wait<1>();                               // S^T
+            probabilities<Tr>(s, lse_of, scale_log2);      // P^T
+            if (block.needs_mask(p, mask, m0, kBlockM, kBlockN))
+                apply_mask<false, Tr>(s, mask, m0, block.n0, row0, kBlockN, p.seqlen_q);
+            uint32_t a[Tr::kStreamSteps][4];
+            pack_a<Tr, T>(a, s);
+            wgmma_accumulate<Tr>(dv, a, sdO);              // dV += P^T dO
+            wgmma_wait<1>();                               // dP^T (dV still in flight)
+            score_gradient<Tr>(dp, s, delta_of);           // dS^T
+            uint32_t ds[Tr::kStreamSteps][4];
+            pack_a<Tr, T>(ds, dp);
+            if constexpr (kAtomicDq) store_accumulators<typename Tr::DsTile>(sdS, dp, row0);  // rounded as ds
+            wgmma_accumulate<Tr>(dk, ds, sQ);              // dK += dS^T Q
+            wgmma_wait<0>();
+            if constexpr (kAtomicDq) {
+                fence_proxy_async_shared();
+                __syncthreads();  // every warpgroup's dS^T visible (the last block's dQ read it before the top barrier)
+                const GradSlice<T, float> grad(params, tile.batch, head);
+                add_dq_atomically<Tr>(grad.dq + m0 * params.dq_row_stride, params.dq_row_stride, sdS, sK,
+                                      static_cast<float>(p.scale), static_cast<int>(min64(kBlockM, p.seqlen_q - m0)),
+                                      d);
+            }
+            // the other stage's statistics were last read before this block's barrier
+            if (has_next && threadIdx.x < kBlockM) store_stats(stage ^ 1, next_lse_log2, next_delta);
+            stage ^= 1;
+        }
+    }
+    cp_async_wait<0>();  // without a query block, K and V were never waited for
+
+    const GradSlice<T, float> kv_grad(params, tile.batch, first_head);
+    const int keys_valid = block.keys - row0;
+    store_gradient<Tr>(kv_grad.dk + (block.n0 + row0) * params.dk_row_stride, params.dk_row_stride, dk,
+                       static_cast<float>(p.scale), keys_valid, d);
+    store_gradient<Tr>(kv_grad.dv + (block.n0 + row0) * params.dv_row_stride, params.dv_row_stride, dv, 1.0f,
+                       keys_valid, static_cast<int>(p.head_dim_v));
+}
+
+// dQ of kBlockM query rows of one (batch, query head).
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarpGroups>
+__global__ void __launch_bounds__((WgmmaBwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarpGroups, false>::kThreads), 1)
+bwd_wgmma_dq_kernel(const BwdParams params) {
+    using Tr = WgmmaBwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarpGroups, false>;
+    using Own = typename Tr::OwnTile;
+    using Stream = typename Tr::StreamTile;
+    const FwdParams& p = params.fwd;
+
+    const TileIndex tile(p, kBlockM, blockIdx.x);
+    const HeadSlice<T, float> head(p, tile.batch, tile.head);
+    const GradSlice<T, float> grad(params, tile.batch, tile.head);
+    const WindowMask mask(p);
+    const QueryBlock block(p, mask, tile.m_block * kBlockM, kBlockM);
+    const float scale_log2 = static_cast<float>(p.scale_log2);
+    const int d = static_cast<int>(p.head_dim);
+    const int row0 = warp_id() * 16;             // the warp's first row in the Q tile
+    const int wg_row0 = (warp_id() >> 2) * 64;   // its warpgroup's
+
+    char* smem = dynamic_smem();
+    smem += (1024 - (smem_addr(smem) & 1023)) & 1023;
+    T* const sQ = reinterpret_cast<T*>(smem);
+    T* const sdO = sQ + Own::kElements;
+    T* const sStream = sdO + Own::kElements;  // 2 x (K, V)
+    const auto k_tile = [sStream](int stage) { return sStream + 2 * stage * Stream::kElements; };
+    const auto v_tile = [sStream](int stage) { return sStream + (2 * stage + 1) * Stream::kElements; };
+    // Issue the copies of key block n_block's K and V into `stage`.
+    const auto issue_keys = [&](int stage, int64_t n_block) {
+        const int64_t n0 = n_block * kBlockN;
+        const int keys = QueryBlock::keys_in(p, n0, kBlockN);
+        cp_async_tile<Tr::kThreads, Stream>(k_tile(stage), head.k, n0, p.k_row_stride, keys, d);
+        cp_async_tile<Tr::kThreads, Stream>(v_tile(stage), head.v, n0, p.v_row_stride, keys, d);
+    };
+
+    const int64_t n_begin = block.n_begin(kBlockN), n_end = block.n_end(kBlockN);
+    cp_async_tile<Tr::kThreads, Own>(sQ, head.q, block.m0, p.q_row_stride, block.rows, d);
+    cp_async_tile<Tr::kThreads, Own>(sdO, grad.dout, block.m0, params.dout_row_stride, block.rows, d);
+    if (n_begin < n_end) issue_keys(0, n_begin);
+    cp_async_commit();
+
+    float lse_log2[Tr::kRows], delta[Tr::kRows];
+#pragma unroll
+    for (int r = 0; r < Tr::kRows; ++r)
+        query_stats(lse_log2[r], delta[r], head.lse, p.lse_row_stride, grad.delta, params.delta_row_stride,
+                    block.m0 + row0 + fragment_row(r), p.seqlen_q);
+    const auto lse_of = [&lse_log2](int r, int) { return lse_log2[r]; };  // by query row
+    const auto delta_of = [&delta](int r, int) { return delta[r]; };
+
+    float dq[Tr::kRows][Tr::kGCols] = {};
+    for (int64_t n_block = n_begin; n_block < n_end; ++n_block) {
+        const int stage = static_cast<int>((n_block - n_begin) & 1);
+        cp_async_wait<0>();
+        fence_proxy_async_shared();
+        __syncthreads();  // this block's K, V (the first time Q, dO) visible; the other stage's wgmma retired
+        if (n_block + 1 < n_end) {
+            issue_keys(stage ^ 1, n_block + 1);
+            cp_async_commit();
+        }
+        const T* sK = k_tile(stage);
+        const T* sV = v_tile(stage);
+        const int64_t n0 = n_block * kBlockN;
+
+        float s[Tr::kRows][Tr::kSCols], dp[Tr::kRows][Tr::kSCols];
+        wgmma_fence();
+        wgmma_own_stream<Tr>(s, sQ, sK, wg_row0);      // S = Q K^T
+        wgmma_commit();
+        wgmma_own_stream<Tr>(dp, sdO, sV, wg_row0);    // dP = dO V^T
+        wgmma_commit();
+        wgmma_wait<1>();                               // S
+        probabilities<Tr>(s, lse_of, scale_log2);      // P
+        if (block.needs_mask(mask, n0, kBlockN))
+            apply_mask<true, Tr>(s, mask, block.m0 + row0, n0, 0, kBlockN, p.seqlen_q);
+        wgmma_wait<0>();                               // dP
+        score_gradient<Tr>(dp, s, delta_of);           // dS
+        uint32_t a[Tr::kStreamSteps][4];
+        pack_a<Tr, T>(a, dp);
+        wgmma_accumulate<Tr>(dq, a, sK);               // dQ += dS K
+        wgmma_wait<0>();
+    }
+    cp_async_wait<0>();  // without a key block, Q and dO were never waited for
+
+    store_gradient<Tr>(grad.dq + (block.m0 + row0) * params.dq_row_stride, params.dq_row_stride, dq,
+                       static_cast<float>(p.scale), block.rows - row0, d);
+}
+
+}  // namespace cf
