@@ -99,8 +99,9 @@ __device__ __forceinline__ void scores_to_a(uint32_t (&a)[Tr::kKeySteps][Tr::kMT
 // filled by cp.async (keys beyond Lk and columns beyond d zero-filled), with
 // the wait_group / __syncthreads pairing of each schedule (see the top).
 // Every thread has at most one cp.async group in flight, so every wait is
-// wait_group 0.  Tr::publish_copies() runs between a thread's wait and the
-// barrier (empty for mma.sync; the async-proxy fence where wgmma reads the tiles).
+// wait_group 0.  fwd_mma runs the whole schedule through it; fwd_wgmma, whose
+// V trails K by one block, uses its buffers and copies (load) with a schedule
+// of its own.
 template <class Tr, typename T>
 struct KVPipeline {
     const FwdParams& p;
@@ -147,7 +148,6 @@ struct KVPipeline {
     // block n_block + 1's K and V (two stages) or this block's V (one stage).
     __device__ void await_keys(int n_block) const {
         cp_async_wait<0>();
-        Tr::publish_copies();
         __syncthreads();
         if constexpr (Tr::kStages == 2) {
             if (n_block + 1 < n_end) {
@@ -165,7 +165,6 @@ struct KVPipeline {
     __device__ void await_values(int n_block) const {
         if constexpr (Tr::kStages == 1) {
             cp_async_wait<0>();
-            Tr::publish_copies();
             __syncthreads();
             if (n_block + 1 < n_end) {
                 load(k(0), k_src, p.k_row_stride, n_block + 1);

@@ -67,8 +67,6 @@ struct MmaFwdTraits {
     // every thread the 255-register maximum, so this never caps registers; it
     // states the occupancy the tile table aims for.
     static constexpr int kMinBlocksPerSm = kWarps <= 4 ? 2 : 1;
-    // KVPipeline: ldmatrix reads the landed copies after the barrier; nothing to add.
-    __device__ static void publish_copies() {}
 
     static_assert(sizeof(T) == 2, "float16 / bfloat16 only");
     static_assert(kBlockM % (16 * kWarps) == 0, "block_m: whole m16 tiles per warp");

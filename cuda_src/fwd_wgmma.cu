@@ -5,8 +5,8 @@
 // warpgroup owns 64 of them, each warp 16 (the rows of its m64 slice).  Q
 // stays in shared memory for the whole kernel and is read by the tensor cores
 // directly; K and V blocks of kBlockN keys stream through a double buffer
-// filled by cp.async (fwd_blocks.cuh KVPipeline, every thread copying).  Per
-// key block, every warpgroup computes
+// filled by cp.async (every thread copying), V one block behind K.  Per key
+// block, every warpgroup computes
 //     S = Q K^T        wgmma, A = Q and B = K from shared memory (K-major),
 //                      d / 16 steps of m64 n(kBlockN) k16 into registers
 //     mask             only on blocks that cross a mask boundary
@@ -15,10 +15,17 @@
 //                      rounded and re-packed, no shared-memory round trip),
 //                      B = V from shared memory (MN-major, transposed by the
 //                      tensor core); kBlockN / 16 steps of m64 n(d) k16
-// and divides O by l once, at the end; the epilogue is fwd_mma's.  Each
-// product is one commit group waited for before its result is used; two or
-// more warpgroups per CTA let one warpgroup's softmax run while another's
-// products are in the tensor cores.
+// and divides O by l once, at the end; the epilogue is fwd_mma's.
+//
+// Software pipelining inside a warpgroup (FlashAttention-3's intra-warpgroup
+// overlap): block n's S = Q K(n)^T and block n - 1's O += P(n - 1) V(n - 1) are
+// issued back to back as two commit groups; the warpgroup waits for S only
+// and runs block n's mask and softmax while the tensor cores do the P V
+// product.  The softmax's rescale of O waits until that product retires
+// (OnlineSoftmax hands back the factors), then P(n) is packed for the next
+// block.  The first block's S and the last block's P V stand outside the loop.
+// Two warpgroups per CTA add the overlap of one's softmax with the other's
+// products.
 //
 // Every shared tile is a SwizzledTile of 64-column pages, which is wgmma's
 // 128-byte-swizzle layout (wgmma.cuh); the tiles start 1024-byte aligned.
@@ -67,9 +74,6 @@ struct WgmmaFwdTraits {
     static constexpr uint32_t kGroupBytes = 1024;
     static constexpr uint32_t kVPageBytes = kBlockN * 128;
 
-    // KVPipeline: the tiles are read by the tensor cores' async proxy.
-    __device__ static void publish_copies() { fence_proxy_async_shared(); }
-
     static_assert(sizeof(T) == 2, "float16 / bfloat16 only");
     static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "head dim: whole 64-column pages, at most 256");
     static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "block_n: an n of wgmma (whole 64-row V pages)");
@@ -77,11 +81,11 @@ struct WgmmaFwdTraits {
     static_assert(kSmemBytes <= 227 * 1024, "within sm_90's 227 KB per block");
 };
 
-// s = Q K^T (unscaled) for the warpgroup's 64 rows (from row wg_row0 of the Q tile).
+// s = Q K^T (unscaled) for the warpgroup's 64 rows (from row wg_row0 of the Q tile):
+// one commit group; the caller fences before and waits after.
 template <class Tr, typename T>
 __device__ __forceinline__ void wgmma_qk(float (&s)[Tr::kRows][Tr::kSCols], const T* sQ, const T* sK,
                                          int wg_row0) {
-    wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < Tr::kKSteps; ++ks) {
         const uint64_t a = wgmma_desc_sw128(sQ + Tr::QTile::chunk(wg_row0, 2 * ks), 16, Tr::kGroupBytes);
@@ -89,21 +93,18 @@ __device__ __forceinline__ void wgmma_qk(float (&s)[Tr::kRows][Tr::kSCols], cons
         Wgmma<T, Tr::kBlockN>::ss(s, a, b, ks > 0);
     }
     wgmma_commit();
-    wgmma_wait<0>();
 }
 
-// o += P V, P as A operands in registers.
+// o += P V, P as A operands in registers: one commit group, likewise.
 template <class Tr, typename T>
 __device__ __forceinline__ void wgmma_pv(float (&o)[Tr::kRows][Tr::kOCols],
                                          const uint32_t (&p)[Tr::kKeySteps][Tr::kMTiles][4], const T* sV) {
-    wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < Tr::kKeySteps; ++kk) {
         const uint64_t b = wgmma_desc_sw128(sV + Tr::KVTile::chunk(16 * kk, 0), Tr::kVPageBytes, Tr::kGroupBytes);
         Wgmma<T, Tr::kHeadDim>::rs_mn(o, p[kk][0], b, true);
     }
     wgmma_commit();
-    wgmma_wait<0>();
 }
 
 template <typename T, int kHeadDim, int kBlockN, int kWarpGroups, bool kLazyRescale>
@@ -124,23 +125,73 @@ fwd_wgmma_kernel(const FwdParams params) {
 
     int n_begin, n_end;
     const UnmaskedBlocks unmasked = key_blocks<Tr>(params, m_block, n_begin, n_end);
-    KVPipeline<Tr, T> kv(params, in.k, in.v, sQ + Tr::QTile::kElements, n_end);
-    if (n_begin < n_end) kv.start_with_queries(sQ, in.q, m_block, n_begin);
+    KVPipeline<Tr, T> kv(params, in.k, in.v, sQ + Tr::QTile::kElements, n_end);  // its buffers and copies
+    if (n_begin < n_end) {  // Q and the first block's K; its V comes with the next K
+        const int64_t m0 = static_cast<int64_t>(m_block) * Tr::kBlockM;
+        cp_async_tile<Tr::kThreads, typename Tr::QTile>(sQ, in.q, m0, params.q_row_stride,
+                                                        static_cast<int>(min64(Tr::kBlockM, params.seqlen_q - m0)),
+                                                        static_cast<int>(params.head_dim));
+        kv.load(kv.k(0), in.k, params.k_row_stride, n_begin);
+        cp_async_commit();
+    }
 
     OnlineSoftmax<float, Tr::kRows, 4> softmax;
     float o[Tr::kRows][Tr::kOCols] = {};
-    for (int n_block = n_begin; n_block < n_end; ++n_block) {
-        float s[Tr::kRows][Tr::kSCols];
-        kv.await_keys(n_block);
-        wgmma_qk<Tr>(s, sQ, kv.keys(), wg_row0);
+    uint32_t p[Tr::kKeySteps][Tr::kMTiles][4];  // the previous block's P: A of its P V, in flight
+    // Before the products of block n: K(n) and V(n - 1) visible, every warpgroup
+    // done with K(n - 1) and V(n - 2); then the copies of K(n + 1) and V(n) go out.
+    const auto next_block = [&](int n_block, int stage) {
+        cp_async_wait<0>();
+        fence_proxy_async_shared();
+        __syncthreads();
+        if (n_block + 1 < n_end) kv.load(kv.k(stage ^ 1), in.k, params.k_row_stride, n_block + 1);
+        kv.load(kv.v(stage), in.v, params.v_row_stride, n_block);
+        cp_async_commit();
+    };
+    // The mask and the softmax of block n's scores; o's rescale factors returned.
+    const auto softmax_block = [&](float (&s)[Tr::kRows][Tr::kSCols], float (&rescale)[Tr::kRows], int n_block) {
         if (unmasked.needs_mask(n_block))
             apply_mask<Tr>(s, BlockMask(params, static_cast<int64_t>(m_block) * Tr::kBlockM + row0,
                                         static_cast<int64_t>(n_block) * kBlockN, kBlockN));
-        softmax.template update_unscaled<Tr::kLazyRescale>(s, o, scale_log2);
-        uint32_t p[Tr::kKeySteps][Tr::kMTiles][4];
+#pragma unroll
+        for (int r = 0; r < Tr::kRows; ++r) rescale[r] = 1.0f;
+        softmax.template update_unscaled<Tr::kLazyRescale>(s, rescale, scale_log2);
+    };
+    if (n_begin < n_end) {  // block n_begin: S only
+        next_block(n_begin, 0);
+        float s[Tr::kRows][Tr::kSCols], rescale[Tr::kRows];
+        wgmma_fence();
+        wgmma_qk<Tr>(s, sQ, kv.k(0), wg_row0);
+        wgmma_wait<0>();
+        softmax_block(s, rescale, n_begin);  // o is still zero: no rescale
         scores_to_a<Tr, T>(p, s);
-        wgmma_pv<Tr>(o, p, kv.values());
-        kv.advance();
+    }
+    for (int n_block = n_begin + 1; n_block < n_end; ++n_block) {
+        const int stage = (n_block - n_begin) & 1;  // K(n) in k(stage), V(n) in v(stage)
+        next_block(n_block, stage);
+        float s[Tr::kRows][Tr::kSCols], rescale[Tr::kRows];
+        wgmma_fence();
+        wgmma_qk<Tr>(s, sQ, kv.k(stage), wg_row0);   // S(n) = Q K(n)^T
+        wgmma_pv<Tr>(o, p, kv.v(stage ^ 1));         // O += P(n - 1) V(n - 1), behind it
+        wgmma_wait<1>();                             // S(n)
+        softmax_block(s, rescale, n_block);          // while P V runs
+        wgmma_wait<0>();                             // O and P(n - 1) free
+        bool moved = !Tr::kLazyRescale;
+#pragma unroll
+        for (int r = 0; r < Tr::kRows; ++r) moved |= rescale[r] != 1.0f;
+        if (!Tr::kLazyRescale || __any_sync(0xffffffffu, moved)) {
+#pragma unroll
+            for (int r = 0; r < Tr::kRows; ++r) scale_in_place(o[r], rescale[r]);
+        }
+        scores_to_a<Tr, T>(p, s);
+    }
+    if (n_begin < n_end) {  // the last block's P V
+        cp_async_wait<0>();
+        fence_proxy_async_shared();
+        __syncthreads();  // its V visible
+        wgmma_fence();
+        wgmma_pv<Tr>(o, p, kv.v((n_end - 1 - n_begin) & 1));
+        wgmma_wait<0>();
     }
 
     float lse[Tr::kRows];
