@@ -17,7 +17,7 @@ export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 TEST_SECONDS="${GPU_CHECK_TEST_SECONDS:-150}"       # an H200 took 70-80 s
 BENCH_SECONDS="${GPU_CHECK_BENCH_SECONDS:-130}"     # no new case starts after this
-VARIANT_SECONDS="${GPU_CHECK_VARIANT_SECONDS:-90}"  # benchmarks/gpu_variants.py (13 variants); 0 skips it
+VARIANT_SECONDS="${GPU_CHECK_VARIANT_SECONDS:-90}"  # benchmarks/gpu_variants.py (wgmma variants first); 0 skips it
 PROFILE_SECONDS="${GPU_CHECK_PROFILE_SECONDS:-60}"  # ncu over benchmarks/gpu_profile.py; 0 skips it
 
 if ! reason=$("$PY" - <<'PYEOF' 2>&1

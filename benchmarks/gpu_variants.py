@@ -1,4 +1,4 @@
-"""Tile variants of fwd_mma and bwd_mma on one GPU: correctness, then time.
+"""Tile variants of fwd_wgmma, bwd_wgmma, fwd_mma and bwd_mma on one GPU: correctness, then time.
 
 The catalogue (``cupyflash/_kernels.py``) holds one tile per (head dim,
 architecture); this script swaps other tiles in for one run, so that a GPU
@@ -43,6 +43,20 @@ FWD_VARIANTS = {
 BWD_VARIANTS = {
     128: [(64, 32, 4), (64, 64, 4), (64, 32, 4, 64)],
 }
+# fwd_wgmma (sm_90 only, timed first: it carries issue 4's target): head dim ->
+# [(block_n, warpgroups, lazy_rescale)], the catalogue's first.  Registers (NVRTC
+# 13.5): d = 128 (64, 2) 152; d = 64 (64, 2) 127, which leaves room for two CTAs
+# per SM, (192, 2) 255.  (192, 2) at d = 128 spills; 3 warpgroups do not fit.
+WGMMA_FWD_VARIANTS = {
+    128: [(128, 2, True), (128, 2, False), (64, 2, True)],
+    64: [(128, 2, True), (64, 2, True), (192, 2, True)],
+}
+# bwd_wgmma: head dim -> [(dK/dV streamed rows, warpgroups, dQ streamed keys)], the
+# catalogue's first; each timed deterministic and with atomic dQ (where it has one).
+WGMMA_BWD_VARIANTS = {
+    128: [(64, 2, 128), (64, 2, 64)],
+    64: [(128, 2, 128), (128, 2, 64)],
+}
 SHAPE = dict(batch=2, heads=16, seqlen=8192)
 BOUND = 2e-2   # ||out - ref|| / ||ref|| in bf16 (SDPA's own rounding included)
 
@@ -60,8 +74,26 @@ def use_bwd(head_dim: int, own: int, streamed: int, warps: int, streamed_dq: int
     _kernels.refresh()
 
 
+def use_wgmma_fwd(head_dim: int, tile) -> None:
+    _kernels._WGMMA_TILES[head_dim] = tuple(tile)
+    _kernels.refresh()
+
+
+def use_wgmma_bwd(head_dim: int, tile) -> None:
+    _kernels._BWD_WGMMA_TILES[head_dim] = tuple(tile)
+    _kernels.refresh()
+
+
 def variant_rows(kind: str, head_dim: int, variant, dtype: str = "bfloat16"):
     """The catalogue rows (entry, name expression) this variant adds."""
+    if kind == "wfwd":
+        use_wgmma_fwd(head_dim, variant)
+        return [_kernels.by_name()[_kernels.wgmma_name_expression(dtype, head_dim, *variant)]]
+    if kind == "wbwd":
+        use_wgmma_bwd(head_dim, variant)
+        names = _kernels.bwd_wgmma_name_expressions(dtype, head_dim, True)
+        names += _kernels.bwd_wgmma_name_expressions(dtype, head_dim, False)
+        return [_kernels.by_name()[n] for n in names]
     if kind == "fwd":
         use_fwd(head_dim, variant)
         family = "fwd_mma"
@@ -75,7 +107,14 @@ def variant_rows(kind: str, head_dim: int, variant, dtype: str = "bfloat16"):
             and (r.block_m, r.block_n, r.threads // 32, r.kv_stages, r.lazy_rescale) == tuple(variant)]
 
 
-def all_variants():
+def all_variants(wgmma: bool = True):
+    if wgmma:
+        for d, tiles in WGMMA_FWD_VARIANTS.items():
+            for t in tiles:
+                yield "wfwd", d, t
+        for d, tiles in WGMMA_BWD_VARIANTS.items():
+            for t in tiles:
+                yield "wbwd", d, t
     for d, tiles in FWD_VARIANTS.items():
         for t in tiles:
             yield "fwd", d, t
@@ -103,9 +142,12 @@ def report(archs) -> None:
     for kind, d, variant in all_variants():
         for r in variant_rows(kind, d, variant):
             for arch in archs:
+                target = _kernels.compile_target(r.entry, arch)
+                if target is None:
+                    continue
                 try:
                     rep = _report.compile_report(module_source(r.entry), [r.name_expression],
-                                                 arch, sass=False, filename=r.entry)
+                                                 target, sass=False, filename=r.entry)
                 except _report.NvrtcError as error:
                     print(f"{arch} {kind} d={d} {variant}: {str(error)[:600]}")
                     continue
@@ -130,9 +172,10 @@ def main() -> int:
     from cupyx.profiler import benchmark
 
     import cupyflash
-    from cupyflash import _bench
+    from cupyflash import _bench, _gpu
 
-    jobs = list(all_variants())
+    sm90 = int(cupy.cuda.Device().compute_capability) == _kernels.WGMMA_ARCH
+    jobs = list(all_variants(wgmma=sm90))
     start = time.perf_counter()
     with ProcessPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
         failures = [f for f in pool.map(_compile, jobs) if f]
@@ -143,17 +186,20 @@ def main() -> int:
 
     b, h, L = SHAPE["batch"], SHAPE["heads"], SHAPE["seqlen"]
     rows, inputs = [], {}
+    modes = {"wbwd": (True, False)}   # bwd_wgmma: deterministic, then atomic dQ
     for kind, d, variant in jobs:
         variant_rows(kind, d, variant)   # installs the variant in the catalogue
-        for causal in (False, True):
+        _gpu.wgmma_override = kind in ("wfwd", "wbwd")
+        for causal, deterministic in ((c, m) for c in (False, True) for m in modes.get(kind, (True,))):
             if d not in inputs:   # one input set per head dim: every variant sees the same
                 inputs[d] = _bench.random_inputs(_bench.Case("bfloat16", b, h, L, L, d),
                                                  cupy, seed=d)
             q, k, v, dout = inputs[d]
             tq, tk, tv, tdo = (_bench._to_torch(x) for x in (q, k, v, dout))
-            row = dict(kind=kind, head_dim=d, variant=list(variant), causal=causal)
+            row = dict(kind=kind, head_dim=d, variant=list(variant), causal=causal,
+                       deterministic=deterministic)
             try:
-                if kind == "fwd":
+                if kind in ("fwd", "wfwd"):
                     ref = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv,
                                                                            is_causal=causal)
                     out = cupyflash.attention(q, k, v, causal=causal)
@@ -166,10 +212,11 @@ def main() -> int:
                         *leaves, is_causal=causal)
                     refs = torch.autograd.grad(ref_out, leaves, tdo)
                     out, lse = cupyflash.attention(q, k, v, causal=causal, return_lse=True)
-                    grads = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+                    grads = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                                         deterministic=deterministic)
                     errs = [_rel(_bench._to_torch(g), r) for g, r in zip(grads, refs)]
                     fn = lambda: cupyflash.attention_backward(  # noqa: E731
-                        dout, q, k, v, out, lse, causal=causal)
+                        dout, q, k, v, out, lse, causal=causal, deterministic=deterministic)
                     flops = 2.5 * 4 * b * h * L * L * d / (2 if causal else 1)
                 row["rel_err"] = max(errs)
                 if not row["rel_err"] <= BOUND:
@@ -197,8 +244,9 @@ def _rel(x, ref) -> float:
 
 def _line(r) -> str:
     what = r.get("error") or f"{r['ms']:8.3f} ms {r['tflops']:6.1f} TFLOP/s  err {r['rel_err']:.2e}"
+    mode = "" if r.get("deterministic", True) else " atomic-dQ"
     return (f"{r['kind']} d={r['head_dim']} {str(tuple(r['variant'])):18} "
-            f"causal={'yes' if r['causal'] else 'no ':3} {what}")
+            f"causal={'yes' if r['causal'] else 'no ':3}{mode} {what}")
 
 
 if __name__ == "__main__":

@@ -7,9 +7,10 @@ each implementation that applies:
 on the GPU
     ``cupyflash`` (:func:`cupyflash.attention` as dispatched -- the ``kernel``
     field says which family ran, fwd_mma or fwd_simt, bwd_mma or bwd_simt),
-    for forward cases on an sm_90 GPU ``cupyflash-wgmma`` (the Hopper kernel, opt-in), for
-    backward cases ``cupyflash-atomic``
-    (``attention_backward(..., deterministic=False)``: dQ by atomics),
+    for backward cases ``cupyflash-atomic``
+    (``attention_backward(..., deterministic=False)``: dQ by atomics), on an sm_90
+    GPU with float16/bfloat16 ``cupyflash-wgmma`` (the Hopper kernels, opt-in:
+    fwd_wgmma, bwd_wgmma) and for backward cases ``cupyflash-wgmma-atomic``,
     ``cupyflash-v1`` (Algorithm 1, the fwd_v1 kernel, through
     :func:`cupyflash.reference.flash_attention_v1`), ``cupy-naive`` (matmul,
     ``cupyx.scipy.special.softmax``, matmul) and, where PyTorch with CUDA is
@@ -299,9 +300,11 @@ def implementations(device: str, case: Case) -> list[str]:
     # the backward with dQ by atomics (deterministic=False)
     if device == "gpu" and case.backward:
         names.append("cupyflash-atomic")
-    # the Hopper wgmma forward (opt-in until measured), on compute capability 9.0
-    if device == "gpu" and not case.backward and case.dtype in ("float16", "bfloat16") and _is_sm90():
+    # the Hopper wgmma kernels (opt-in until measured), on compute capability 9.0
+    if device == "gpu" and case.dtype in ("float16", "bfloat16") and _is_sm90():
         names.append("cupyflash-wgmma")
+        if case.backward:
+            names.append("cupyflash-wgmma-atomic")
     # the literal Algorithm 1 (O, l, m through global memory) is a teaching kernel:
     # timed up to 4096 x 4096 scores per head, where a call still takes milliseconds
     if device == "gpu" and not case.backward and case.seqlen_q * case.seqlen_k <= 4096 * 4096:
@@ -335,17 +338,24 @@ def prepare(impl: str, case: Case, inputs, device: str):
         return (lambda: cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal,
                                                      deterministic=False),
                 _cupyflash_kernel(case, q, k, v, deterministic=False))
-    if impl == "cupyflash-wgmma":
+    if impl in ("cupyflash-wgmma", "cupyflash-wgmma-atomic"):
         from . import _gpu
+
+        deterministic = impl == "cupyflash-wgmma"
+        if case.backward:
+            out, lse = cupyflash.attention(q, k, v, causal=causal, return_lse=True)
 
         def run_wgmma():
             _gpu.wgmma_override = True
             try:
+                if case.backward:
+                    return cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                                        deterministic=deterministic)
                 return cupyflash.attention(q, k, v, causal=causal)
             finally:
                 _gpu.wgmma_override = None
 
-        return run_wgmma, _cupyflash_kernel(case, q, k, v, wgmma=True)
+        return run_wgmma, _cupyflash_kernel(case, q, k, v, deterministic=deterministic, wgmma=True)
     if impl == "cupyflash-v1":
         from .reference import flash_attention_v1
 
@@ -384,7 +394,7 @@ def _cupyflash_kernel(case: Case, q, k, v, deterministic: bool = True, wgmma: bo
     if case.backward:
         # the delta pre-pass is always bwd_simt's; the family is that of the last launch
         rows = _gpu_bwd.select(q.dtype, case.head_dim, case.head_dim, arch, aligned=aligned,
-                               deterministic=deterministic)
+                               deterministic=deterministic, wgmma=wgmma)
         atomic = not any(r.name_expression.split("<")[0].endswith("_dq_kernel") for r in rows)
         return rows[-1].family + (", atomic dQ" if atomic else "")
     return select(q.dtype, case.head_dim, case.head_dim, arch, aligned=aligned, wgmma=wgmma).family

@@ -196,7 +196,7 @@ def test_gpu_variants_name_catalogue_rows(monkeypatch, request):
     from cupyflash import _kernels, _report
     from cupyflash._loader import module_source
 
-    for name in ("_MMA_TILES", "_BWD_MMA_TILES"):
+    for name in ("_MMA_TILES", "_BWD_MMA_TILES", "_WGMMA_TILES", "_BWD_WGMMA_TILES"):
         monkeypatch.setattr(_kernels, name, copy.deepcopy(getattr(_kernels, name)))
     monkeypatch.setattr(_kernels, "_BWD_MMA_OWN", _kernels._BWD_MMA_OWN)
     monkeypatch.setattr(_kernels, "_BWD_MMA_WARPS", _kernels._BWD_MMA_WARPS)
@@ -205,15 +205,27 @@ def test_gpu_variants_name_catalogue_rows(monkeypatch, request):
     spec = importlib.util.spec_from_file_location("gpu_variants", path)
     variants = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(variants)
+    # bwd_wgmma: dK/dV and dQ, then the atomic-dQ dK/dV kernel
+    families = {"fwd": ["fwd_mma"], "bwd": ["bwd_mma"] * 2, "wfwd": ["fwd_wgmma"], "wbwd": ["bwd_wgmma"] * 3}
+    kinds = set()
     for kind, d, tile in variants.all_variants():
+        kinds.add(kind)
         rows = variants.variant_rows(kind, d, tile)
-        assert [r.family for r in rows] == (["fwd_mma"] if kind == "fwd" else ["bwd_mma"] * 2), (kind, d, tile)
+        assert [r.family for r in rows] == families[kind], (kind, d, tile)
         if kind == "fwd":
             (row,) = rows
             assert (row.block_m, row.block_n, row.threads // 32, row.kv_stages, row.lazy_rescale) == tuple(tile)
-            report = _report.compile_report(module_source(row.entry), [row.name_expression], "sm_90",
+        if kind == "wfwd":
+            (row,) = rows
+            assert (row.block_n, row.threads // 128, row.lazy_rescale) == tuple(tile)
+        if kind == "wbwd":
+            assert (rows[0].block_m, rows[0].threads // 128, rows[1].block_n) == tuple(tile)
+        if kind in ("fwd", "wfwd"):
+            target = _kernels.compile_target(row.entry, "sm_90")
+            report = _report.compile_report(module_source(row.entry), [row.name_expression], target,
                                             sass=False, filename=row.entry)
             assert report.functions[row.name_expression].spill_stores == 0, (d, tile)
+    assert kinds == set(families)
 
 
 def test_gpu_profile_cases_run_the_kernels_they_name():

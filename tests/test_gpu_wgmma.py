@@ -1,12 +1,16 @@
-"""Tier 1: fwd_wgmma, the Hopper forward kernel, on a real sm_90 GPU (H100, H200).
+"""Tier 1: fwd_wgmma and bwd_wgmma, the Hopper kernels, on a real sm_90 GPU (H100, H200).
 
-fwd_wgmma is opt-in (``CUPYFLASH_WGMMA=1``) until this tier has passed on a
-device; every test here turns it on.  The matrix of tests/test_gpu_mma.py for
+The wgmma kernels are opt-in (``CUPYFLASH_WGMMA=1``) until this tier has passed
+on a device; every test here turns them on.  The matrix of tests/test_gpu_mma.py for
 the head dims fwd_wgmma serves (padded ones too): tails in both axes, causal
 and window masks with Lq < Lk and Lq > Lk, GQA/MQA, strided views, rows with
 no key, and (B, H, L, d) = (4, 16, 8192, 128) against a float32 reference,
 bit-identical across runs; outputs poisoned with NaN before each launch, and
-a check that fwd_wgmma is the kernel that ran.  Skipped on other GPUs.
+a check that fwd_wgmma is the kernel that ran.  The backward: bwd_wgmma's
+head dims (padded ones too) with GQA, tails, causal and window masks, both
+deterministic and with dQ by atomics, against the float64 oracle
+(tests/test_gpu_backward.py's criterion); deterministic runs bit-identical and
+dK, dV the same bit for bit either way.  Skipped on other GPUs.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import pytest
 import cupyflash
 from cupyflash import _gpu
 
-from _util import random_array
+from _util import random_array, random_qkv
 from test_fwd_mma import HALF_DTYPES, HALF_IDS, check_against_oracle
+from test_gpu_backward import _check
 from test_gpu_mma import _window_kw, attention_on_gpu, check_long_sequence, launched  # noqa: F401
 
 cp = pytest.importorskip("cupy")
@@ -83,3 +88,47 @@ def test_rows_with_no_key_gqa_and_strided_views(rng, launched, dtype):  # noqa: 
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=HALF_IDS)
 def test_long_sequence_d128_against_float32_reference_and_bit_identical(launched, dtype, causal):  # noqa: F811
     check_long_sequence(launched, dtype, causal, "cf::fwd_wgmma_kernel")
+
+
+# ---- bwd_wgmma ---------------------------------------------------------------------------------
+
+def _backward_both_ways(rng, launched, dtype, shape_q, shape_kv, **kw):  # noqa: F811
+    """Forward, then the backward deterministic (twice) and with atomic dQ; checks each
+    against the oracle, the deterministic runs and dK, dV across the two modes bit for bit."""
+    q, k, v = random_qkv(rng, shape_q, shape_kv, shape_kv, dtype)
+    qd, kd, vd = (cp.asarray(x) for x in (q, k, v))
+    out, lse = cupyflash.attention(qd, kd, vd, return_lse=True, **kw)
+    dout = random_array(rng, out.shape, dtype)
+    launched.clear()
+    runs = [cupyflash.attention_backward(cp.asarray(dout), qd, kd, vd, out, lse, deterministic=det, **kw)
+            for det in (True, True, False)]
+    kernels = [n.split("<")[0] for n in launched]
+    assert kernels.count("cf::bwd_wgmma_dkdv_kernel") == 3 and kernels.count("cf::bwd_wgmma_dq_kernel") == 2, \
+        kernels
+    for grads in (runs[0], runs[2]):
+        _check(tuple(cp.asnumpy(g) for g in grads), dout, q, k, v, cp.asnumpy(out), dtype, **kw)
+    for a, b in zip(runs[0], runs[1]):
+        assert cp.array_equal(a.view(cp.uint8), b.view(cp.uint8)), "deterministic runs differ"
+    for a, b in zip(runs[0][1:], runs[2][1:]):
+        assert cp.array_equal(a.view(cp.uint8), b.view(cp.uint8)), "dk / dv depend on the dQ mode"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=HALF_IDS)
+@pytest.mark.parametrize("d", [40, 64, 104, 128])
+def test_backward_every_head_dim_runs_bwd_wgmma_and_matches_oracle(rng, launched, dtype, d, causal):  # noqa: F811
+    _backward_both_ways(rng, launched, dtype, (2, 4, 333, d), (2, 2, 300, d), causal=causal, enable_gqa=True)
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(300, 170), (150, 420)], ids=["lq>lk", "lq<lk"])
+@pytest.mark.parametrize("window", [(16, 0), (0, 0), (5, 40), (None, 9), (100, None)],
+                         ids=["w16-0", "w0-0", "w5-40", "wN-9", "w100-N"])
+def test_backward_masks_match_oracle(rng, launched, seqlen_q, seqlen_k, window):  # noqa: F811
+    dtype = HALF_DTYPES[-1]
+    _backward_both_ways(rng, launched, dtype, (1, 2, seqlen_q, 128), (1, 2, seqlen_k, 128), window=window)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward_large_shape_against_oracle(rng, launched, causal):  # noqa: F811
+    """B=1, H=2, L=2048, d=128 (many query and key blocks per CTA), checked in full."""
+    _backward_both_ways(rng, launched, HALF_DTYPES[-1], (1, 2, 2048, 128), (1, 2, 2048, 128), causal=causal)
