@@ -26,7 +26,8 @@
 // block over all of its keys -- wgmma with A = dS (MN-major: the tile is
 // [key][query]) and B = K (MN-major), warpgroup w taking one m64 slice of the
 // queries and one slice of the head dim -- and adds it to dq with float
-// atomics; no dQ kernel runs (5 block products per block pair instead of 7).
+// atomics (8-byte vector reductions: dq's rows must start 8-byte aligned);
+// no dQ kernel runs (5 block products per block pair instead of 7).
 //
 // Shared tiles are SwizzledTile pages, wgmma's 128-byte-swizzle layout
 // (wgmma.cuh), 1024-byte aligned.  Every thread copies with cp.async and runs
@@ -163,14 +164,19 @@ __device__ __forceinline__ void add_dq_atomically(float* dq, int64_t row_stride,
     wgmma_commit();
     wgmma_wait<0>();
     const int row_base = 64 * m_slice + 16 * (warp_id() & 3);
+    // A lane's columns come in pairs (c even: 2t, 2t + 1 of an 8-column group),
+    // added by one vector reduction: every row of dq starts 8-byte aligned (the
+    // dispatcher's condition, cupyflash/_gpu_bwd.py) and cols_valid is even
+    // (16-byte rows of q), so a pair is whole or past d.
 #pragma unroll
     for (int r = 0; r < Tr::kRows; ++r) {
         const int row = row_base + fragment_row(r);
         if (row >= rows_valid) continue;
 #pragma unroll
-        for (int c = 0; c < Tr::kDqCols / 4; ++c) {
+        for (int c = 0; c < Tr::kDqCols / 4; c += 2) {
             const int col = col0 + fragment_col(c);
-            if (col < cols_valid) atomicAdd(dq + row * row_stride + col, acc[r][c] * scale);
+            if (col < cols_valid)
+                red_add_v2(dq + row * row_stride + col, acc[r][c] * scale, acc[r][c + 1] * scale);
         }
     }
 }

@@ -57,6 +57,19 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// p[0] += a and p[1] += b in one vector reduction (red.global.add.v2.f32, sm_90
+// on): relaxed, GPU scope, each element added atomically as atomicAdd would,
+// half the instructions.  p is a global address, 8-byte aligned.  The vector
+// form is PTX ISA 8.1 (CUDA 12.1): the CUDA 12.0 compiler gets two atomicAdd.
+__device__ __forceinline__ void red_add_v2(float* p, float a, float b) {
+#if defined(__CUDACC_VER_MAJOR__) && (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 1))
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" :: "l"(p), "f"(a), "f"(b) : "memory");
+#else
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+#endif
+}
+
 // Matrix descriptor of a 128-byte-swizzled operand starting at p (see the top):
 // bits 0-13 address >> 4, 16-29 LBO >> 4, 32-45 SBO >> 4, 49-51 base offset (0:
 // pages are 1024-byte aligned), 62-63 layout (1: 128-byte swizzle).

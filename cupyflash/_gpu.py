@@ -124,20 +124,21 @@ def simt_bucket(family: str, name: str, head_dim: int, head_dim_v: int) -> int:
     return min(fits)
 
 
-def rows_aligned(*arrays) -> bool:
-    """Whether every row of every array starts on a 16-byte boundary.
+def rows_aligned(*arrays, boundary: int = 16) -> bool:
+    """Whether every row of every array starts on a ``boundary``-byte boundary.
 
     True when each array's first element and its strides in bytes along
     every axis but the last (skipping axes of length 1, whose stride is
-    never used) are multiples of 16; ``None`` entries are ignored.
-    fwd_mma copies and stores rows in 16-byte chunks and needs this.
+    never used) are multiples of ``boundary``; ``None`` entries are ignored.
+    fwd_mma copies and stores rows in 16-byte chunks and needs 16;
+    bwd_wgmma's atomic dQ adds float pairs and needs 8 of dq.
     """
     for a in arrays:
         if a is None:
             continue
-        if data_pointer(a) % 16:
+        if data_pointer(a) % boundary:
             return False
-        if any(n > 1 and s % 16 for n, s in zip(a.shape[:-1], a.strides[:-1])):
+        if any(n > 1 and s % boundary for n, s in zip(a.shape[:-1], a.strides[:-1])):
             return False
     return True
 

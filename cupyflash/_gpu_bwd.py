@@ -131,8 +131,13 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, *, scale, window_left, window_
                         window_left=window_left, window_right=window_right, gqa_ratio=gqa_ratio)
     sizes = dict(batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen_q,
                  seqlen_k=seqlen_k)
-    kernels = select(q.dtype, head_dim, head_dim_v, executor.arch,
-                     aligned=rows_aligned(q, k, v, dout), deterministic=deterministic)
+    aligned = rows_aligned(q, k, v, dout)
+    kernels = select(q.dtype, head_dim, head_dim_v, executor.arch, aligned=aligned,
+                     deterministic=deterministic)
+    if any(r.family == "bwd_wgmma" for r in kernels) and not rows_aligned(dq, boundary=8):
+        # bwd_wgmma's atomic dQ adds float pairs (8-byte vector reductions): other
+        # dq layouts get the dQ kernel (never the case for attention_backward's own dq)
+        kernels = select(q.dtype, head_dim, head_dim_v, executor.arch, aligned=aligned, deterministic=True)
     if not any(backward_kernel(r).endswith("_dq_kernel") for r in kernels):
         dq.fill(0)   # the dK/dV kernel adds dQ into it (float atomics)
     # delta first (the others read it); a dK/dV launch needs keys, the others query rows.

@@ -248,3 +248,32 @@ def test_strided_broadcast_views_and_bit_identical_runs(wgmma_on):
     case.check(runs[0])
     for a, c in zip(*runs):
         assert np.array_equal(a, c)
+
+
+@needs_emulator
+def test_atomic_dq_needs_8_byte_aligned_dq_rows_else_the_dq_kernel_runs(ex90, wgmma_on):
+    # The atomic dQ adds float pairs with 8-byte vector reductions (the emulator traps on a
+    # misaligned pair).  A dq whose rows are 4-byte aligned only gets the deterministic
+    # kernels instead -- with the same result.
+    rng = np.random.default_rng(41)
+    q, k, v = qkv(rng, np.float16, seqlen_q=70, seqlen_k=90, head_dim=64)
+    case = Case(rng, q, k, v, window=(None, 0))
+    assert not _gpu.rows_aligned(poisoned((1, 1, 70, 65), np.float32)[..., 1:], boundary=8)
+    assert _gpu.rows_aligned(poisoned((1, 1, 70, 64), np.float32), boundary=8)
+    launched = []
+
+    class Recording:
+        arch = ex90.arch
+
+        def launch(self, entry, name, *args):
+            launched.append(name.split("<")[0])
+            ex90.launch(entry, name, *args)
+
+    for dq_storage in ((1, 1, 70, 64), (1, 1, 70, 65)):
+        launched.clear()
+        dq = poisoned(dq_storage, np.float32)[..., dq_storage[-1] - 64:]
+        grads = (dq,) + case.grads()[1:]
+        _run(case, Recording(), deterministic=False, grads=grads)
+        case.check(grads)
+        odd = dq_storage[-1] % 2
+        assert ("cf::bwd_wgmma_dq_kernel" in launched) == bool(odd), launched

@@ -23,6 +23,13 @@ __device__ __forceinline__ void wgmma_wait() {
 }
 __device__ __forceinline__ void fence_proxy_async_shared() { cfemu_fence_proxy_async(); }
 
+// Two atomic additions; the alignment the vector instruction needs is checked.
+__device__ __forceinline__ void red_add_v2(float* p, float a, float b) {
+    if (reinterpret_cast<uintptr_t>(p) % 8 != 0) __trap();
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+}
+
 // As the real header: bits 0-13 address >> 4, 16-29 LBO >> 4, 32-45 SBO >> 4,
 // 62-63 layout (1: 128-byte swizzle); the address is the shared-memory offset.
 __device__ __forceinline__ uint64_t wgmma_desc_sw128(const void* p, uint32_t lbo_bytes, uint32_t sbo_bytes) {
