@@ -30,11 +30,14 @@ FAMILIES = (
     ("fwd_wgmma", "Hopper forward (`fwd_wgmma`, float16/bfloat16, sm_90a only; opt-in with `CUPYFLASH_WGMMA=1`)"),
     ("fwd_simt", "SIMT forward (`fwd_simt`)"),
     ("bwd_simt", "SIMT backward (`bwd_simt`: delta, dK/dV and dQ kernels)"),
+    ("bwd_wgmma", "Hopper backward (`bwd_wgmma`, float16/bfloat16, sm_90a only; opt-in with `CUPYFLASH_WGMMA=1`; "
+                  "tile: owned × streamed rows)"),
     ("fwd_v1", "Algorithm 1 (`fwd_v1`; shared memory at d = 64, M = 8192 elements)"),
 )
 DTYPE_ORDER = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
 SHORT_KERNEL = {"bwd_simt_dot_do_o_kernel": "delta", "bwd_simt_dkdv_kernel": "dK/dV",
-                "bwd_simt_dq_kernel": "dQ"}
+                "bwd_simt_dq_kernel": "dQ", "bwd_wgmma_dkdv_kernel": "dK/dV", "bwd_wgmma_dq_kernel": "dQ"}
+WITH_KERNEL_COLUMN = ("bwd_simt", "bwd_wgmma")
 
 
 def _load(paths: list[str]) -> list[dict]:
@@ -65,7 +68,7 @@ def _picked_mma(rows: list[dict]) -> set[tuple[str, str]]:
 
 def _kernel(row: dict) -> str:
     base = row["name"].split("<", 1)[0].removeprefix("cf::")
-    if base == "bwd_simt_dkdv_kernel" and row["name"].endswith(", true>"):
+    if base in ("bwd_simt_dkdv_kernel", "bwd_wgmma_dkdv_kernel") and row["name"].endswith(", true>"):
         return "dK/dV + atomic dQ"
     return SHORT_KERNEL.get(base, base)
 
@@ -78,6 +81,8 @@ def _tile(row: dict) -> str:
     if row["family"] == "fwd_wgmma":      # <T, d, block_n, warpgroups, lazy_rescale>
         lazy = ", lazy rescale" if args[4] == "true" else ""
         return f"{64 * int(args[3])}×{args[2]}, {args[3]} warpgroups{lazy}"
+    if row["family"] == "bwd_wgmma":      # <T, d, own, streamed, warpgroups[, atomic dQ]>
+        return f"{args[2]}×{args[3]}, {args[4]} warpgroups"
     if row["family"] == "fwd_simt":       # <T, d, dv, block_m, block_n>
         return f"{args[3]}×{args[4]}"
     if row["family"] == "bwd_simt" and len(args) >= 5:   # <T, d, dv, own, streamed[, atomic dQ]>
@@ -103,7 +108,7 @@ def _family_table(rows: list[dict], family: str, archs: list[str], picked: set) 
         else:
             key = (DTYPE_ORDER[r["dtype"]], r["head_dim"], _kernel(r), r["dtype"])
         keys.setdefault(key, {})[r["arch"]] = r
-    header = ["dtype", "d ≤"] + (["kernel", "tile"] if family == "bwd_simt" else
+    header = ["dtype", "d ≤"] + (["kernel", "tile"] if family in WITH_KERNEL_COLUMN else
                                [] if family == "fwd_mma" else ["tile"])
     for arch in archs:
         header += ([f"{arch} tile"] if family == "fwd_mma" else []) + \
@@ -114,7 +119,7 @@ def _family_table(rows: list[dict], family: str, archs: list[str], picked: set) 
         by_arch = keys[key]
         any_row = next(iter(by_arch.values()))
         cells = [key[3], str(key[1])]
-        if family == "bwd_simt":
+        if family in WITH_KERNEL_COLUMN:
             cells += [key[2], _tile(any_row)]
         elif family != "fwd_mma":
             cells += [_tile(any_row)]
