@@ -7,9 +7,10 @@ hardware counters), or by hand::
         --csv --page details python benchmarks/gpu_profile.py > profile.csv
 
 Each case calls the public API once (the forward, or the forward and the
-backward), so every kernel it launches is profiled once: fwd_mma at d = 128 and
-64, fwd_simt in float32, bwd_mma deterministic and with atomic dQ, bwd_simt in
-float32.  Shapes are large enough to fill an H100-class GPU for a few
+backward), so every kernel it launches is profiled once: on sm_90 fwd_wgmma and
+bwd_wgmma (deterministic and with atomic dQ) at d = 128, then fwd_mma at d = 128
+and 64, fwd_simt in float32, bwd_mma deterministic and with atomic dQ, bwd_simt
+in float32.  Shapes are large enough to fill an H100-class GPU for a few
 milliseconds (the counters then describe the steady state, not the tail), small
 enough that ncu's replay of every kernel stays within seconds.  Without
 arguments every case runs; ``--case NAME`` (repeatable) picks some.
@@ -24,8 +25,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# name: (pass, dtype, batch, heads, seqlen, head_dim, deterministic)
+# name: (pass, dtype, batch, heads, seqlen, head_dim, deterministic).  The wgmma
+# kernels (opt-in) first: on an sm_90 GPU they carry the targets; elsewhere they
+# are skipped.
 CASES = {
+    "fwd_wgmma_d128": ("forward", "bfloat16", 1, 16, 4096, 128, True),
+    "bwd_wgmma_d128": ("backward", "bfloat16", 1, 16, 4096, 128, True),
+    "bwd_wgmma_atomic_d128": ("backward", "bfloat16", 1, 16, 4096, 128, False),
     "fwd_mma_d128": ("forward", "bfloat16", 1, 16, 4096, 128, True),
     "fwd_mma_d64": ("forward", "bfloat16", 1, 16, 4096, 64, True),
     "fwd_simt_f32": ("forward", "float32", 1, 16, 2048, 64, True),
@@ -41,7 +47,15 @@ def run(name: str) -> None:
 
     import cupyflash
 
+    from cupyflash import _gpu
+    from cupyflash._kernels import WGMMA_ARCH
+
     kind, dtype, b, h, length, d, deterministic = CASES[name]
+    wgmma = "wgmma" in name
+    if wgmma and int(cupy.cuda.Device().compute_capability) != WGMMA_ARCH:
+        print(f"gpu_profile: {name} skipped (not an sm_90 GPU)", file=sys.stderr, flush=True)
+        return
+    _gpu.wgmma_override = wgmma
     if dtype == "bfloat16":
         import ml_dtypes
 

@@ -246,9 +246,10 @@ def test_gpu_profile_cases_run_the_kernels_they_name():
     for name, (kind, dtype, b, h, length, d, deterministic) in profile.CASES.items():
         family = name.rsplit("_", 1)[0].replace("_atomic", "")
         np_dtype = np.float16 if dtype == "bfloat16" else np.dtype(dtype)   # same dispatch as bfloat16
+        wgmma = "wgmma" in name   # gpu_profile.py turns the opt-in wgmma kernels on for these
         if kind == "forward":
-            assert _gpu.select(np_dtype, d, d, 90, aligned=True).family == family, name
+            assert _gpu.select(np_dtype, d, d, 90, aligned=True, wgmma=wgmma).family == family, name
         else:
-            rows = _gpu_bwd.select(np_dtype, d, d, 90, aligned=True, deterministic=deterministic)
+            rows = _gpu_bwd.select(np_dtype, d, d, 90, aligned=True, deterministic=deterministic, wgmma=wgmma)
             assert {r.family for r in rows[1:]} == {family}, name
             assert any("_dq_kernel" in r.name_expression for r in rows) == deterministic, name
