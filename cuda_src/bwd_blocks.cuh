@@ -1,14 +1,18 @@
 // bwd_blocks.cuh -- the parts of the tensor-core backward kernels that do not
 // depend on how the products are computed (bwd_mma.cu: mma.sync; bwd_wgmma.cu:
-// wgmma): a query row's statistics, the probabilities and their gradient on a
-// warp's accumulator tile, the mask, and the gradient stores.  Everything takes
-// the kernel's traits Tr (kRows, kSCols, kGCols) with a warp's accumulators in
-// mma_tile.cuh's register-tile layout, which is also wgmma's (wgmma.cuh).
+// wgmma): the streamed query blocks of the dK/dV kernels and key blocks of the
+// dQ kernels, a query row's statistics, the probabilities and their gradient
+// on a warp's accumulator tile, the mask, and the gradient stores.  Everything
+// takes the kernel's traits Tr (kThreads, kBlockStream, StreamTile, kRows,
+// kSCols, kGCols) with a warp's accumulators in mma_tile.cuh's register-tile
+// layout, which is also wgmma's (wgmma.cuh).
 #pragma once
 
+#include "block_info.cuh"
 #include "block_info_bwd.cuh"
 #include "mask.cuh"
 #include "mma_tile.cuh"
+#include "params_bwd.cuh"
 #include "ptx.cuh"
 #include "softmax.cuh"
 
@@ -38,6 +42,71 @@ __device__ __forceinline__ void query_stats(float& lse_log2, float& delta, const
         delta = delta_in[i * delta_row_stride];
     }
 }
+
+// The dK/dV kernels' streamed query blocks: per stage a Q and a dO tile
+// (Tr::StreamTile, copied by cp.async) at `tiles`, and the rows' lse * log2(e)
+// and delta (one float each per row, written by the thread of that row) at
+// `stats`.  kBlockM = Tr::kBlockStream rows per block.
+template <class Tr, typename T>
+struct QueryStream {
+    static constexpr int kBlockM = Tr::kBlockStream;
+    static_assert(kBlockM <= Tr::kThreads, "one thread per streamed row loads its statistics");
+
+    const BwdParams& params;
+    int64_t batch;
+    int d;          // the run-time head dim
+    T* tiles;
+    float* stats;
+
+    __device__ T* q(int stage) const { return tiles + 2 * stage * Tr::StreamTile::kElements; }
+    __device__ T* dout(int stage) const { return tiles + (2 * stage + 1) * Tr::StreamTile::kElements; }
+    __device__ const float* lse_log2(int stage) const { return stats + 2 * stage * kBlockM; }
+    __device__ const float* delta(int stage) const { return stats + (2 * stage + 1) * kBlockM; }
+
+    // Issue the copies of query block (head, m_block)'s Q and dO into `stage`
+    // as one group, and load the statistics of row threadIdx.x (threads below
+    // kBlockM) into lse_log2 and delta, for store_stats once `stage`'s are free.
+    __device__ void issue(int stage, int64_t head, int64_t m_block, float& lse_log2, float& delta) const {
+        const FwdParams& p = params.fwd;
+        const int64_t m0 = m_block * kBlockM;
+        const int rows = static_cast<int>(min64(kBlockM, p.seqlen_q - m0));
+        const HeadSlice<T, float> qo(p, batch, head);
+        const GradSlice<T, float> grad(params, batch, head);
+        cp_async_tile<Tr::kThreads, typename Tr::StreamTile>(q(stage), qo.q, m0, p.q_row_stride, rows, d);
+        cp_async_tile<Tr::kThreads, typename Tr::StreamTile>(dout(stage), grad.dout, m0, params.dout_row_stride,
+                                                             rows, d);
+        cp_async_commit();
+        if (threadIdx.x < kBlockM)
+            query_stats(lse_log2, delta, qo.lse, p.lse_row_stride, grad.delta, params.delta_row_stride,
+                        m0 + static_cast<int>(threadIdx.x), p.seqlen_q);
+    }
+    __device__ void store_stats(int stage, float lse_log2, float delta) const {
+        stats[2 * stage * kBlockM + threadIdx.x] = lse_log2;
+        stats[(2 * stage + 1) * kBlockM + threadIdx.x] = delta;
+    }
+};
+
+// The dQ kernels' streamed key blocks: per stage a K and a V tile
+// (Tr::StreamTile, copied by cp.async) at `tiles`; Tr::kBlockStream keys per block.
+template <class Tr, typename T>
+struct KeyStream {
+    const FwdParams& p;
+    const T* k_src;  // the head's K and V
+    const T* v_src;
+    int d;           // the run-time head dim
+    T* tiles;
+
+    __device__ T* k(int stage) const { return tiles + 2 * stage * Tr::StreamTile::kElements; }
+    __device__ T* v(int stage) const { return tiles + (2 * stage + 1) * Tr::StreamTile::kElements; }
+
+    // Issue the copies of key block n_block's K and V into `stage` (the caller commits).
+    __device__ void issue(int stage, int64_t n_block) const {
+        const int64_t n0 = n_block * Tr::kBlockStream;
+        const int keys = QueryBlock::keys_in(p, n0, Tr::kBlockStream);
+        cp_async_tile<Tr::kThreads, typename Tr::StreamTile>(k(stage), k_src, n0, p.k_row_stride, keys, d);
+        cp_async_tile<Tr::kThreads, typename Tr::StreamTile>(v(stage), v_src, n0, p.v_row_stride, keys, d);
+    }
+};
 
 // s (raw scores) -> P = exp2(s * scale_log2 - lse_log2(r, c)).
 template <class Tr, class Stat>

@@ -202,7 +202,6 @@ __global__ void __launch_bounds__(
 bwd_mma_dkdv_kernel(const BwdParams params) {
     using Tr = MmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarps, kGrads, kStages>;
     using Own = typename Tr::OwnTile;
-    using Stream = typename Tr::StreamTile;
     constexpr bool kDV = (kGrads & kGradDV) != 0, kDK = (kGrads & kGradDK) != 0;
     const FwdParams& p = params.fwd;
 
@@ -216,30 +215,9 @@ bwd_mma_dkdv_kernel(const BwdParams params) {
 
     T* sK = reinterpret_cast<T*>(dynamic_smem());
     T* sV = sK + Tr::kOwnElems;  // only when kDK
-    T* sStream = sK + (Tr::kNeedsV ? 2 : 1) * Tr::kOwnElems;  // kStages x (Q, dO)
-    float* sStats = reinterpret_cast<float*>(dynamic_smem() + Tr::kStatsOffset);  // kStages x (lse, delta)
-    const auto q_tile = [sStream](int stage) { return sStream + 2 * stage * Tr::kStreamElems; };
-    const auto do_tile = [sStream](int stage) { return sStream + (2 * stage + 1) * Tr::kStreamElems; };
-
-    // Issue the copies of query block (head, m_block)'s Q and dO into `stage`,
-    // and load the statistics of its row threadIdx.x (threads below kBlockM).
-    const auto issue_queries = [&](int stage, int64_t head, int64_t m_block, float& lse_log2, float& delta) {
-        const int64_t m0 = m_block * kBlockM;
-        const int rows = static_cast<int>(min64(kBlockM, p.seqlen_q - m0));
-        const HeadSlice<T, float> qo(p, tile.batch, head);
-        const GradSlice<T, float> grad(params, tile.batch, head);
-        cp_async_tile<Tr::kThreads, Stream>(q_tile(stage), qo.q, m0, p.q_row_stride, rows, d);
-        cp_async_tile<Tr::kThreads, Stream>(do_tile(stage), grad.dout, m0, params.dout_row_stride, rows, d);
-        cp_async_commit();
-        if (threadIdx.x < kBlockM)
-            query_stats(lse_log2, delta, qo.lse, p.lse_row_stride, grad.delta, params.delta_row_stride,
-                        m0 + static_cast<int>(threadIdx.x), p.seqlen_q);
-    };
-    const auto store_stats = [sStats](int stage, float lse_log2, float delta) {
-        sStats[2 * stage * kBlockM + threadIdx.x] = lse_log2;
-        sStats[(2 * stage + 1) * kBlockM + threadIdx.x] = delta;
-    };
-    static_assert(kBlockM <= Tr::kThreads, "one thread per streamed row loads its statistics");
+    // kStages x (Q, dO), then kStages x (lse, delta)
+    const QueryStream<Tr, T> queries{params, tile.batch, d, sK + (Tr::kNeedsV ? 2 : 1) * Tr::kOwnElems,
+                                     reinterpret_cast<float*>(dynamic_smem() + Tr::kStatsOffset)};
 
     // The query blocks that see these keys, head by head through the kv head's group.
     const int64_t m_begin = block.m_begin(kBlockM), m_end = block.m_end(kBlockM);
@@ -250,8 +228,8 @@ bwd_mma_dkdv_kernel(const BwdParams params) {
     cp_async_commit();
     if (Tr::kStages == 2 && m_begin < m_end) {
         float lse_log2, delta;
-        issue_queries(0, first_head, m_begin, lse_log2, delta);
-        if (threadIdx.x < kBlockM) store_stats(0, lse_log2, delta);
+        queries.issue(0, first_head, m_begin, lse_log2, delta);
+        if (threadIdx.x < kBlockM) queries.store_stats(0, lse_log2, delta);
     }
 
     float dk[Tr::kRows][Tr::kGCols] = {};
@@ -270,19 +248,19 @@ bwd_mma_dkdv_kernel(const BwdParams params) {
                 if (has_next) {
                     const int64_t next_head = head_done ? head + 1 : head;
                     const int64_t next_m_block = head_done ? m_begin : m_block + 1;
-                    issue_queries(stage ^ 1, next_head, next_m_block, next_lse_log2, next_delta);
+                    queries.issue(stage ^ 1, next_head, next_m_block, next_lse_log2, next_delta);
                 }
             } else {
                 float lse_log2, delta;
-                issue_queries(0, head, m_block, lse_log2, delta);
-                if (threadIdx.x < kBlockM) store_stats(0, lse_log2, delta);
+                queries.issue(0, head, m_block, lse_log2, delta);
+                if (threadIdx.x < kBlockM) queries.store_stats(0, lse_log2, delta);
                 cp_async_wait<0>();
                 __syncthreads();  // Q, dO, lse, delta (and, the first time, K, V) visible to all
             }
-            const T* sQ = q_tile(stage);
-            const T* sdO = do_tile(stage);
-            const float* sLse = sStats + 2 * stage * kBlockM;
-            const float* sDelta = sLse + kBlockM;
+            const T* sQ = queries.q(stage);
+            const T* sdO = queries.dout(stage);
+            const float* sLse = queries.lse_log2(stage);
+            const float* sDelta = queries.delta(stage);
             const auto lse_of = [sLse](int, int c) { return sLse[fragment_col(c)]; };       // by query column
             const auto delta_of = [sDelta](int, int c) { return sDelta[fragment_col(c)]; };
             const int64_t m0 = m_block * kBlockM;
@@ -309,7 +287,7 @@ bwd_mma_dkdv_kernel(const BwdParams params) {
             }
             if constexpr (Tr::kStages == 2) {
                 // the other stage's statistics were last read before this block's barrier
-                if (has_next && threadIdx.x < kBlockM) store_stats(stage ^ 1, next_lse_log2, next_delta);
+                if (has_next && threadIdx.x < kBlockM) queries.store_stats(stage ^ 1, next_lse_log2, next_delta);
                 stage ^= 1;
             } else {
                 __syncthreads();  // Q, dO, lse, delta fully read: their buffers take the next block
@@ -336,7 +314,6 @@ __global__ void __launch_bounds__(
 bwd_mma_dq_kernel(const BwdParams params) {
     using Tr = MmaBwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps, kGradDV | kGradDK, kStages>;
     using Own = typename Tr::OwnTile;
-    using Stream = typename Tr::StreamTile;
     const FwdParams& p = params.fwd;
 
     const TileIndex tile(p, kBlockM, blockIdx.x);
@@ -350,21 +327,12 @@ bwd_mma_dq_kernel(const BwdParams params) {
 
     T* sQ = reinterpret_cast<T*>(dynamic_smem());
     T* sdO = sQ + Tr::kOwnElems;
-    T* sStream = sdO + Tr::kOwnElems;  // kStages x (K, V)
-    const auto k_tile = [sStream](int stage) { return sStream + 2 * stage * Tr::kStreamElems; };
-    const auto v_tile = [sStream](int stage) { return sStream + (2 * stage + 1) * Tr::kStreamElems; };
-    // Issue the copies of key block n_block's K and V into `stage`.
-    const auto issue_keys = [&](int stage, int64_t n_block) {
-        const int64_t n0 = n_block * kBlockN;
-        const int keys = QueryBlock::keys_in(p, n0, kBlockN);
-        cp_async_tile<Tr::kThreads, Stream>(k_tile(stage), head.k, n0, p.k_row_stride, keys, d);
-        cp_async_tile<Tr::kThreads, Stream>(v_tile(stage), head.v, n0, p.v_row_stride, keys, d);
-    };
+    const KeyStream<Tr, T> keys{p, head.k, head.v, d, sdO + Tr::kOwnElems};  // kStages x (K, V)
 
     const int64_t n_begin = block.n_begin(kBlockN), n_end = block.n_end(kBlockN);
     cp_async_tile<Tr::kThreads, Own>(sQ, head.q, block.m0, p.q_row_stride, block.rows, d);
     cp_async_tile<Tr::kThreads, Own>(sdO, grad.dout, block.m0, params.dout_row_stride, block.rows, d);
-    if (Tr::kStages == 2 && n_begin < n_end) issue_keys(0, n_begin);
+    if (Tr::kStages == 2 && n_begin < n_end) keys.issue(0, n_begin);
     cp_async_commit();
 
     float lse_log2[Tr::kRows], delta[Tr::kRows];
@@ -384,17 +352,17 @@ bwd_mma_dq_kernel(const BwdParams params) {
             cp_async_wait<0>();
             __syncthreads();  // this block's K, V (and, the first time, Q, dO) visible; the other stage read
             if (n_block + 1 < n_end) {
-                issue_keys(stage ^ 1, n_block + 1);
+                keys.issue(stage ^ 1, n_block + 1);
                 cp_async_commit();
             }
         } else {
-            issue_keys(0, n_block);
+            keys.issue(0, n_block);
             cp_async_commit();
             cp_async_wait<0>();
             __syncthreads();  // K, V (and, the first time, Q, dO) visible to all
         }
-        const T* sK = k_tile(stage);
-        const T* sV = v_tile(stage);
+        const T* sK = keys.k(stage);
+        const T* sV = keys.v(stage);
         const int64_t n0 = n_block * kBlockN;
 
         mma_own_stream<Tr>(s, sQ, sK, row0);                                   // S = Q K^T

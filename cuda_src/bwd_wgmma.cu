@@ -189,7 +189,6 @@ __global__ void __launch_bounds__((WgmmaBwdTraits<T, kHeadDim, kBlockN, kBlockM,
 bwd_wgmma_dkdv_kernel(const BwdParams params) {
     using Tr = WgmmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarpGroups, kAtomicDq>;
     using Own = typename Tr::OwnTile;
-    using Stream = typename Tr::StreamTile;
     const FwdParams& p = params.fwd;
 
     const KeyTileIndex tile(p, kBlockN, blockIdx.x);
@@ -205,31 +204,9 @@ bwd_wgmma_dkdv_kernel(const BwdParams params) {
     smem += (1024 - (smem_addr(smem) & 1023)) & 1023;  // 128-byte swizzle atoms are 1024-byte aligned
     T* const sK = reinterpret_cast<T*>(smem);
     T* const sV = sK + Own::kElements;
-    T* const sStream = sV + Own::kElements;  // 2 x (Q, dO)
-    float* const sStats = reinterpret_cast<float*>(smem + Tr::kStatsOffset);  // 2 x (lse, delta)
+    const QueryStream<Tr, T> queries{params, tile.batch, d, sV + Own::kElements,  // 2 x (Q, dO), 2 x (lse, delta)
+                                     reinterpret_cast<float*>(smem + Tr::kStatsOffset)};
     T* const sdS = reinterpret_cast<T*>(smem + Tr::kDsOffset);  // kAtomicDq only
-    const auto q_tile = [sStream](int stage) { return sStream + 2 * stage * Stream::kElements; };
-    const auto do_tile = [sStream](int stage) { return sStream + (2 * stage + 1) * Stream::kElements; };
-
-    // Issue the copies of query block (head, m_block)'s Q and dO into `stage`,
-    // and load the statistics of its row threadIdx.x (threads below kBlockM).
-    const auto issue_queries = [&](int stage, int64_t head, int64_t m_block, float& lse_log2, float& delta) {
-        const int64_t m0 = m_block * kBlockM;
-        const int rows = static_cast<int>(min64(kBlockM, p.seqlen_q - m0));
-        const HeadSlice<T, float> qo(p, tile.batch, head);
-        const GradSlice<T, float> grad(params, tile.batch, head);
-        cp_async_tile<Tr::kThreads, Stream>(q_tile(stage), qo.q, m0, p.q_row_stride, rows, d);
-        cp_async_tile<Tr::kThreads, Stream>(do_tile(stage), grad.dout, m0, params.dout_row_stride, rows, d);
-        cp_async_commit();
-        if (threadIdx.x < kBlockM)
-            query_stats(lse_log2, delta, qo.lse, p.lse_row_stride, grad.delta, params.delta_row_stride,
-                        m0 + static_cast<int>(threadIdx.x), p.seqlen_q);
-    };
-    const auto store_stats = [sStats](int stage, float lse_log2, float delta) {
-        sStats[2 * stage * kBlockM + threadIdx.x] = lse_log2;
-        sStats[(2 * stage + 1) * kBlockM + threadIdx.x] = delta;
-    };
-    static_assert(kBlockM <= Tr::kThreads, "one thread per streamed row loads its statistics");
 
     // The query blocks that see these keys, head by head through the kv head's group.
     const int64_t m_begin = block.m_begin(kBlockM), m_end = block.m_end(kBlockM);
@@ -240,8 +217,8 @@ bwd_wgmma_dkdv_kernel(const BwdParams params) {
     cp_async_commit();
     if (m_begin < m_end) {
         float lse_log2, delta;
-        issue_queries(0, first_head, m_begin, lse_log2, delta);
-        if (threadIdx.x < kBlockM) store_stats(0, lse_log2, delta);
+        queries.issue(0, first_head, m_begin, lse_log2, delta);
+        if (threadIdx.x < kBlockM) queries.store_stats(0, lse_log2, delta);
     }
 
     float dk[Tr::kRows][Tr::kGCols] = {};
@@ -256,12 +233,12 @@ bwd_wgmma_dkdv_kernel(const BwdParams params) {
             const bool head_done = m_block + 1 == m_end;
             const bool has_next = !head_done || head + 1 < head_end;
             if (has_next)
-                issue_queries(stage ^ 1, head_done ? head + 1 : head, head_done ? m_begin : m_block + 1,
+                queries.issue(stage ^ 1, head_done ? head + 1 : head, head_done ? m_begin : m_block + 1,
                               next_lse_log2, next_delta);
-            const T* sQ = q_tile(stage);
-            const T* sdO = do_tile(stage);
-            const float* sLse = sStats + 2 * stage * kBlockM;
-            const float* sDelta = sLse + kBlockM;
+            const T* sQ = queries.q(stage);
+            const T* sdO = queries.dout(stage);
+            const float* sLse = queries.lse_log2(stage);
+            const float* sDelta = queries.delta(stage);
             const auto lse_of = [sLse](int, int c) { return sLse[fragment_col(c)]; };  // by query column
             const auto delta_of = [sDelta](int, int c) { return sDelta[fragment_col(c)]; };
             const int64_t m0 = m_block * kBlockM;
@@ -295,7 +272,7 @@ bwd_wgmma_dkdv_kernel(const BwdParams params) {
                                       d);
             }
             // the other stage's statistics were last read before this block's barrier
-            if (has_next && threadIdx.x < kBlockM) store_stats(stage ^ 1, next_lse_log2, next_delta);
+            if (has_next && threadIdx.x < kBlockM) queries.store_stats(stage ^ 1, next_lse_log2, next_delta);
             stage ^= 1;
         }
     }
@@ -315,7 +292,6 @@ __global__ void __launch_bounds__((WgmmaBwdTraits<T, kHeadDim, kBlockM, kBlockN,
 bwd_wgmma_dq_kernel(const BwdParams params) {
     using Tr = WgmmaBwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarpGroups, false>;
     using Own = typename Tr::OwnTile;
-    using Stream = typename Tr::StreamTile;
     const FwdParams& p = params.fwd;
 
     const TileIndex tile(p, kBlockM, blockIdx.x);
@@ -332,21 +308,12 @@ bwd_wgmma_dq_kernel(const BwdParams params) {
     smem += (1024 - (smem_addr(smem) & 1023)) & 1023;
     T* const sQ = reinterpret_cast<T*>(smem);
     T* const sdO = sQ + Own::kElements;
-    T* const sStream = sdO + Own::kElements;  // 2 x (K, V)
-    const auto k_tile = [sStream](int stage) { return sStream + 2 * stage * Stream::kElements; };
-    const auto v_tile = [sStream](int stage) { return sStream + (2 * stage + 1) * Stream::kElements; };
-    // Issue the copies of key block n_block's K and V into `stage`.
-    const auto issue_keys = [&](int stage, int64_t n_block) {
-        const int64_t n0 = n_block * kBlockN;
-        const int keys = QueryBlock::keys_in(p, n0, kBlockN);
-        cp_async_tile<Tr::kThreads, Stream>(k_tile(stage), head.k, n0, p.k_row_stride, keys, d);
-        cp_async_tile<Tr::kThreads, Stream>(v_tile(stage), head.v, n0, p.v_row_stride, keys, d);
-    };
+    const KeyStream<Tr, T> keys{p, head.k, head.v, d, sdO + Own::kElements};  // 2 x (K, V)
 
     const int64_t n_begin = block.n_begin(kBlockN), n_end = block.n_end(kBlockN);
     cp_async_tile<Tr::kThreads, Own>(sQ, head.q, block.m0, p.q_row_stride, block.rows, d);
     cp_async_tile<Tr::kThreads, Own>(sdO, grad.dout, block.m0, params.dout_row_stride, block.rows, d);
-    if (n_begin < n_end) issue_keys(0, n_begin);
+    if (n_begin < n_end) keys.issue(0, n_begin);
     cp_async_commit();
 
     float lse_log2[Tr::kRows], delta[Tr::kRows];
@@ -364,11 +331,11 @@ bwd_wgmma_dq_kernel(const BwdParams params) {
         fence_proxy_async_shared();
         __syncthreads();  // this block's K, V (the first time Q, dO) visible; the other stage's wgmma retired
         if (n_block + 1 < n_end) {
-            issue_keys(stage ^ 1, n_block + 1);
+            keys.issue(stage ^ 1, n_block + 1);
             cp_async_commit();
         }
-        const T* sK = k_tile(stage);
-        const T* sV = v_tile(stage);
+        const T* sK = keys.k(stage);
+        const T* sV = keys.v(stage);
         const int64_t n0 = n_block * kBlockN;
 
         float s[Tr::kRows][Tr::kSCols], dp[Tr::kRows][Tr::kSCols];
