@@ -6,7 +6,9 @@ the head dims fwd_wgmma serves (padded ones too): tails in both axes, causal
 and window masks with Lq < Lk and Lq > Lk, GQA/MQA, strided views, rows with
 no key, and (B, H, L, d) = (4, 16, 8192, 128) against a float32 reference,
 bit-identical across runs; outputs poisoned with NaN before each launch, and
-a check that fwd_wgmma is the kernel that ran.  The backward: bwd_wgmma's
+a check that fwd_wgmma is the kernel that ran.  First, one wgmma of each
+operand form the kernels use (tests/emulator_planted/wgmma_planted.cu)
+against NumPy, which isolates a misread descriptor or layout.  The backward: bwd_wgmma's
 head dims (padded ones too) with GQA, tails, causal and window masks, both
 deterministic and with dQ by atomics, against the float64 oracle
 (tests/test_gpu_backward.py's criterion); deterministic runs bit-identical and
@@ -42,6 +44,50 @@ def sm90_only():
 def wgmma_on(monkeypatch):
     monkeypatch.setenv(_gpu.WGMMA_ENV, "1")
 
+
+# ---- one wgmma per operand form, on the device ------------------------------------------------
+# The emulator's reading of the PTX ISA (descriptors, MN-major strides, register
+# layouts) against the hardware, one instruction at a time: if the kernels below
+# fail, these say which operand form is misread.
+
+@pytest.fixture(scope="module")
+def probe_module(tmp_path_factory):
+    from test_fwd_wgmma import PROBE
+
+    from cupyflash._loader import COMPILE_OPTIONS
+    from cupyflash._report import _include_options, _nvrtc
+    from cupyflash._source import cuda_src_dir
+
+    names = ["wgmma_probe<true>", "wgmma_probe<false>"]
+    options = COMPILE_OPTIONS + _include_options() + (
+        f"-I{cuda_src_dir()}", "-arch=sm_90a", "--device-as-default-execution-space", "-ftz=true")
+    with open(PROBE) as f:
+        _log, cubin, lowered = _nvrtc().compile(f.read(), names, options, "wgmma_planted.cu")
+    path = tmp_path_factory.mktemp("wgmma_probe") / "probe.cubin"
+    path.write_bytes(cubin)
+    module = cp.RawModule(path=str(path))
+    return {n: module.get_function(lowered[n]) for n in names}
+
+
+@pytest.mark.parametrize("regs_a, flags", [(False, 0), (True, 0), (False, 64)],
+                         ids=["ss-K-major", "rs-B-MN-major", "ss-A-and-B-MN-major"])
+def test_one_wgmma_of_each_operand_form_matches_numpy(probe_module, regs_a, flags):
+    from test_emulator import PLANTED_DTYPE
+    from test_fwd_wgmma import _bf16_round
+
+    rng = np.random.default_rng(21)
+    inp = rng.standard_normal(2048).astype(np.float32)
+    inp_d = cp.asarray(inp)
+    out_d = cp.full(64 * 64, cp.nan, dtype=cp.float32)
+    params = np.array((inp_d.data.ptr, out_d.data.ptr, 0, 0, flags), dtype=PLANTED_DTYPE)[()]
+    kernel = probe_module[f"wgmma_probe<{'true' if regs_a else 'false'}>"]
+    kernel((1,), (128,), (params,), shared_mem=2 * 64 * 64 * 2)
+    out = cp.asnumpy(out_d).reshape(64, 64)
+    a, b = _bf16_round(inp[:1024]).reshape(64, 16), _bf16_round(inp[1024:]).reshape(16, 64)
+    np.testing.assert_allclose(out, a @ b, rtol=1e-6, atol=1e-6)
+
+
+# ---- fwd_wgmma ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=HALF_IDS)
 @pytest.mark.parametrize("d", [40, 64, 104, 128, 184, 192, 248, 256])
