@@ -45,11 +45,12 @@ BWD_VARIANTS = {
 }
 # fwd_wgmma (sm_90 only, timed first: it carries issue 4's target): head dim ->
 # [(block_n, warpgroups, lazy_rescale)], the catalogue's first.  Registers (NVRTC
-# 13.5): d = 128 (64, 2) 152; d = 64 (64, 2) 127, which leaves room for two CTAs
-# per SM, (192, 2) 255.  (192, 2) at d = 128 spills; 3 warpgroups do not fit.
+# 13.5): d = 128 (64, 2) 152, (64, 3) 148 (192 query rows, 12 warps); d = 64
+# (64, 2) 127, which leaves room for two CTAs per SM, (64, 3) 125, (192, 2) 255.
+# At d = 128, (192, 2) spills and (128, 3) does not fit the registers.
 WGMMA_FWD_VARIANTS = {
-    128: [(128, 2, True), (128, 2, False), (64, 2, True)],
-    64: [(128, 2, True), (64, 2, True), (192, 2, True)],
+    128: [(128, 2, True), (128, 2, False), (64, 2, True), (64, 3, True)],
+    64: [(128, 2, True), (64, 2, True), (64, 3, True), (192, 2, True)],
 }
 # bwd_wgmma: head dim -> [(dK/dV streamed rows, warpgroups, dQ streamed keys)], the
 # catalogue's first; each timed deterministic and with atomic dQ (where it has one).
