@@ -52,11 +52,12 @@ WGMMA_FWD_VARIANTS = {
     128: [(128, 2, True), (128, 2, False), (64, 2, True), (64, 3, True)],
     64: [(128, 2, True), (64, 2, True), (64, 3, True), (192, 2, True)],
 }
-# bwd_wgmma: head dim -> [(dK/dV streamed rows, warpgroups, dQ streamed keys)], the
-# catalogue's first; each timed deterministic and with atomic dQ (where it has one).
+# bwd_wgmma: head dim -> [(((kGrads, dK/dV streamed rows), ...), warpgroups, dQ streamed
+# keys)] (the format of _kernels._BWD_WGMMA_TILES), the catalogue's first; each timed
+# deterministic and with atomic dQ (where it has one).
 WGMMA_BWD_VARIANTS = {
-    128: [(64, 2, 128), (64, 2, 64)],
-    64: [(128, 2, 128), (128, 2, 64)],
+    128: [(((3, 64),), 2, 128), (((3, 64),), 2, 64)],
+    64: [(((3, 128),), 2, 128), (((3, 128),), 2, 64)],
 }
 SHAPE = dict(batch=2, heads=16, seqlen=8192)
 BOUND = 2e-2   # ||out - ref|| / ||ref|| in bf16 (SDPA's own rounding included)
@@ -94,7 +95,7 @@ def variant_rows(kind: str, head_dim: int, variant, dtype: str = "bfloat16"):
         use_wgmma_bwd(head_dim, variant)
         names = _kernels.bwd_wgmma_name_expressions(dtype, head_dim, True)
         names += _kernels.bwd_wgmma_name_expressions(dtype, head_dim, False)
-        return [_kernels.by_name()[n] for n in names]
+        return [_kernels.by_name()[n] for n in dict.fromkeys(names)]
     if kind == "fwd":
         use_fwd(head_dim, variant)
         family = "fwd_mma"

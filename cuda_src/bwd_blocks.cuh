@@ -18,6 +18,13 @@
 
 namespace cf {
 
+// Which gradients a dK/dV kernel launch computes (a bit set; bwd_mma and bwd_wgmma).
+constexpr int kGradDV = 1;
+constexpr int kGradDK = 2;
+// With kGradDK: also add this CTA's share of dQ = scale dS K to dq with float
+// atomics (deterministic=False), so that no dQ kernel recomputes S and dP.
+constexpr int kGradDQAtomic = 4;
+
 // Row and column, within the warp's tile, of accumulator element [r][c] of
 // this lane (mma_tile.cuh's register-tile layout).
 __device__ __forceinline__ int fragment_row(int r) { return 16 * (r >> 1) + 8 * (r & 1) + (lane_id() >> 2); }

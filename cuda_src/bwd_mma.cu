@@ -51,13 +51,6 @@
 
 namespace cf {
 
-// Which gradients a bwd_mma_dkdv_kernel launch computes (a bit set).
-constexpr int kGradDV = 1;
-constexpr int kGradDK = 2;
-// With kGradDK: also add this CTA's share of dQ = scale dS K to dq with float
-// atomics (deterministic=False), so that no dQ kernel recomputes S and dP.
-constexpr int kGradDQAtomic = 4;
-
 // Every compile-time quantity of one instantiation.  kBlockOwn rows stay in
 // shared memory for the whole CTA and are split across the warps; kBlockStream
 // rows are reloaded per block.  The tile table, with the reason for each row,

@@ -21,7 +21,12 @@
 //                          key blocks its rows see stream through
 //       S = Q K^T, dP = dO V^T (one batch), P, dS,
 //       dQ += dS K        wgmma, A = dS from registers, B = K MN-major.
-// deterministic=False (kAtomicDq): the dK/dV kernel also rounds dS^T into a
+// From head dim 192 on, dK and dV accumulators together would not leave S^T
+// and dP^T their registers: the dK/dV kernel runs twice, with kGrads = kGradDV
+// (no V tile, no dP^T) and then kGradDK (S^T recomputed), as bwd_mma does from
+// 160; d = 256 streams 32 rows in the dK launch and 32 keys in the dQ kernel
+// (m64 n32 products), its own tiles taking 128 KB.
+// deterministic=False (kGradDQAtomic, d <= 128): the dK/dV kernel also rounds dS^T into a
 // shared tile, and after a barrier the CTA computes dQ = dS K for the query
 // block over all of its keys -- wgmma with A = dS (MN-major: the tile is
 // [key][query]) and B = K (MN-major), warpgroup w taking one m64 slice of the
@@ -55,11 +60,13 @@ namespace cf {
 // the dK/dV kernel, query rows in the dQ kernel) stay in shared memory, 64 per
 // warpgroup; kBlockStream rows are reloaded per block.  The tile table, with
 // the reason for each row, is _BWD_WGMMA_TILES in cupyflash/_kernels.py.
-template <typename T, int kHeadDim_, int kBlockOwn_, int kBlockStream_, int kWarpGroups_, bool kAtomicDq_>
+template <typename T, int kHeadDim_, int kBlockOwn_, int kBlockStream_, int kWarpGroups_, int kGrads_>
 struct WgmmaBwdTraits {
     static constexpr int kHeadDim = kHeadDim_, kBlockOwn = kBlockOwn_, kBlockStream = kBlockStream_;
-    static constexpr int kWarpGroups = kWarpGroups_;
-    static constexpr bool kAtomicDq = kAtomicDq_;
+    static constexpr int kWarpGroups = kWarpGroups_, kGrads = kGrads_;
+    static constexpr bool kDV = (kGrads & kGradDV) != 0, kDK = (kGrads & kGradDK) != 0;
+    static constexpr bool kAtomicDq = (kGrads & kGradDQAtomic) != 0;
+    static constexpr bool kNeedsV = kDK;  // dP^T = V dO^T only for dK (the dQ kernel: both own tiles)
     static constexpr int kWarps = 4 * kWarpGroups;
     static constexpr int kThreads = 32 * kWarps;
     static constexpr int kMTiles = 1;
@@ -73,11 +80,11 @@ struct WgmmaBwdTraits {
     using StreamTile = SwizzledTile<kBlockStream, kHeadDim>;
     using DsTile = SwizzledTile<kBlockOwn, kBlockStream>;   // dS^T, [key][query]
 
-    // Shared memory, in bytes from a 1024-byte aligned start: two own tiles
-    // (K, V or Q, dO), two stages of two streamed tiles (Q, dO or K, V), two
-    // stages of the streamed rows' lse * log2(e) and delta (the dK/dV kernel),
-    // and the dS^T tile with kAtomicDq; plus 1 KB of alignment slack.
-    static constexpr int kOwnBytes = 2 * OwnTile::kElements * 2;
+    // Shared memory, in bytes from a 1024-byte aligned start: the own tiles
+    // (K, and V with kDK; Q and dO), two stages of two streamed tiles (Q, dO or
+    // K, V), two stages of the streamed rows' lse * log2(e) and delta (the dK/dV
+    // kernel), and the dS^T tile with kAtomicDq; plus 1 KB of alignment slack.
+    static constexpr int kOwnBytes = (kNeedsV ? 2 : 1) * OwnTile::kElements * 2;
     static constexpr int kStageBytes = 2 * StreamTile::kElements * 2;
     static constexpr int kStatsOffset = kOwnBytes + 2 * kStageBytes;
     static constexpr int kDsOffset = kStatsOffset + 2 * 2 * kBlockStream * 4;
@@ -97,11 +104,13 @@ struct WgmmaBwdTraits {
     static_assert(sizeof(T) == 2, "float16 / bfloat16 only");
     static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "head dim: whole 64-column pages, at most 256");
     static_assert(kBlockOwn == 64 * kWarpGroups, "own block: one m64 slice per warpgroup");
-    static_assert(kBlockStream % 64 == 0 && kBlockStream <= 256, "streamed block: an n of wgmma, whole pages");
+    static_assert(kBlockStream % 32 == 0 && kBlockStream <= 256, "streamed block: an n of wgmma, 32 or whole pages");
+    static_assert(kBlockStream <= 32 || kBlockStream % 64 == 0, "streamed block: 32 or whole 64-row pages");
     static_assert(kWarpGroups >= 1 && kWarpGroups <= 3, "1 to 3 warpgroups");
+    static_assert(kGrads >= 1 && kGrads <= 7 && (!kAtomicDq || kDK), "kGrads: kGradDV, kGradDK, kGradDQAtomic");
     static_assert(!kAtomicDq || ((kBlockStream / 64) * kDqSlices == kWarpGroups && kDqCols % 64 == 0),
                   "atomic dQ: one (m64 slice, whole-page head-dim slice) per warpgroup");
-    static_assert(kDsOffset % 1024 == 0, "the dS^T tile starts 1024-byte aligned");
+    static_assert(!kAtomicDq || kDsOffset % 1024 == 0, "the dS^T tile starts 1024-byte aligned");
     static_assert(kSmemBytes <= 227 * 1024, "within sm_90's 227 KB per block");
 };
 
@@ -183,12 +192,14 @@ __device__ __forceinline__ void add_dq_atomically(float* dq, int64_t row_stride,
 
 // ---- kernels ---------------------------------------------------------------------------------
 
-// dK and dV (and, kAtomicDq, dQ by atomics) of kBlockN keys of one (batch, kv head).
-template <typename T, int kHeadDim, int kBlockN, int kBlockM, int kWarpGroups, bool kAtomicDq>
-__global__ void __launch_bounds__((WgmmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarpGroups, kAtomicDq>::kThreads), 1)
+// dK and/or dV (kGrads; with kGradDQAtomic, dQ by atomics too) of kBlockN keys
+// of one (batch, kv head).
+template <typename T, int kHeadDim, int kBlockN, int kBlockM, int kWarpGroups, int kGrads>
+__global__ void __launch_bounds__((WgmmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarpGroups, kGrads>::kThreads), 1)
 bwd_wgmma_dkdv_kernel(const BwdParams params) {
-    using Tr = WgmmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarpGroups, kAtomicDq>;
+    using Tr = WgmmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarpGroups, kGrads>;
     using Own = typename Tr::OwnTile;
+    constexpr bool kDV = Tr::kDV, kDK = Tr::kDK, kAtomicDq = Tr::kAtomicDq;
     const FwdParams& p = params.fwd;
 
     const KeyTileIndex tile(p, kBlockN, blockIdx.x);
@@ -203,9 +214,9 @@ bwd_wgmma_dkdv_kernel(const BwdParams params) {
     char* smem = dynamic_smem();
     smem += (1024 - (smem_addr(smem) & 1023)) & 1023;  // 128-byte swizzle atoms are 1024-byte aligned
     T* const sK = reinterpret_cast<T*>(smem);
-    T* const sV = sK + Own::kElements;
-    const QueryStream<Tr, T> queries{params, tile.batch, d, sV + Own::kElements,  // 2 x (Q, dO), 2 x (lse, delta)
-                                     reinterpret_cast<float*>(smem + Tr::kStatsOffset)};
+    T* const sV = sK + Own::kElements;  // kDK only
+    const QueryStream<Tr, T> queries{params, tile.batch, d, sK + (kDK ? 2 : 1) * Own::kElements,
+                                     reinterpret_cast<float*>(smem + Tr::kStatsOffset)};  // 2 x (Q, dO), (lse, delta)
     T* const sdS = reinterpret_cast<T*>(smem + Tr::kDsOffset);  // kAtomicDq only
 
     // The query blocks that see these keys, head by head through the kv head's group.
@@ -213,7 +224,7 @@ bwd_wgmma_dkdv_kernel(const BwdParams params) {
     const int64_t head_end = first_head + p.gqa_ratio;
     const HeadSlice<T, float> kv(p, tile.batch, first_head);
     cp_async_tile<Tr::kThreads, Own>(sK, kv.k, block.n0, p.k_row_stride, block.keys, d);
-    cp_async_tile<Tr::kThreads, Own>(sV, kv.v, block.n0, p.v_row_stride, block.keys, d);
+    if constexpr (kDK) cp_async_tile<Tr::kThreads, Own>(sV, kv.v, block.n0, p.v_row_stride, block.keys, d);
     cp_async_commit();
     if (m_begin < m_end) {
         float lse_log2, delta;
@@ -247,21 +258,29 @@ bwd_wgmma_dkdv_kernel(const BwdParams params) {
             wgmma_fence();
             wgmma_own_stream<Tr>(s, sK, sQ, wg_row0);      // S^T = K Q^T
             wgmma_commit();
-            wgmma_own_stream<Tr>(dp, sV, sdO, wg_row0);    // dP^T = V dO^T
-            wgmma_commit();
-            wgmma_wait<1>();                               // S^T
+            if constexpr (kDK) {
+                wgmma_own_stream<Tr>(dp, sV, sdO, wg_row0);  // dP^T = V dO^T
+                wgmma_commit();
+                wgmma_wait<1>();                           // S^T
+            } else {
+                wgmma_wait<0>();
+            }
             probabilities<Tr>(s, lse_of, scale_log2);      // P^T
             if (block.needs_mask(p, mask, m0, kBlockM, kBlockN))
                 apply_mask<false, Tr>(s, mask, m0, block.n0, row0, kBlockN, p.seqlen_q);
-            uint32_t a[Tr::kStreamSteps][4];
-            pack_a<Tr, T>(a, s);
-            wgmma_accumulate<Tr>(dv, a, sdO);              // dV += P^T dO
-            wgmma_wait<1>();                               // dP^T (dV still in flight)
-            score_gradient<Tr>(dp, s, delta_of);           // dS^T
-            uint32_t ds[Tr::kStreamSteps][4];
-            pack_a<Tr, T>(ds, dp);
-            if constexpr (kAtomicDq) store_accumulators<typename Tr::DsTile>(sdS, dp, row0);  // rounded as ds
-            wgmma_accumulate<Tr>(dk, ds, sQ);              // dK += dS^T Q
+            // The A operands live until the wait that retires their products.
+            uint32_t a[Tr::kStreamSteps][4], ds[Tr::kStreamSteps][4];
+            if constexpr (kDV) {
+                pack_a<Tr, T>(a, s);
+                wgmma_accumulate<Tr>(dv, a, sdO);          // dV += P^T dO
+            }
+            if constexpr (kDK) {
+                if constexpr (kDV) wgmma_wait<1>(); else wgmma_wait<0>();  // dP^T (dV still in flight)
+                score_gradient<Tr>(dp, s, delta_of);       // dS^T
+                pack_a<Tr, T>(ds, dp);
+                if constexpr (kAtomicDq) store_accumulators<typename Tr::DsTile>(sdS, dp, row0);  // rounded as ds
+                wgmma_accumulate<Tr>(dk, ds, sQ);          // dK += dS^T Q
+            }
             wgmma_wait<0>();
             if constexpr (kAtomicDq) {
                 fence_proxy_async_shared();
@@ -280,17 +299,20 @@ bwd_wgmma_dkdv_kernel(const BwdParams params) {
 
     const GradSlice<T, float> kv_grad(params, tile.batch, first_head);
     const int keys_valid = block.keys - row0;
-    store_gradient<Tr>(kv_grad.dk + (block.n0 + row0) * params.dk_row_stride, params.dk_row_stride, dk,
-                       static_cast<float>(p.scale), keys_valid, d);
-    store_gradient<Tr>(kv_grad.dv + (block.n0 + row0) * params.dv_row_stride, params.dv_row_stride, dv, 1.0f,
-                       keys_valid, static_cast<int>(p.head_dim_v));
+    if constexpr (kDK)
+        store_gradient<Tr>(kv_grad.dk + (block.n0 + row0) * params.dk_row_stride, params.dk_row_stride, dk,
+                           static_cast<float>(p.scale), keys_valid, d);
+    if constexpr (kDV)
+        store_gradient<Tr>(kv_grad.dv + (block.n0 + row0) * params.dv_row_stride, params.dv_row_stride, dv, 1.0f,
+                           keys_valid, static_cast<int>(p.head_dim_v));
 }
 
 // dQ of kBlockM query rows of one (batch, query head).
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarpGroups>
-__global__ void __launch_bounds__((WgmmaBwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarpGroups, false>::kThreads), 1)
+__global__ void __launch_bounds__(
+    (WgmmaBwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarpGroups, kGradDV | kGradDK>::kThreads), 1)
 bwd_wgmma_dq_kernel(const BwdParams params) {
-    using Tr = WgmmaBwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarpGroups, false>;
+    using Tr = WgmmaBwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarpGroups, kGradDV | kGradDK>;  // two own tiles
     using Own = typename Tr::OwnTile;
     const FwdParams& p = params.fwd;
 

@@ -43,9 +43,10 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
     bwd_wgmma (Hopper's wgmma, ``cuda_src/bwd_wgmma.cu``) where bwd_mma would run
     on ``arch == 90`` in a head dim of :data:`~cupyflash._kernels.WGMMA_BWD_HEAD_DIMS`
     and ``wgmma`` is true (default: :func:`cupyflash._gpu.wgmma_enabled`, the
-    forward's switch): bwd_simt's delta kernel, bwd_wgmma's dK/dV kernel and its dQ
-    kernel -- or, not ``deterministic``, the dK/dV kernel that adds dQ by atomics.
-    Otherwise:
+    forward's switch): bwd_simt's delta kernel, bwd_wgmma's dK/dV kernel (two
+    launches, dV then dK, from head dim 192 on) and its dQ kernel -- or, not
+    ``deterministic`` and up to head dim 128, the dK/dV kernel that adds dQ by
+    atomics.  Otherwise:
 
     bwd_mma (tensor cores, ``cuda_src/bwd_mma.cu``) where it applies -- the
     conditions of fwd_mma (:func:`cupyflash._gpu.select`): ``arch >= 80``,

@@ -470,51 +470,75 @@ def _backward_instantiations() -> list[Instantiation]:
 
 # ---- bwd_wgmma: the backward on Hopper's wgmma (cuda_src/bwd_wgmma.cu), sm_90a --------------------
 
-# Head dims with bwd_wgmma kernels.  Above 128 the dK and dV accumulators of a
-# 64-key warpgroup slice (d / 2 floats each per thread) leave no registers for
-# S and dP: 192 and 256 keep bwd_mma, which launches dV and dK apart there.
-WGMMA_BWD_HEAD_DIMS = (64, 128)
+# Head dims with bwd_wgmma kernels: those of fwd_wgmma.
+WGMMA_BWD_HEAD_DIMS = (64, 128, 192, 256)
 
-# (streamed query rows of the dK/dV kernel, warpgroups, streamed keys of the dQ
-# kernel) per head dim.  A CTA owns 64 rows per warpgroup (keys in dK/dV, query
-# rows in dQ), one CTA per SM; the streamed tiles are double-buffered.  Per
-# thread in dK/dV: dK and dV d / 4 floats each, S^T and dP^T streamed / 4.
-# Registers from the static report (NVRTC 13.5, sm_90a), no spills; not yet
-# timed on a GPU (FlashAttention-3's Hopper backward uses the same 128-key x
-# 64-query (d = 128) and 128 x 128 (d = 64) blocks).
+# Per head dim: (the dK/dV launches as (kGrads, streamed query rows), warpgroups,
+# streamed keys of the dQ kernel).  A CTA owns 64 rows per warpgroup (keys in
+# dK/dV, query rows in dQ), one CTA per SM; the streamed tiles are
+# double-buffered.  Per thread in dK/dV: dK and dV d / 4 floats each, S^T and
+# dP^T streamed / 4.  From 192 on, dK and dV together would take 2 x 48+
+# floats on top of S^T and dP^T, so dV and dK are launched apart (as bwd_mma
+# does from 160), and d = 256 streams 32 rows in its dK and dQ kernels, whose
+# own tiles alone are 128 KB.  deterministic=False adds dQ by atomics in the
+# dK launch where a warpgroup's dQ slice is whole 64-column pages (d <= 128);
+# 192 and 256 always run the dQ kernel.  Registers from the static report
+# (NVRTC 13.5, sm_90a), no spills; not yet timed on a GPU (FlashAttention-3's
+# Hopper backward uses the same 128-key x 64-query (d = 128) and 128 x 128
+# (d = 64) blocks).
 _BWD_WGMMA_TILES = {
-    64: (128, 2, 128),    # dK/dV 255 regs, 99 KB (131 KB with the atomic-dQ dS tile); dQ 224 regs, 99 KB
-    128: (64, 2, 128),    # dK/dV 255 regs, 130 KB (146 KB atomic); dQ 255 regs, 195 KB
+    64: (((BWD_GRAD_DV | BWD_GRAD_DK, 128),), 2, 128),   # dK/dV 255 regs, 99 KB (131 KB atomic); dQ 224, 99 KB
+    128: (((BWD_GRAD_DV | BWD_GRAD_DK, 64),), 2, 128),   # dK/dV 255 regs, 130 KB (146 KB atomic); dQ 255, 195 KB
+    192: (((BWD_GRAD_DV, 64), (BWD_GRAD_DK, 64)), 2, 64),    # dV 254 regs, 146 KB; dK 254, 194 KB; dQ 215, 194 KB
+    256: (((BWD_GRAD_DV, 64), (BWD_GRAD_DK, 32)), 2, 32),    # dV 255 regs, 194 KB; dK 254, 194 KB; dQ 210, 194 KB
 }
 
 
-def bwd_wgmma_tiles() -> dict[int, tuple[int, int, int]]:
-    """``{head_dim: (dkdv_streamed_rows, warpgroups, dq_streamed_keys)}`` of bwd_wgmma."""
+def bwd_wgmma_tiles() -> dict[int, tuple]:
+    """``{head_dim: (((grads, streamed_rows), ...), warpgroups, dq_streamed_keys)}`` of
+    bwd_wgmma: the dK/dV launches in order (``grads`` a bit set of
+    ``BWD_GRAD_DV``, ``BWD_GRAD_DK``), the warpgroups per CTA and the dQ kernel's block."""
     return dict(_BWD_WGMMA_TILES)
+
+
+def bwd_wgmma_shared_bytes(head_dim: int, own: int, streamed: int, needs_v: bool, atomic_dq: bool) -> int:
+    """``WgmmaBwdTraits::kSmemBytes`` (bwd_wgmma.cu): the own tiles (two with
+    ``needs_v``), two stages of two streamed tiles and of two floats per streamed
+    row, the dS^T tile with ``atomic_dq``, and 1 KB to align the start to 1024 bytes."""
+    return ((2 if needs_v else 1) * own * head_dim * 2 + 2 * 2 * streamed * head_dim * 2
+            + 2 * 2 * streamed * 4 + (own * streamed * 2 if atomic_dq else 0) + 1024)
+
+
+def _wgmma_atomic_dq(head_dim: int, streamed: int, groups: int) -> bool:
+    """Whether a bwd_wgmma dK launch streaming ``streamed`` rows can add dQ by atomics:
+    each warpgroup one m64 slice of the block's queries and a head-dim slice of
+    whole 64-column pages, and the dS^T tile within sm_90's 227 KB."""
+    if streamed % 64 or groups % (streamed // 64):
+        return False
+    cols = head_dim // (groups // (streamed // 64))
+    return cols % 64 == 0 and bwd_wgmma_shared_bytes(head_dim, 64 * groups, streamed, True, True) <= 227 * 1024
 
 
 def bwd_wgmma_name_expressions(dtype: str, head_dim: int, deterministic: bool = True) -> list[str]:
     """bwd_wgmma's kernels for ``dtype`` and ``head_dim`` (one of
-    :data:`WGMMA_BWD_HEAD_DIMS`), in launch order: dK/dV, then dQ -- or, not
-    ``deterministic``, the dK/dV kernel that adds dQ by float atomics alone."""
+    :data:`WGMMA_BWD_HEAD_DIMS`), in launch order: dK/dV (or dV, then dK), then dQ --
+    or, not ``deterministic``, where the dK launch can (:func:`_wgmma_atomic_dq`), no
+    dQ kernel: that launch adds dQ by float atomics."""
     if head_dim not in _BWD_WGMMA_TILES:
         raise ValueError(f"bwd_wgmma has no kernel for head_dim={head_dim}")
     cxx = _CXX_TYPE[dtype]
-    streamed, groups, streamed_dq = _BWD_WGMMA_TILES[head_dim]
+    launches, groups, streamed_dq = _BWD_WGMMA_TILES[head_dim]
     own = 64 * groups
-    names = [f"cf::bwd_wgmma_dkdv_kernel<{cxx}, {head_dim}, {own}, {streamed}, {groups}, "
-             f"{'false' if deterministic else 'true'}>"]
-    if deterministic:
+    atomic = not deterministic and all(_wgmma_atomic_dq(head_dim, streamed, groups)
+                                       for grads, streamed in launches if grads & BWD_GRAD_DK)
+    names = []
+    for grads, streamed in launches:
+        if atomic and grads & BWD_GRAD_DK:
+            grads |= BWD_GRAD_DQ_ATOMIC
+        names.append(f"cf::bwd_wgmma_dkdv_kernel<{cxx}, {head_dim}, {own}, {streamed}, {groups}, {grads}>")
+    if not atomic:
         names.append(f"cf::bwd_wgmma_dq_kernel<{cxx}, {head_dim}, {own}, {streamed_dq}, {groups}>")
     return names
-
-
-def bwd_wgmma_shared_bytes(head_dim: int, own: int, streamed: int, atomic_dq: bool) -> int:
-    """``WgmmaBwdTraits::kSmemBytes`` (bwd_wgmma.cu): two own tiles, two stages of two
-    streamed tiles and of two floats per streamed row, the dS^T tile with
-    ``atomic_dq``, and 1 KB to align the start to 1024 bytes."""
-    return (2 * own * head_dim * 2 + 2 * 2 * streamed * head_dim * 2 + 2 * 2 * streamed * 4
-            + (own * streamed * 2 if atomic_dq else 0) + 1024)
 
 
 def _bwd_wgmma_instantiations() -> list[Instantiation]:

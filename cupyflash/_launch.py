@@ -170,11 +170,12 @@ def _bwd_shared_bytes(inst: Instantiation) -> int:
         pipelined = inst.dtype in ("float32", "float64") and own_bytes + 2 * stage_bytes <= 72 * 1024
         return own_bytes + (2 if pipelined else 1) * stage_bytes
     if kernel.startswith("bwd_wgmma_"):
-        # WgmmaBwdTraits::kSmemBytes; the dK/dV kernel's last template argument: atomic dQ
+        # WgmmaBwdTraits::kSmemBytes; the dK/dV kernel's last template argument is
+        # kGrads (V only for dK; bit 4: atomic dQ and its dS tile)
         dkdv = kernel == "bwd_wgmma_dkdv_kernel"
         own, streamed = (inst.block_n, inst.block_m) if dkdv else (inst.block_m, inst.block_n)
-        return bwd_wgmma_shared_bytes(inst.head_dim, own, streamed,
-                                      dkdv and _template_args(inst)[-1] == "true")
+        grads = int(_template_args(inst)[-1]) if dkdv else 3
+        return bwd_wgmma_shared_bytes(inst.head_dim, own, streamed, bool(grads & 2), bool(grads & 4))
     # MmaBwdTraits::kSmemBytes (V only when the dK/dV kernel computes dK)
     # and the dS tile of deterministic=False's atomic dQ (kGrads bit 4)
     grads = int(_template_args(inst)[5]) if kernel == "bwd_mma_dkdv_kernel" else 0

@@ -2,8 +2,10 @@
 
 Dispatch: bwd_wgmma follows the forward's switch (``CUPYFLASH_WGMMA=1``, on
 compute capability 9.0 only), for the head dims of
-:data:`~cupyflash._kernels.WGMMA_BWD_HEAD_DIMS` (64 and 128; d in 33..64 and
-97..128 run zero-padded in them).
+:data:`~cupyflash._kernels.WGMMA_BWD_HEAD_DIMS` (64, 128, 192, 256; the others
+of bwd_mma's in between keep bwd_mma, and d below a wgmma head dim runs
+zero-padded in it).  From 192 on dV and dK are two launches and the dQ kernel
+always runs.
 
 Static tier: every row compiled offline by NVRTC for sm_90a -- no spills, no
 stack, no local memory; per block pair the SASS issues the HGMMA count of its
@@ -44,25 +46,34 @@ def _kernels(dtype, d, arch=90, **kw):
     return [backward_kernel(r) for r in _gpu_bwd.select(dtype, d, d, arch, aligned=True, **kw)]
 
 
+def _grads(row):
+    """The kGrads of a bwd_wgmma_dkdv_kernel row (1 dV, 2 dK, 4 atomic dQ)."""
+    return int(row.name_expression.rstrip(">").rsplit(",", 1)[1])
+
+
 # ---- the catalogue and the dispatcher -----------------------------------------------------------
 
 def test_select_picks_bwd_wgmma_only_on_sm90_when_enabled(monkeypatch):
     monkeypatch.delenv(_gpu.WGMMA_ENV, raising=False)
     for dtype in ("float16", "bfloat16"):
-        for d in (40, 64, 100, 128):
+        for d in (40, 64, 100, 128, 192, 248, 256):
             bucket = min(b for b in WGMMA_BWD_HEAD_DIMS if b >= d)
             rows = _gpu_bwd.select(dtype, d, d, 90, aligned=True, wgmma=True)
-            assert [backward_kernel(r) for r in rows] == [
-                "bwd_simt_dot_do_o_kernel", "bwd_wgmma_dkdv_kernel", "bwd_wgmma_dq_kernel"]
+            split = bucket > 128   # dV, then dK
+            assert [backward_kernel(r) for r in rows] == (
+                ["bwd_simt_dot_do_o_kernel"] + ["bwd_wgmma_dkdv_kernel"] * (1 + split) + ["bwd_wgmma_dq_kernel"])
             assert {r.head_dim for r in rows[1:]} == {bucket}
-            assert rows[1].name_expression.endswith(", false>")
+            assert [_grads(r) for r in rows[1:-1]] == ([1, 2] if split else [3])
             fast = _gpu_bwd.select(dtype, d, d, 90, aligned=True, wgmma=True, deterministic=False)
-            assert [backward_kernel(r) for r in fast] == ["bwd_simt_dot_do_o_kernel", "bwd_wgmma_dkdv_kernel"]
-            assert fast[1].name_expression == rows[1].name_expression.replace(", false>", ", true>")
+            if split:   # a warpgroup's dQ slice would not be whole pages: the dQ kernel runs
+                assert fast == rows
+            else:
+                assert [backward_kernel(r) for r in fast] == ["bwd_simt_dot_do_o_kernel", "bwd_wgmma_dkdv_kernel"]
+                assert fast[1].name_expression == rows[1].name_expression.replace(", 3>", ", 7>")
             assert "bwd_wgmma_dkdv_kernel" not in _kernels(dtype, d)   # default: off
             for arch in (80, 86, 89, 100, 120):
                 assert "bwd_mma_dkdv_kernel" in _kernels(dtype, d, arch, wgmma=True)
-        for d in (32, 96, 160, 192, 256):   # other tensor-core head dims keep bwd_mma
+        for d in (32, 96, 160, 200, 224):   # bwd_mma's head dims between wgmma's keep bwd_mma
             assert "bwd_mma_dkdv_kernel" in _kernels(dtype, d, wgmma=True)
         unaligned = _gpu_bwd.select(dtype, 64, 64, 90, aligned=False, wgmma=True)
         assert {r.family for r in unaligned} == {"bwd_simt"}
@@ -75,7 +86,8 @@ def test_select_picks_bwd_wgmma_only_on_sm90_when_enabled(monkeypatch):
 
 def test_only_sm90_compiles_and_launches_bwd_wgmma():
     names = {r.name_expression for r in ROWS}
-    # per dtype and head dim: dK/dV (deterministic and atomic-dQ) and dQ
+    # per dtype and head dim three rows: dK/dV (deterministic and atomic-dQ) and dQ, or
+    # (192, 256) dV, dK and dQ
     assert len(ROWS) == 2 * len(WGMMA_BWD_HEAD_DIMS) * 3 == len(names)
     assert set(bwd_wgmma_tiles()) == set(WGMMA_BWD_HEAD_DIMS)
     assert names <= launchable(90)
@@ -94,10 +106,10 @@ def test_launch_config_and_shared_memory():
         if kernel == "bwd_wgmma_dkdv_kernel":
             own, streamed = r.block_n, r.block_m
             assert r.threads == 2 * own and grid == (2 * 3 * math.ceil(333 / own), 1, 1)
-            atomic = r.name_expression.endswith(", true>")
-            # K, V; two stages of Q, dO and of lse, delta; the dS^T tile; 1 KB alignment
-            assert shared == (2 * own * d * 2 + 2 * 2 * streamed * d * 2 + 2 * 2 * streamed * 4
-                              + (own * streamed * 2 if atomic else 0) + 1024)
+            grads = _grads(r)
+            # K (and V for dK); two stages of Q, dO and of lse, delta; the dS^T tile; 1 KB alignment
+            assert shared == ((2 if grads & 2 else 1) * own * d * 2 + 2 * 2 * streamed * d * 2
+                              + 2 * 2 * streamed * 4 + (own * streamed * 2 if grads & 4 else 0) + 1024)
         else:
             own, streamed = r.block_m, r.block_n
             assert r.threads == 2 * own and grid == (2 * 6 * math.ceil(1000 / own), 1, 1)
@@ -128,10 +140,10 @@ def test_sass_issues_the_hgmma_of_each_product_and_no_ldmatrix(report):
         inst, sass = insts[r["name"]], r["sass"]
         d = inst.head_dim
         if backward_kernel(inst) == "bwd_wgmma_dkdv_kernel":
-            # S^T, dP^T (d / 16 each), dV, dK (streamed / 16 each), atomic dQ (own keys / 16)
-            own, streamed = inst.block_n, inst.block_m
-            expected = 2 * d // 16 + 2 * streamed // 16
-            if inst.name_expression.endswith(", true>"):
+            # S^T (d / 16), dV (streamed / 16); dP^T (d / 16), dK (streamed / 16); atomic dQ (own keys / 16)
+            own, streamed, grads = inst.block_n, inst.block_m, _grads(inst)
+            expected = d // 16 + (streamed // 16 if grads & 1 else 0) + (d // 16 + streamed // 16 if grads & 2 else 0)
+            if grads & 4:
                 expected += own // 16
                 assert any(k.startswith(("RED", "ATOM")) for k in sass), r["name"]   # dq += by atomics
         else:
@@ -172,7 +184,8 @@ def _families(case: Case, deterministic=True):
 
 
 # (dtype, run-time head dim): each bucket at its own size and padded below it.
-KERNEL_CASES = [(dtype, d) for dtype in HALF for d in (64, 128)] + [(HALF[0], 40), (HALF[-1], 104)]
+KERNEL_CASES = ([(dtype, d) for dtype in HALF for d in (64, 128, 192, 256)]
+                + [(HALF[0], 40), (HALF[-1], 104), (HALF[0], 248)])
 
 
 @needs_emulator
@@ -185,9 +198,12 @@ def test_every_instantiation_matches_oracle_and_atomic_dq_leaves_dk_dv_alone(ex9
     # Tails in both axes: partial query and key blocks; two query heads per kv head.
     q, k, v = qkv(rng, dtype, heads_kv=1, gqa_ratio=2, seqlen_q=150, seqlen_k=2 * 128 + 21, head_dim=head_dim)
     case = Case(rng, q, k, v, gqa_ratio=2, window=(None, 0) if causal else (None, None))
-    assert _families(case)[1:] == ["bwd_wgmma_dkdv_kernel", "bwd_wgmma_dq_kernel"]
+    split = head_dim > 128   # dV and dK apart, and no atomic dQ
+    assert _families(case)[1:] == ["bwd_wgmma_dkdv_kernel"] * (1 + split) + ["bwd_wgmma_dq_kernel"]
     exact = _run(case, ex90)
     case.check(exact)
+    if split:
+        return
     assert _families(case, deterministic=False)[1:] == ["bwd_wgmma_dkdv_kernel"]
     fast = _run(case, ex90, deterministic=False)   # dq poisoned: zeroed, then added to
     case.check(fast)

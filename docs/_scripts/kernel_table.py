@@ -68,8 +68,11 @@ def _picked_mma(rows: list[dict]) -> set[tuple[str, str]]:
 
 def _kernel(row: dict) -> str:
     base = row["name"].split("<", 1)[0].removeprefix("cf::")
-    if base in ("bwd_simt_dkdv_kernel", "bwd_wgmma_dkdv_kernel") and row["name"].endswith(", true>"):
+    if base == "bwd_simt_dkdv_kernel" and row["name"].endswith(", true>"):
         return "dK/dV + atomic dQ"
+    if base == "bwd_wgmma_dkdv_kernel":   # kGrads: 1 dV, 2 dK, 4 atomic dQ
+        grads = int(row["name"].rstrip(">").rsplit(",", 1)[1])
+        return {1: "dV", 2: "dK", 3: "dK/dV", 6: "dK + atomic dQ", 7: "dK/dV + atomic dQ"}[grads]
     return SHORT_KERNEL.get(base, base)
 
 

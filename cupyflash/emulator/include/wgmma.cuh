@@ -44,7 +44,7 @@ template <> struct WgmmaKind<__nv_bfloat16> { static constexpr int kValue = CFEM
 
 template <typename T, int N>
 struct Wgmma {
-    static_assert(N % 64 == 0 && N <= 256, "the real header instantiates n = 64, 128, 192, 256");
+    static_assert(N % 32 == 0 && N <= 256, "the real header instantiates n = 32, 64, 128, 192, 256");
     __device__ static void ss(float (&d)[2][N / 4], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
         cfemu_wgmma(WgmmaKind<T>::kValue, N, &d[0][0], nullptr, desc_a, desc_b, 0, accumulate);
     }
