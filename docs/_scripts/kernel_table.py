@@ -29,6 +29,8 @@ FAMILIES = (
     ("fwd_mma", "Tensor-core forward (`fwd_mma`, float16/bfloat16, the tile each GPU class gets)"),
     ("fwd_wgmma", "Hopper forward (`fwd_wgmma`, float16/bfloat16, sm_90a only; opt-in with `CUPYFLASH_WGMMA=1`)"),
     ("fwd_simt", "SIMT forward (`fwd_simt`)"),
+    ("bwd_mma", "Tensor-core backward (`bwd_mma`, float16/bfloat16, the kernels each GPU class launches; "
+                "tile: owned × streamed rows)"),
     ("bwd_simt", "SIMT backward (`bwd_simt`: delta, dK/dV and dQ kernels)"),
     ("bwd_wgmma", "Hopper backward (`bwd_wgmma`, float16/bfloat16, sm_90a only; opt-in with `CUPYFLASH_WGMMA=1`; "
                   "tile: owned × streamed rows)"),
@@ -36,8 +38,12 @@ FAMILIES = (
 )
 DTYPE_ORDER = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
 SHORT_KERNEL = {"bwd_simt_dot_do_o_kernel": "delta", "bwd_simt_dkdv_kernel": "dK/dV",
-                "bwd_simt_dq_kernel": "dQ", "bwd_wgmma_dkdv_kernel": "dK/dV", "bwd_wgmma_dq_kernel": "dQ"}
-WITH_KERNEL_COLUMN = ("bwd_simt", "bwd_wgmma")
+                "bwd_simt_dq_kernel": "dQ", "bwd_wgmma_dkdv_kernel": "dK/dV", "bwd_wgmma_dq_kernel": "dQ",
+                "bwd_mma_dq_kernel": "dQ"}
+WITH_KERNEL_COLUMN = ("bwd_simt", "bwd_wgmma", "bwd_mma")
+# Families whose tile depends on the GPU class: only the rows each arch launches, tile per arch.
+PER_ARCH_TILE = ("fwd_mma", "bwd_mma")
+GRADS = {1: "dV", 2: "dK", 3: "dK/dV", 6: "dK + atomic dQ", 7: "dK/dV + atomic dQ"}   # kGrads
 
 
 def _load(paths: list[str]) -> list[dict]:
@@ -54,15 +60,18 @@ def _load(paths: list[str]) -> list[dict]:
 
 
 def _picked_mma(rows: list[dict]) -> set[tuple[str, str]]:
-    """(arch, name) of the fwd_mma instantiation the dispatcher runs on each arch."""
-    from cupyflash._kernels import MMA_HEAD_DIMS, mma_name_expression, mma_tiles
+    """(arch, name) of the fwd_mma and bwd_mma instantiations the dispatcher runs on each arch."""
+    from cupyflash._kernels import MMA_HEAD_DIMS, bwd_mma_name_expressions, mma_name_expression, mma_tiles
 
     picked = set()
     for arch in {r["arch"] for r in rows}:
-        tiles = mma_tiles(int(arch.removeprefix("sm_")))
+        number = int(arch.removeprefix("sm_"))
+        tiles = mma_tiles(number)
         for dtype in ("float16", "bfloat16"):
             for d in MMA_HEAD_DIMS:
                 picked.add((arch, mma_name_expression(dtype, d, *tiles[d])))
+                for deterministic in (True, False):
+                    picked.update((arch, n) for n in bwd_mma_name_expressions(dtype, d, number, deterministic))
     return picked
 
 
@@ -70,9 +79,10 @@ def _kernel(row: dict) -> str:
     base = row["name"].split("<", 1)[0].removeprefix("cf::")
     if base == "bwd_simt_dkdv_kernel" and row["name"].endswith(", true>"):
         return "dK/dV + atomic dQ"
-    if base == "bwd_wgmma_dkdv_kernel":   # kGrads: 1 dV, 2 dK, 4 atomic dQ
-        grads = int(row["name"].rstrip(">").rsplit(",", 1)[1])
-        return {1: "dV", 2: "dK", 3: "dK/dV", 6: "dK + atomic dQ", 7: "dK/dV + atomic dQ"}[grads]
+    if base == "bwd_wgmma_dkdv_kernel":   # kGrads (the last argument): 1 dV, 2 dK, 4 atomic dQ
+        return GRADS[int(row["name"].rstrip(">").rsplit(",", 1)[1])]
+    if base == "bwd_mma_dkdv_kernel":     # <T, d, own, streamed, warps, kGrads, stages>
+        return GRADS[int(row["name"].rstrip(">").split(",")[5])]
     return SHORT_KERNEL.get(base, base)
 
 
@@ -84,7 +94,9 @@ def _tile(row: dict) -> str:
     if row["family"] == "fwd_wgmma":      # <T, d, block_n, warpgroups, lazy_rescale>
         lazy = ", lazy rescale" if args[4] == "true" else ""
         return f"{64 * int(args[3])}×{args[2]}, {args[3]} warpgroups{lazy}"
-    if row["family"] == "bwd_wgmma":      # <T, d, own, streamed, warpgroups[, atomic dQ]>
+    if row["family"] == "bwd_mma":        # <T, d, own, streamed, warps[, kGrads], stages>
+        return f"{args[2]}×{args[3]}, {args[4]} warps, {args[-1]} stage{'s' * (args[-1] != '1')}"
+    if row["family"] == "bwd_wgmma":      # <T, d, own, streamed, warpgroups, kGrads>
         return f"{args[2]}×{args[3]}, {args[4]} warpgroups"
     if row["family"] == "fwd_simt":       # <T, d, dv, block_m, block_n>
         return f"{args[3]}×{args[4]}"
@@ -101,9 +113,9 @@ def _cells(row: dict | None) -> list[str]:
 
 
 def _family_table(rows: list[dict], family: str, archs: list[str], picked: set) -> list[str]:
-    rows = [r for r in rows if r["family"] == family
-            and (family != "fwd_mma" or (r["arch"], r["name"]) in picked)]
-    # one line per (kernel, dtype, head dim), or per (dtype, head dim, arch-specific tile) for fwd_mma
+    per_arch = family in PER_ARCH_TILE
+    rows = [r for r in rows if r["family"] == family and (not per_arch or (r["arch"], r["name"]) in picked)]
+    # one line per (kernel, dtype, head dim), with the tile per arch where it depends on the GPU class
     keys: dict[tuple, dict[str, dict]] = {}
     for r in rows:
         if family == "fwd_mma":
@@ -111,10 +123,10 @@ def _family_table(rows: list[dict], family: str, archs: list[str], picked: set) 
         else:
             key = (DTYPE_ORDER[r["dtype"]], r["head_dim"], _kernel(r), r["dtype"])
         keys.setdefault(key, {})[r["arch"]] = r
-    header = ["dtype", "d ≤"] + (["kernel", "tile"] if family in WITH_KERNEL_COLUMN else
-                               [] if family == "fwd_mma" else ["tile"])
+    header = ["dtype", "d ≤"] + (["kernel"] if family in WITH_KERNEL_COLUMN else []) + \
+        ([] if per_arch else ["tile"])
     for arch in archs:
-        header += ([f"{arch} tile"] if family == "fwd_mma" else []) + \
+        header += ([f"{arch} tile"] if per_arch else []) + \
                   [f"{arch} regs", f"{arch} smem KB", f"{arch} blocks/SM"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for key in sorted(keys, key=lambda k: (k[0], k[1], list(SHORT_KERNEL.values()).index(k[2])
@@ -123,12 +135,12 @@ def _family_table(rows: list[dict], family: str, archs: list[str], picked: set) 
         any_row = next(iter(by_arch.values()))
         cells = [key[3], str(key[1])]
         if family in WITH_KERNEL_COLUMN:
-            cells += [key[2], _tile(any_row)]
-        elif family != "fwd_mma":
-            cells += [_tile(any_row)]
+            cells.append(key[2])
+        if not per_arch:
+            cells.append(_tile(any_row))
         for arch in archs:
             r = by_arch.get(arch)
-            if family == "fwd_mma":
+            if per_arch:
                 cells.append(_tile(r) if r else "")
             cells += _cells(r)
         lines.append("| " + " | ".join(cells) + " |")
@@ -176,7 +188,7 @@ def render(rows: list[dict]) -> str:
                    f"{len(rows)} compiled kernels:")
         out.append("")
         for r in flagged:
-            unused = r["family"] == "fwd_mma" and (r["arch"], r["name"]) not in picked
+            unused = r["family"] in PER_ARCH_TILE and (r["arch"], r["name"]) not in picked
             out.append(f"- `{r['name']}` on {r['arch']}: {r['spill_stores']} B spill stores, "
                        f"{r['spill_loads']} B spill loads, {r['stack_bytes']} B stack"
                        + (" (another class's tile: the dispatcher does not run it on this arch)"
