@@ -367,16 +367,19 @@ _BWD_DELTA_ROWS = 16     # bwd_simt_dot_do_o_kernel: 128 threads, 8 lanes per qu
 # 256: over 1 KB): one launch computes dV, a second dK (S recomputed: 8 block
 # products per block pair instead of 7).
 _BWD_MMA_TILES = {
-    # registers sm_80 / sm_90 (float16 and bfloat16 alike), shared memory, CTAs per SM on an A100
-    32: (64, True),     # dK/dV 221 / 228, 16 KB; dQ 154 / 156, 16 KB
-    64: (64, True),     # dK/dV 254 / 254, 32 KB; dQ 192 / 206, 32 KB
-    96: (32, True),     # dK/dV 238 / 232, 36 KB; dQ 181 / 183, 36 KB
-    128: (32, True),    # dK/dV 255 / 254, 48 KB; dQ 203 / 203, 48 KB.  H200: 161 TFLOP/s; 64 streamed
+    # registers sm_80 / sm_90 (float16 and bfloat16 alike, NVRTC 13.5), shared memory
+    # sm_80 / sm_90 with each class's stages (docs/performance.md has every kernel)
+    32: (64, True),     # dK/dV 201 / 232, 25 KB; dQ 150 / 159, 25 KB
+    64: (64, True),     # dK/dV 254 / 254, 49 KB; dQ 205 / 206, 49 KB
+    96: (32, True),     # dK/dV 223 / 244, 48.5 KB; dQ 192 / 199, 48.5 KB
+    128: (32, True),    # dK/dV 254 / 255, 64.5 KB; dQ 195 / 197, 64.5 KB.  H200: 161 TFLOP/s; 64 streamed
                         # rows 190, but its dK/dV kernel spills (16 B NVRTC 13.5, 4 B 13.0)
-    160: (32, False),   # dV 188 / 214, 40 KB; dK 224 / 218, 60 KB; dQ 222 / 227, 60 KB
-    192: (32, False),   # dV 210 / 210, 48 KB; dK 220 / 230, 72 KB; dQ 241 / 249, 72 KB
-    224: (32, False),   # dV 242 / 246, 56 KB; dK 254 / 254, 84 KB; dQ 249 / 247, 84 KB: 1 CTA/SM (2 on sm_90)
-    256: (32, False),   # dV 254 / 250, 64 KB; dK 255 / 255, 96 KB; dQ 252 / 250, 96 KB: 1 CTA/SM (2 on sm_90)
+    160: (32, False),   # dV 208 / 208, 60.5 KB; dK 219 / 231, 80.5 KB; dQ 219 / 225, 80.5 KB
+    192: (32, False),   # dV 218 / 232, 72.5 KB; dK 226 / 250, 72 / 96.5 KB; dQ 224 / 235, 72 / 96.5 KB
+    224: (32, False),   # dV 228 / 243, 56 / 84.5 KB; dK 254 / 253, 84 KB; dQ 249 / 246, 84 KB: 1 CTA/SM
+                        # on sm_80 (2 on sm_90)
+    256: (32, False),   # dV 246 / 254, 64 / 96.5 KB; dK 254 / 255, 96 KB; dQ 248 / 254, 96 KB: 1 CTA/SM on
+                        # sm_80 (2 on sm_90)
 }
 _BWD_MMA_OWN = 64
 _BWD_MMA_WARPS = 4
