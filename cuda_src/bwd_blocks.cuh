@@ -67,8 +67,8 @@ struct QueryStream {
 
     __device__ T* q(int stage) const { return tiles + 2 * stage * Tr::StreamTile::kElements; }
     __device__ T* dout(int stage) const { return tiles + (2 * stage + 1) * Tr::StreamTile::kElements; }
-    __device__ const float* lse_log2(int stage) const { return stats + 2 * stage * kBlockM; }
-    __device__ const float* delta(int stage) const { return stats + (2 * stage + 1) * kBlockM; }
+    __device__ const float* stats_lse_log2(int stage) const { return stats + 2 * stage * kBlockM; }
+    __device__ const float* stats_delta(int stage) const { return stats + (2 * stage + 1) * kBlockM; }
 
     // Issue the copies of query block (head, m_block)'s Q and dO into `stage`
     // as one group, and load the statistics of row threadIdx.x (threads below

@@ -248,8 +248,8 @@ bwd_wgmma_dkdv_kernel(const BwdParams params) {
                               next_lse_log2, next_delta);
             const T* sQ = queries.q(stage);
             const T* sdO = queries.dout(stage);
-            const float* sLse = queries.lse_log2(stage);
-            const float* sDelta = queries.delta(stage);
+            const float* sLse = queries.stats_lse_log2(stage);
+            const float* sDelta = queries.stats_delta(stage);
             const auto lse_of = [sLse](int, int c) { return sLse[fragment_col(c)]; };  // by query column
             const auto delta_of = [sDelta](int, int c) { return sDelta[fragment_col(c)]; };
             const int64_t m0 = m_block * kBlockM;

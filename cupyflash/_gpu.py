@@ -23,22 +23,29 @@ from ._kernels import (MMA_HEAD_DIMS, WGMMA_ARCH, WGMMA_HEAD_DIMS, Instantiation
 from ._launch import launch_config, v1_block_sizes
 from ._params import data_pointer, fwd_params
 
-__all__ = ["forward", "forward_v1", "select", "rows_aligned", "wgmma_enabled"]
+__all__ = ["forward", "forward_v1", "select", "rows_aligned", "wgmma_enabled", "use_wgmma"]
 
-# fwd_wgmma has not run on a GPU yet: it is opt-in until the GPU tier has checked it.
+# The wgmma kernels (fwd_wgmma, bwd_wgmma) have not run on a GPU yet: they are
+# opt-in until the GPU tier has checked them.
 WGMMA_ENV = "CUPYFLASH_WGMMA"
 
 
-# Set by the benchmarks to time fwd_wgmma without touching the environment (None: use it).
+# Set by the benchmarks to time the wgmma kernels without touching the environment (None: use it).
 wgmma_override: bool | None = None
 
 
 def wgmma_enabled() -> bool:
-    """Whether :func:`select` may pick fwd_wgmma on sm_90: ``CUPYFLASH_WGMMA=1`` (read
-    at each call). Off by default until the kernel has been checked on a GPU."""
+    """Whether the dispatchers may pick the wgmma kernels on sm_90: ``CUPYFLASH_WGMMA=1``
+    (read at each call). Off by default until they have been checked on a GPU."""
     if wgmma_override is not None:
         return wgmma_override
     return os.environ.get(WGMMA_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def use_wgmma(arch: int, wgmma: bool | None = None) -> bool:
+    """Whether a wgmma kernel replaces its mma.sync counterpart on ``arch``: a compute
+    capability 9.0 device and ``wgmma`` true (default: :func:`wgmma_enabled`)."""
+    return int(arch) == WGMMA_ARCH and (wgmma_enabled() if wgmma is None else wgmma)
 
 
 def _dtype_name(dtype) -> str:
@@ -82,8 +89,7 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
     d, dv = int(head_dim), int(head_dim_v)
     bucket = mma_head_dim(name, d, dv, arch, aligned=aligned) if scale > 0 else None
     if bucket is not None:
-        if (int(arch) == WGMMA_ARCH and bucket in WGMMA_HEAD_DIMS
-                and (wgmma_enabled() if wgmma is None else wgmma)):
+        if bucket in WGMMA_HEAD_DIMS and use_wgmma(arch, wgmma):
             wanted = wgmma_name_expression(name, bucket, *wgmma_tiles()[bucket])
         else:
             wanted = mma_name_expression(name, bucket, *mma_tiles(arch)[bucket])

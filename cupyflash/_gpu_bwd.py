@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._gpu import _accumulator_dtype, _array_module, mma_head_dim, rows_aligned, simt_bucket, wgmma_enabled
-from ._kernels import (WGMMA_ARCH, WGMMA_BWD_HEAD_DIMS, Instantiation, bwd_mma_name_expressions,
-                       bwd_wgmma_name_expressions, by_name, instantiations)
+from ._gpu import _accumulator_dtype, _array_module, mma_head_dim, rows_aligned, simt_bucket, use_wgmma
+from ._kernels import (WGMMA_BWD_HEAD_DIMS, Instantiation, bwd_mma_name_expressions, bwd_wgmma_name_expressions,
+                       by_name, instantiations)
 from ._launch import backward_kernel, backward_launch_config
 from ._params_bwd import bwd_params
 
@@ -37,7 +37,8 @@ _SIMT_KERNELS = ("bwd_simt_dot_do_o_kernel", "bwd_simt_dkdv_kernel", "bwd_simt_d
 
 
 def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = False,
-           deterministic: bool = True, wgmma: bool | None = None) -> tuple[Instantiation, ...]:
+           deterministic: bool = True, wgmma: bool | None = None,
+           dq_aligned: bool = True) -> tuple[Instantiation, ...]:
     """The instantiations :func:`backward` launches for these arguments, in launch order.
 
     bwd_wgmma (Hopper's wgmma, ``cuda_src/bwd_wgmma.cu``) where bwd_mma would run
@@ -45,8 +46,9 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
     and ``wgmma`` is true (default: :func:`cupyflash._gpu.wgmma_enabled`, the
     forward's switch): bwd_simt's delta kernel, bwd_wgmma's dK/dV kernel (two
     launches, dV then dK, from head dim 192 on) and its dQ kernel -- or, not
-    ``deterministic`` and up to head dim 128, the dK/dV kernel that adds dQ by
-    atomics.  Otherwise:
+    ``deterministic``, up to head dim 128 and with ``dq_aligned`` (every row of
+    dq starts on an 8-byte boundary: its atomics add float pairs), the dK/dV
+    kernel that adds dQ by atomics.  Otherwise:
 
     bwd_mma (tensor cores, ``cuda_src/bwd_mma.cu``) where it applies -- the
     conditions of fwd_mma (:func:`cupyflash._gpu.select`): ``arch >= 80``,
@@ -78,15 +80,12 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
     simt = {backward_kernel(r): r for r in rows if not r.name_expression.endswith(", true>")}
     atomic = [r for r in rows if r.name_expression.endswith(", true>")]
     mma_dim = mma_head_dim(name, d, dv, arch, aligned=aligned)
-    if (mma_dim in WGMMA_BWD_HEAD_DIMS and int(arch) == WGMMA_ARCH
-            and (wgmma_enabled() if wgmma is None else wgmma)):
-        rows = by_name()
-        return (simt["bwd_simt_dot_do_o_kernel"],) + tuple(
-            rows[n] for n in bwd_wgmma_name_expressions(name, mma_dim, deterministic))
     if mma_dim is not None:
-        rows = by_name()
-        mma = tuple(rows[n] for n in bwd_mma_name_expressions(name, mma_dim, arch, deterministic))
-        return (simt["bwd_simt_dot_do_o_kernel"],) + mma
+        if mma_dim in WGMMA_BWD_HEAD_DIMS and use_wgmma(arch, wgmma):
+            names = bwd_wgmma_name_expressions(name, mma_dim, deterministic or not dq_aligned)
+        else:
+            names = bwd_mma_name_expressions(name, mma_dim, arch, deterministic)
+        return (simt["bwd_simt_dot_do_o_kernel"],) + tuple(by_name()[n] for n in names)
     if not deterministic and atomic:
         return (simt["bwd_simt_dot_do_o_kernel"], atomic[0])
     return tuple(simt[k] for k in _SIMT_KERNELS)
@@ -132,13 +131,9 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, *, scale, window_left, window_
                         window_left=window_left, window_right=window_right, gqa_ratio=gqa_ratio)
     sizes = dict(batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen_q,
                  seqlen_k=seqlen_k)
-    aligned = rows_aligned(q, k, v, dout)
-    kernels = select(q.dtype, head_dim, head_dim_v, executor.arch, aligned=aligned,
-                     deterministic=deterministic)
-    if any(r.family == "bwd_wgmma" for r in kernels) and not rows_aligned(dq, boundary=8):
-        # bwd_wgmma's atomic dQ adds float pairs (8-byte vector reductions): other
-        # dq layouts get the dQ kernel (never the case for attention_backward's own dq)
-        kernels = select(q.dtype, head_dim, head_dim_v, executor.arch, aligned=aligned, deterministic=True)
+    # dq_aligned: always so for attention_backward's own dq
+    kernels = select(q.dtype, head_dim, head_dim_v, executor.arch, aligned=rows_aligned(q, k, v, dout),
+                     deterministic=deterministic, dq_aligned=rows_aligned(dq, boundary=8))
     if not any(backward_kernel(r).endswith("_dq_kernel") for r in kernels):
         dq.fill(0)   # the dK/dV kernel adds dQ into it (float atomics)
     # delta first (the others read it); a dK/dV launch needs keys, the others query rows.
