@@ -76,23 +76,19 @@ def use_bwd(head_dim: int, own: int, streamed: int, warps: int, streamed_dq: int
     _kernels.refresh()
 
 
-def use_wgmma_fwd(head_dim: int, tile) -> None:
-    _kernels._WGMMA_TILES[head_dim] = tuple(tile)
-    _kernels.refresh()
-
-
-def use_wgmma_bwd(head_dim: int, tile) -> None:
-    _kernels._BWD_WGMMA_TILES[head_dim] = tuple(tile)
+def use_wgmma(table: dict, head_dim: int, tile) -> None:
+    """Install ``tile`` as ``head_dim``'s row of a wgmma tile table (_WGMMA_TILES, _BWD_WGMMA_TILES)."""
+    table[head_dim] = tuple(tile)
     _kernels.refresh()
 
 
 def variant_rows(kind: str, head_dim: int, variant, dtype: str = "bfloat16"):
     """The catalogue rows (entry, name expression) this variant adds."""
     if kind == "wfwd":
-        use_wgmma_fwd(head_dim, variant)
+        use_wgmma(_kernels._WGMMA_TILES, head_dim, variant)
         return [_kernels.by_name()[_kernels.wgmma_name_expression(dtype, head_dim, *variant)]]
     if kind == "wbwd":
-        use_wgmma_bwd(head_dim, variant)
+        use_wgmma(_kernels._BWD_WGMMA_TILES, head_dim, variant)
         names = _kernels.bwd_wgmma_name_expressions(dtype, head_dim, True)
         names += _kernels.bwd_wgmma_name_expressions(dtype, head_dim, False)
         return [_kernels.by_name()[n] for n in dict.fromkeys(names)]
@@ -110,19 +106,13 @@ def variant_rows(kind: str, head_dim: int, variant, dtype: str = "bfloat16"):
 
 
 def all_variants(wgmma: bool = True):
+    tables = [("fwd", FWD_VARIANTS), ("bwd", BWD_VARIANTS)]
     if wgmma:
-        for d, tiles in WGMMA_FWD_VARIANTS.items():
+        tables = [("wfwd", WGMMA_FWD_VARIANTS), ("wbwd", WGMMA_BWD_VARIANTS)] + tables
+    for kind, table in tables:
+        for d, tiles in table.items():
             for t in tiles:
-                yield "wfwd", d, t
-        for d, tiles in WGMMA_BWD_VARIANTS.items():
-            for t in tiles:
-                yield "wbwd", d, t
-    for d, tiles in FWD_VARIANTS.items():
-        for t in tiles:
-            yield "fwd", d, t
-    for d, tiles in BWD_VARIANTS.items():
-        for t in tiles:
-            yield "bwd", d, t
+                yield kind, d, t
 
 
 def _compile(job):

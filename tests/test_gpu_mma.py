@@ -71,27 +71,42 @@ def _window_kw(window):
 
 # ---- the correctness matrix ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=HALF_IDS)
-@pytest.mark.parametrize("d", [32, 40, 64, 72, 96, 128, 160, 192, 200, 224, 256])
-def test_every_head_dim_runs_fwd_mma_and_matches_oracle(rng, launched, dtype, d):
+def check_head_dim(rng, launched, dtype, d, kernel):
+    """Tails in both axes at head dim ``d``: ``kernel`` ran, the output matches the oracle."""
     q = random_array(rng, (2, 3, 200, d), dtype)
     k = random_array(rng, (2, 3, 331, d), dtype)
     v = random_array(rng, (2, 3, 331, d), dtype)
     out, lse = attention_on_gpu(q, k, v)
-    assert [n.split("<")[0] for n in launched] == ["cf::fwd_mma_kernel"]
+    assert [n.split("<")[0] for n in launched] == [kernel]
     check_against_oracle(out, lse, q, k, v)
 
 
-@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=HALF_IDS)
-@pytest.mark.parametrize("seqlen_q, seqlen_k", [(300, 170), (150, 420)], ids=["lq>lk", "lq<lk"])
-@pytest.mark.parametrize("window", [(None, 0), (16, 0), (0, 0), (5, 40), (None, 9), (100, None)],
-                         ids=["causal", "w16-0", "w0-0", "w5-40", "wN-9", "w100-N"])
-def test_masks_match_oracle(rng, dtype, seqlen_q, seqlen_k, window):
+def check_masks(rng, dtype, seqlen_q, seqlen_k, window):
+    """d = 128 under ``window`` (left, right; (None, 0) is causal) against the oracle."""
     q = random_array(rng, (1, 4, seqlen_q, 128), dtype)
     k = random_array(rng, (1, 4, seqlen_k, 128), dtype)
     v = random_array(rng, (1, 4, seqlen_k, 128), dtype)
     out, lse = attention_on_gpu(q, k, v, **_window_kw(window))
     check_against_oracle(out, lse, q, k, v, window=window)
+
+
+# The mask cases of this file and tests/test_gpu_wgmma.py.
+MASK_LENGTHS = pytest.mark.parametrize("seqlen_q, seqlen_k", [(300, 170), (150, 420)], ids=["lq>lk", "lq<lk"])
+MASK_WINDOWS = pytest.mark.parametrize("window", [(None, 0), (16, 0), (0, 0), (5, 40), (None, 9), (100, None)],
+                                       ids=["causal", "w16-0", "w0-0", "w5-40", "wN-9", "w100-N"])
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=HALF_IDS)
+@pytest.mark.parametrize("d", [32, 40, 64, 72, 96, 128, 160, 192, 200, 224, 256])
+def test_every_head_dim_runs_fwd_mma_and_matches_oracle(rng, launched, dtype, d):
+    check_head_dim(rng, launched, dtype, d, "cf::fwd_mma_kernel")
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=HALF_IDS)
+@MASK_LENGTHS
+@MASK_WINDOWS
+def test_masks_match_oracle(rng, dtype, seqlen_q, seqlen_k, window):
+    check_masks(rng, dtype, seqlen_q, seqlen_k, window)
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=HALF_IDS)

@@ -26,7 +26,8 @@ from cupyflash import _gpu, _gpu_bwd
 from _util import random_array, random_qkv
 from test_fwd_mma import HALF_DTYPES, HALF_IDS, check_against_oracle
 from test_gpu_backward import _check
-from test_gpu_mma import _window_kw, attention_on_gpu, check_long_sequence, launched  # noqa: F401
+from test_gpu_mma import (MASK_LENGTHS, MASK_WINDOWS, attention_on_gpu, check_head_dim, check_long_sequence,
+                          check_masks, launched)  # noqa: F401
 
 cp = pytest.importorskip("cupy")
 
@@ -92,24 +93,14 @@ def test_one_wgmma_of_each_operand_form_matches_numpy(probe_module, regs_a, flag
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=HALF_IDS)
 @pytest.mark.parametrize("d", [40, 64, 104, 128, 184, 192, 248, 256])
 def test_every_head_dim_runs_fwd_wgmma_and_matches_oracle(rng, launched, dtype, d):  # noqa: F811
-    q = random_array(rng, (2, 3, 200, d), dtype)
-    k = random_array(rng, (2, 3, 331, d), dtype)
-    v = random_array(rng, (2, 3, 331, d), dtype)
-    out, lse = attention_on_gpu(q, k, v)
-    assert [n.split("<")[0] for n in launched] == ["cf::fwd_wgmma_kernel"]
-    check_against_oracle(out, lse, q, k, v)
+    check_head_dim(rng, launched, dtype, d, "cf::fwd_wgmma_kernel")
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=HALF_IDS)
-@pytest.mark.parametrize("seqlen_q, seqlen_k", [(300, 170), (150, 420)], ids=["lq>lk", "lq<lk"])
-@pytest.mark.parametrize("window", [(None, 0), (16, 0), (0, 0), (5, 40), (None, 9), (100, None)],
-                         ids=["causal", "w16-0", "w0-0", "w5-40", "wN-9", "w100-N"])
+@MASK_LENGTHS
+@MASK_WINDOWS
 def test_masks_match_oracle(rng, dtype, seqlen_q, seqlen_k, window):
-    q = random_array(rng, (1, 4, seqlen_q, 128), dtype)
-    k = random_array(rng, (1, 4, seqlen_k, 128), dtype)
-    v = random_array(rng, (1, 4, seqlen_k, 128), dtype)
-    out, lse = attention_on_gpu(q, k, v, **_window_kw(window))
-    check_against_oracle(out, lse, q, k, v, window=window)
+    check_masks(rng, dtype, seqlen_q, seqlen_k, window)
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=HALF_IDS)
