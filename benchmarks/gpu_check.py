@@ -57,6 +57,15 @@ CASES = [
     ("float64", 1, 8, 1024, 64, False, False),
 ]
 QUICK = [CASES[0], CASES[8], CASES[11]]
+# Grids too small to fill the GPU, which the split-KV forward is for, last:
+# decoding steps (Lq = 1) and one head of a long sequence (attention over
+# points).  (dtype, B, H, Lq, Lk, d), forward, non-causal.
+SMALL_GRID_CASES = [
+    ("bfloat16", 1, 32, 1, 16384, 128),
+    ("bfloat16", 4, 8, 1, 8192, 64),
+    ("float32", 1, 1, 16384, 16384, 64),
+    ("float64", 1, 1, 8192, 8192, 64),
+]
 
 
 def precompile(workers: int) -> int:
@@ -136,6 +145,8 @@ def main(argv=None) -> int:
     selected = QUICK if args.quick else CASES
     cases = [_bench.Case(dtype, b, h, length, length, d, causal, backward)
              for dtype, b, h, length, d, causal, backward in selected]
+    if not args.quick:
+        cases += [_bench.Case(dtype, b, h, lq, lk, d) for dtype, b, h, lq, lk, d in SMALL_GRID_CASES]
     doc = _bench.bench(cases, device="gpu", repeat=10 if args.quick else 50, warmup=5,
                        budget_s=args.budget, log=lambda line: print(line, flush=True))
     doc["command"] = shlex.join(["benchmarks/gpu_check.py",

@@ -101,7 +101,7 @@ def variant_rows(kind: str, head_dim: int, variant, dtype: str = "bfloat16"):
     if kind == "bwd":   # the kernels sm_90 launches, in launch order
         return [_kernels.by_name()[n] for n in _kernels.bwd_mma_name_expressions(dtype, head_dim, 90)]
     return [r for r in _kernels.instantiations()
-            if r.family == family and r.dtype == dtype and r.head_dim == head_dim
+            if r.family == family and r.dtype == dtype and r.head_dim == head_dim and not r.split
             and (r.block_m, r.block_n, r.threads // 32, r.kv_stages, r.lazy_rescale) == tuple(variant)]
 
 

@@ -75,6 +75,38 @@ struct QueryBlock {
     }
 };
 
+// Split-KV (FwdParams::num_splits > 1): split `split` of a query block takes
+// the split-th of num_splits near-equal runs of its key blocks [n_begin,
+// n_end), in order (a run may be empty: the split then writes zeros and
+// lse = -inf, which fwd_combine gives no weight).  Every query block is cut
+// the same way, so a causal grid stays balanced.
+template <typename Index>
+__device__ __forceinline__ void split_key_blocks(const FwdParams& p, unsigned split, Index& n_begin,
+                                                 Index& n_end) {
+    if (p.num_splits <= 1) return;
+    // The first (blocks % splits) runs take one block more; in Index arithmetic
+    // (32-bit in the tensor-core kernels: no 64-bit division in their epilogue).
+    const Index splits = static_cast<Index>(p.num_splits), s = static_cast<Index>(split);
+    const Index blocks = n_end - n_begin;
+    const Index per = blocks / splits, extra = blocks % splits;
+    n_begin += s * per + (s < extra ? s : extra);
+    n_end = n_begin + per + (s < extra ? 1 : 0);
+}
+
+// A split's partial results for one (batch, query head): its normalised
+// output rows (head_dim_v elements each, contiguous) and their lse.
+template <typename Acc>
+struct SplitSlice {
+    Acc* o;
+    Acc* lse;
+
+    __device__ SplitSlice(const FwdParams& p, int64_t batch, int64_t head, int64_t split) {
+        const int64_t first_row = ((split * p.batch + batch) * p.heads_q + head) * p.seqlen_q;
+        o = static_cast<Acc*>(p.ws_o) + first_row * p.head_dim_v;
+        lse = static_cast<Acc*>(p.ws_l) + first_row;
+    }
+};
+
 // The forward grids are one-dimensional: tile = (num_m_blocks - 1 - m_block)
 //     + num_m_blocks * (head + heads_q * batch),
 // so consecutive CTAs share a (batch, head) and hence its K/V in L2.  The

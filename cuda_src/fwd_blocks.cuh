@@ -204,4 +204,32 @@ __device__ __forceinline__ void store_output(const FwdParams& p, int batch, int 
     }
 }
 
+// Split-KV: the warp's rows of one split's normalised output, in float, and
+// their lse, straight from the accumulators (SplitSlice rows: head_dim_v
+// floats, 8-byte aligned since the dispatcher gives fwd_mma a d = dv that is
+// a multiple of 8).  Lane (g, t) holds columns 8 j + 2 t and 8 j + 2 t + 1 of
+// rows g and g + 8 of each m16 tile: one 8-byte store per pair.
+template <class Tr>
+__device__ __forceinline__ void store_partial(const FwdParams& p, int batch, int head, int m_block, int row0,
+                                              const float (&o)[Tr::kRows][Tr::kOCols],
+                                              const float (&lse)[Tr::kRows]) {
+    const SplitSlice<float> part(p, batch, head, blockIdx.y);
+    const int64_t first_row = static_cast<int64_t>(m_block) * Tr::kBlockM + row0;
+    const int rows_valid = static_cast<int>(min64(Tr::kWarpRows, p.seqlen_q - first_row));
+    const int dv = static_cast<int>(p.head_dim_v);
+    const int g = lane_id() >> 2, t = lane_id() & 3;
+#pragma unroll
+    for (int r = 0; r < Tr::kRows; ++r) {
+        const int row = 16 * (r >> 1) + 8 * (r & 1) + g;
+        if (row >= rows_valid) continue;
+        float* dst = part.o + (first_row + row) * dv;
+#pragma unroll
+        for (int j = 0; j < Tr::kOCols / 2; ++j) {
+            const int col = 8 * j + 2 * t;
+            if (col < dv) store_f32x2(dst + col, o[r][2 * j], o[r][2 * j + 1]);
+        }
+        if (t == 0) part.lse[first_row + row] = lse[r];
+    }
+}
+
 }  // namespace cf

@@ -14,7 +14,10 @@
 //                                      only when a warp's row max grows by 2^8 or more
 //     O += P V                         P re-packed in registers as the A operand
 // and divides O by l once, at the end.  O is staged through the (no longer
-// needed) Q tile and written with 16-byte stores.
+// needed) Q tile and written with 16-byte stores.  Split-KV (the kSplit
+// instantiations, num_splits > 1): CTA (x, y) visits the y-th run of its key
+// blocks and writes its float partial output and lse (store_partial) for
+// fwd_combine.cu.
 //
 // K/V pipelines (kStages):
 //   2  double buffer: while block j is computed, block j+1's K and V land in
@@ -103,7 +106,12 @@ __device__ __forceinline__ void mma_pv(float (&o)[Tr::kRows][Tr::kOCols],
     }
 }
 
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kLazyRescale>
+// kSplit: the split-KV instantiation (FwdParams::num_splits > 1, blockIdx.y =
+// split), a template argument rather than a run-time test because the main
+// loop of the large head dims runs at 255 registers and the extra epilogue
+// tips several of them into spills.
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kLazyRescale,
+          bool kSplit = false>
 __global__ void __launch_bounds__(
     (MmaFwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps, kStages, kLazyRescale>::kThreads),
     (MmaFwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps, kStages, kLazyRescale>::kMinBlocksPerSm))
@@ -124,6 +132,7 @@ fwd_mma_kernel(const FwdParams params) {
 
     int n_begin, n_end;
     const UnmaskedBlocks unmasked = key_blocks<Tr>(params, m_block, n_begin, n_end);
+    if constexpr (kSplit) split_key_blocks(params, blockIdx.y, n_begin, n_end);
     KVPipeline<Tr, T> kv(params, in.k, in.v, sQ + Tr::QTile::kElements, n_end);
     if (n_begin < n_end) kv.start_with_queries(sQ, in.q, m_block, n_begin);
 
@@ -147,7 +156,10 @@ fwd_mma_kernel(const FwdParams params) {
     float lse[Tr::kRows];
     softmax.normalize(o, lse);
 
-    store_output<Tr>(params, batch, head, m_block, row0, sQ, o, lse);
+    if constexpr (kSplit)
+        store_partial<Tr>(params, batch, head, m_block, row0, o, lse);
+    else
+        store_output<Tr>(params, batch, head, m_block, row0, sQ, o, lse);
 }
 
 }  // namespace cf

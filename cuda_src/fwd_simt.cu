@@ -8,7 +8,9 @@
 // converted to float on the way in -- see SimtTiles).  Per key block:
 // S = Q K^T (in registers, scale * log2(e) folded in), mask if the block is
 // partly admissible, online softmax with exp2, O += P V.  The normalisation
-// by the row sum happens once, at the end.
+// by the row sum happens once, at the end.  With FwdParams::num_splits > 1
+// (split-KV), CTA (x, y) visits only the y-th run of its key blocks and
+// writes its partial output and lse for fwd_combine.cu to merge.
 //
 // Thread layout (kThreads = 128): 8 consecutive lanes share kRowsPerThread
 // query rows and split the columns among themselves --
@@ -182,23 +184,26 @@ __device__ __forceinline__ void mma_pv(
     }
 }
 
-// Write this thread's rows of the (already normalised) output, and lse.
-template <class Tr, typename T, typename Acc>
+// Write this thread's rows of the (already normalised) output to out (rows
+// out_row_stride elements apart) and their lse to lse_out when it is not
+// null: the output (T) and lse of the call, or a split's partial results
+// (Acc, SplitSlice).
+template <class Tr, typename Out, typename Acc>
 __device__ __forceinline__ void store_output(
     const Acc (&o)[Tr::kRowsPerThread][Tr::kChunksPerThreadV][Tr::kVec],
-    const Acc (&lse)[Tr::kRowsPerThread], const HeadSlice<T, Acc>& head, const QueryBlock& block,
-    const FwdParams& p, const SimtThread<Tr>& me) {
+    const Acc (&lse)[Tr::kRowsPerThread], Out* out, int64_t out_row_stride, Acc* lse_out,
+    int64_t lse_row_stride, const QueryBlock& block, const FwdParams& p, const SimtThread<Tr>& me) {
 #pragma unroll
     for (int ii = 0; ii < Tr::kRowsPerThread; ++ii) {
         if (me.row(ii) >= block.rows) continue;
         const int64_t i = block.m0 + me.row(ii);
-        T* out_row = head.out + i * p.out_row_stride;
+        Out* out_row = out + i * out_row_stride;
 #pragma unroll
         for (int qq = 0; qq < Tr::kChunksPerThreadV; ++qq) {
             const int col = me.chunk_v(qq) * Tr::kVec;
             store_run(out_row + col, o[ii][qq], static_cast<int>(p.head_dim_v) - col);
         }
-        if (head.lse != nullptr && me.lane_in_group == 0) head.lse[i * p.lse_row_stride] = lse[ii];
+        if (lse_out != nullptr && me.lane_in_group == 0) lse_out[i * lse_row_stride] = lse[ii];
     }
 }
 
@@ -313,7 +318,8 @@ fwd_simt_kernel(const FwdParams params) {
     const Acc scale_log2 = static_cast<Acc>(params.scale_log2);
     const int d = static_cast<int>(params.head_dim);
 
-    const int64_t n_begin = block.n_begin(kBlockN), n_end = block.n_end(kBlockN);
+    int64_t n_begin = block.n_begin(kBlockN), n_end = block.n_end(kBlockN);
+    split_key_blocks(params, blockIdx.y, n_begin, n_end);
     const SimtTiles<Tr, T> tiles(params, head, block, n_begin, n_end);
 
     OnlineSoftmax<Acc, TM, Tr::kLanesPerRow> softmax;
@@ -334,7 +340,13 @@ fwd_simt_kernel(const FwdParams params) {
 
     Acc lse[TM];
     softmax.normalize(o, lse);
-    store_output<Tr>(o, lse, head, block, params, me);
+    if (params.num_splits > 1) {
+        const SplitSlice<Acc> part(params, tile.batch, tile.head, blockIdx.y);
+        store_output<Tr>(o, lse, part.o, params.head_dim_v, part.lse, 1, block, params, me);
+    } else {
+        store_output<Tr>(o, lse, head.out, params.out_row_stride, head.lse, params.lse_row_stride,
+                         block, params, me);
+    }
 }
 
 }  // namespace cf

@@ -25,7 +25,9 @@
 // (OnlineSoftmax hands back the factors), then P(n) is packed for the next
 // block.  The first block's S and the last block's P V stand outside the loop.
 // Two warpgroups per CTA add the overlap of one's softmax with the other's
-// products.
+// products.  Split-KV (the kSplit instantiations) as in fwd_mma: CTA (x, y)
+// visits the y-th run of its key blocks and writes float partial results
+// (store_partial).
 //
 // Every shared tile is a SwizzledTile of 64-column pages, which is wgmma's
 // 128-byte-swizzle layout (wgmma.cuh); the tiles start 1024-byte aligned.
@@ -107,7 +109,9 @@ __device__ __forceinline__ void wgmma_pv(float (&o)[Tr::kRows][Tr::kOCols],
     wgmma_commit();
 }
 
-template <typename T, int kHeadDim, int kBlockN, int kWarpGroups, bool kLazyRescale>
+// kSplit: the split-KV instantiation, as in fwd_mma (a run-time test tipped
+// the 255-register d = 64 variant with 192-key blocks into spills).
+template <typename T, int kHeadDim, int kBlockN, int kWarpGroups, bool kLazyRescale, bool kSplit = false>
 __global__ void __launch_bounds__((WgmmaFwdTraits<T, kHeadDim, kBlockN, kWarpGroups, kLazyRescale>::kThreads), 1)
 fwd_wgmma_kernel(const FwdParams params) {
     using Tr = WgmmaFwdTraits<T, kHeadDim, kBlockN, kWarpGroups, kLazyRescale>;
@@ -125,6 +129,7 @@ fwd_wgmma_kernel(const FwdParams params) {
 
     int n_begin, n_end;
     const UnmaskedBlocks unmasked = key_blocks<Tr>(params, m_block, n_begin, n_end);
+    if constexpr (kSplit) split_key_blocks(params, blockIdx.y, n_begin, n_end);
     KVPipeline<Tr, T> kv(params, in.k, in.v, sQ + Tr::QTile::kElements, n_end);  // its buffers and copies
     if (n_begin < n_end) {  // Q and the first block's K; its V comes with the next K
         const int64_t m0 = static_cast<int64_t>(m_block) * Tr::kBlockM;
@@ -197,7 +202,10 @@ fwd_wgmma_kernel(const FwdParams params) {
     float lse[Tr::kRows];
     softmax.normalize(o, lse);
 
-    store_output<Tr>(params, batch, head, m_block, row0, sQ, o, lse);
+    if constexpr (kSplit)
+        store_partial<Tr>(params, batch, head, m_block, row0, o, lse);
+    else
+        store_output<Tr>(params, batch, head, m_block, row0, sQ, o, lse);
 }
 
 }  // namespace cf

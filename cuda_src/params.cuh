@@ -32,8 +32,12 @@ struct FwdParams {
     const void* v;
     void* out;
     void* lse;
-    // fwd_v1 only: its global-memory state O (B, Hq, Lq, dv), l and m
-    // (B, Hq, Lq), contiguous, of the accumulator type.  Null for fwd_simt.
+    // fwd_v1: its global-memory state O (B, Hq, Lq, dv), l and m (B, Hq,
+    // Lq), contiguous, of the accumulator type.  A split-KV forward
+    // (num_splits > 1): each split's normalised partial output ws_o
+    // (num_splits, B, Hq, Lq, dv) and its lse ws_l (num_splits, B, Hq, Lq),
+    // contiguous, float (double for double inputs); ws_m unused.  Null
+    // otherwise.
     void* ws_o;
     void* ws_l;
     void* ws_m;
@@ -57,19 +61,25 @@ struct FwdParams {
     // fwd_v1 only: the run-time block sizes Br, Bc of Algorithm 1 (0 otherwise).
     int64_t block_m, block_n;
 
+    // Split-KV (fwd_simt, fwd_mma and fwd_combine): the visible key blocks of
+    // every query block are cut into num_splits near-equal runs, one per
+    // blockIdx.y, whose results go to ws_o / ws_l; fwd_combine merges them.
+    // 1 (or 0): one run, written straight to out and lse.
+    int64_t num_splits;
+
     // softmax(scale * q k^T); scale_log2 = scale * log2(e) for exp2.
     double scale, scale_log2;
 };
 
 // The layout _params.py mirrors (tests compare every offset with the dtype's).
-static_assert(sizeof(FwdParams) == 36 * 8, "FwdParams: every field is 8 bytes, no padding");
+static_assert(sizeof(FwdParams) == 37 * 8, "FwdParams: every field is 8 bytes, no padding");
 // NVRTC 13.0 has no __builtin_offsetof (13.5 has): the offsets are asserted in
 // host builds (the emulator's g++), the size everywhere.
 #if !defined(__CUDACC_RTC__)
 static_assert(__builtin_offsetof(FwdParams, q_batch_stride) == 8 * 8, "FwdParams layout");
 static_assert(__builtin_offsetof(FwdParams, batch) == 23 * 8, "FwdParams layout");
 static_assert(__builtin_offsetof(FwdParams, window_left) == 30 * 8, "FwdParams layout");
-static_assert(__builtin_offsetof(FwdParams, scale) == 34 * 8, "FwdParams layout");
+static_assert(__builtin_offsetof(FwdParams, scale) == 35 * 8, "FwdParams layout");
 #endif
 
 }  // namespace cf

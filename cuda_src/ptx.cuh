@@ -149,6 +149,12 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&d)[4], const void* 
                  : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "r"(smem_addr(row)) : "memory");
 }
 
+// ---- global stores ----------------------------------------------------------------------
+// p[0] = a, p[1] = b in one 8-byte store (p 8-byte aligned, global memory).
+__device__ __forceinline__ void store_f32x2(float* p, float a, float b) {
+    asm volatile("st.global.v2.f32 [%0], {%1, %2};\n" :: "l"(p), "f"(a), "f"(b) : "memory");
+}
+
 // ---- cp.async (global -> shared, asynchronous, per-thread groups) ---------------------
 // Copies src_bytes (0..16) from src and zero-fills the rest of the 16 destination
 // bytes; both addresses 16-byte aligned.  Visible to this thread only after the

@@ -382,11 +382,12 @@ def _is_sm90() -> bool:
 def _cupyflash_kernel(case: Case, q, k, v, deterministic: bool = True, wgmma: bool | None = None) -> str:
     """The kernel family :func:`cupyflash.attention` dispatches to for these CuPy arrays
     (backward: ``attention_backward`` with ``deterministic``; ", atomic dQ" where no dQ
-    kernel runs)."""
+    kernel runs; forward: ", N splits" where the keys are split over N CTAs)."""
     import cupy
 
     from . import _gpu_bwd
     from ._gpu import rows_aligned, select
+    from ._launch import num_splits
 
     arch = int(cupy.cuda.Device().compute_capability)
     # the output (and, backward, dout) is allocated like q, so q's alignment stands for it
@@ -397,7 +398,11 @@ def _cupyflash_kernel(case: Case, q, k, v, deterministic: bool = True, wgmma: bo
                                deterministic=deterministic, wgmma=wgmma)
         atomic = not any(r.name_expression.split("<")[0].endswith("_dq_kernel") for r in rows)
         return rows[-1].family + (", atomic dQ" if atomic else "")
-    return select(q.dtype, case.head_dim, case.head_dim, arch, aligned=aligned, wgmma=wgmma).family
+    inst = select(q.dtype, case.head_dim, case.head_dim, arch, aligned=aligned, wgmma=wgmma)
+    sms = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+    splits = num_splits(inst, batch=case.batch, heads=case.heads, seqlen_q=case.seqlen_q,
+                        seqlen_k=case.seqlen_k, arch=arch, multiprocessors=sms)
+    return inst.family + (f", {splits} splits" if splits > 1 else "")
 
 
 def _prepare_torch(impl: str, case: Case, inputs):

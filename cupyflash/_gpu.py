@@ -18,9 +18,10 @@ import os
 
 import numpy as np
 
-from ._kernels import (MMA_HEAD_DIMS, WGMMA_ARCH, WGMMA_HEAD_DIMS, Instantiation, by_name, instantiations,
-                       mma_name_expression, mma_tiles, wgmma_name_expression, wgmma_tiles)
-from ._launch import launch_config, v1_block_sizes
+from ._kernels import (MMA_HEAD_DIMS, WGMMA_ARCH, WGMMA_HEAD_DIMS, Instantiation, by_name,
+                       combine_name_expression, instantiations, mma_name_expression, mma_split_tiles,
+                       mma_tiles, wgmma_name_expression, wgmma_tiles)
+from ._launch import launch_config, num_splits, v1_block_sizes
 from ._params import data_pointer, fwd_params
 
 __all__ = ["forward", "forward_v1", "select", "rows_aligned", "wgmma_enabled", "use_wgmma"]
@@ -32,6 +33,9 @@ WGMMA_ENV = "CUPYFLASH_WGMMA"
 
 # Set by the benchmarks to time the wgmma kernels without touching the environment (None: use it).
 wgmma_override: bool | None = None
+# Set by tests and benchmarks to force the forward's split-KV count (None: the
+# heuristic, cupyflash._launch.num_splits).
+split_override: int | None = None
 
 
 def wgmma_enabled() -> bool:
@@ -53,7 +57,7 @@ def _dtype_name(dtype) -> str:
 
 
 def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = False,
-           scale: float = 1.0, wgmma: bool | None = None) -> Instantiation:
+           scale: float = 1.0, wgmma: bool | None = None, split: bool = False) -> Instantiation:
     """The instantiation :func:`forward` runs for these arguments.
 
     ``fwd_wgmma`` (Hopper's wgmma, ``cuda_src/fwd_wgmma.cu``) where fwd_mma would
@@ -78,6 +82,11 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
     holds both head dims.  ``aligned`` defaults to False: without knowing the
     arrays, only fwd_simt is safe.
 
+    ``split``: the instantiation a split-KV launch runs (``FwdParams::num_splits > 1``):
+    fwd_mma's and fwd_wgmma's ``kSplit`` rows (fwd_mma's tiles:
+    :func:`~cupyflash._kernels.mma_split_tiles`); fwd_simt splits at run time, so the
+    same row.
+
     Raises
     ------
     TypeError
@@ -90,9 +99,10 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
     bucket = mma_head_dim(name, d, dv, arch, aligned=aligned) if scale > 0 else None
     if bucket is not None:
         if bucket in WGMMA_HEAD_DIMS and use_wgmma(arch, wgmma):
-            wanted = wgmma_name_expression(name, bucket, *wgmma_tiles()[bucket])
+            wanted = wgmma_name_expression(name, bucket, *wgmma_tiles()[bucket], split=split)
         else:
-            wanted = mma_name_expression(name, bucket, *mma_tiles(arch)[bucket])
+            tiles = mma_split_tiles(arch) if split else mma_tiles(arch)
+            wanted = mma_name_expression(name, bucket, *tiles[bucket], split=split)
         return by_name()[wanted]
     bucket = simt_bucket("fwd_simt", name, d, dv)
     return next(r for r in instantiations()
@@ -173,18 +183,48 @@ def forward(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio, e
     instead on sm_90 where enabled), fwd_simt otherwise.
 
     Rows that see no key (including every row when Lk = 0) get zeros and
-    lse = -inf.  Nothing is launched when there are no query rows.
+    lse = -inf.  Nothing is launched when there are no query rows.  Where the
+    query blocks alone would leave much of the GPU idle (``executor.multiprocessors``,
+    :func:`cupyflash._launch.num_splits`), each one's keys are split over
+    several CTAs and ``fwd_combine`` merges their partial results (split-KV).
     """
     batch, heads, seqlen_q, head_dim = q.shape
     if batch == 0 or heads == 0 or seqlen_q == 0:
         return
-    inst = select(q.dtype, head_dim, v.shape[3], executor.arch, aligned=rows_aligned(q, k, v, out),
+    seqlen_k, head_dim_v = k.shape[2], v.shape[3]
+    inst = select(q.dtype, head_dim, head_dim_v, executor.arch, aligned=rows_aligned(q, k, v, out),
                   scale=scale)
+    splits = split_override
+    if splits is None:
+        sms = getattr(executor, "multiprocessors", None)
+        splits = 1 if sms is None else num_splits(inst, batch=batch, heads=heads, seqlen_q=seqlen_q,
+                                                  seqlen_k=seqlen_k, arch=executor.arch,
+                                                  multiprocessors=sms)
+    if splits > 1 and inst.family in ("fwd_mma", "fwd_wgmma"):
+        inst = select(q.dtype, head_dim, head_dim_v, executor.arch, aligned=True, scale=scale, split=True)
+    if splits == 1:
+        params = fwd_params(q, k, v, out, lse, scale=scale, window_left=window_left,
+                            window_right=window_right, gqa_ratio=gqa_ratio)
+        grid, block, shared = launch_config(inst, batch=batch, heads=heads, seqlen_q=seqlen_q,
+                                            seqlen_k=seqlen_k)
+        executor.launch(inst.entry, inst.name_expression, grid, block, shared, params)
+        return
+    # Split-KV: each split's normalised partial rows and lse (accumulator type),
+    # then fwd_combine merges them into out and lse.
+    xp = _array_module(q)
+    acc = _accumulator_dtype(q.dtype)
+    part_o = xp.empty((splits, batch, heads, seqlen_q, head_dim_v), dtype=acc)
+    part_lse = xp.empty((splits, batch, heads, seqlen_q), dtype=acc)
     params = fwd_params(q, k, v, out, lse, scale=scale, window_left=window_left,
-                        window_right=window_right, gqa_ratio=gqa_ratio)
+                        window_right=window_right, gqa_ratio=gqa_ratio,
+                        workspace=(part_o, part_lse, None), num_splits=splits)
     grid, block, shared = launch_config(inst, batch=batch, heads=heads, seqlen_q=seqlen_q,
-                                        seqlen_k=k.shape[2])
+                                        seqlen_k=seqlen_k, num_splits=splits)
     executor.launch(inst.entry, inst.name_expression, grid, block, shared, params)
+    combine = by_name()[combine_name_expression(_dtype_name(q.dtype))]
+    grid, block, shared = launch_config(combine, batch=batch, heads=heads, seqlen_q=seqlen_q,
+                                        seqlen_k=seqlen_k, head_dim_v=head_dim_v)
+    executor.launch(combine.entry, combine.name_expression, grid, block, shared, params)
 
 
 def forward_v1(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio, sram_size,

@@ -16,7 +16,7 @@ __all__ = ["Instantiation", "instantiations", "HEAD_DIM_BUCKETS", "MMA_HEAD_DIMS
            "mma_tiles", "mma_name_expression", "bwd_mma_name_expressions", "bwd_mma_shared_bytes",
            "launchable", "by_name", "WGMMA_HEAD_DIMS", "wgmma_tiles", "wgmma_name_expression",
            "compile_target", "WGMMA_BWD_HEAD_DIMS", "bwd_wgmma_tiles", "bwd_wgmma_name_expressions",
-           "bwd_wgmma_shared_bytes"]
+           "bwd_wgmma_shared_bytes", "combine_name_expression", "COMBINE_THREADS", "mma_split_tiles"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,7 @@ class Instantiation:
     block_n: int = 0       # keys per K/V block (0: chosen at run time, fwd_v1)
     kv_stages: int = 0     # fwd_mma/fwd_wgmma: K/V buffer pairs, bwd_mma: streamed tile buffers (1 or 2)
     lazy_rescale: bool = False  # fwd_mma/fwd_wgmma: rescale the output only when a row max moves far
+    split: bool = False    # fwd_mma/fwd_wgmma: the split-KV instantiation (kSplit; fwd_simt splits at run time)
 
 
 # C++ spelling of each dtype in name expressions.
@@ -70,10 +71,17 @@ _SIMT_TILES = {
 
 _SIMT_THREADS = 128
 _V1_THREADS = 128
+# fwd_combine (split-KV's merge): one thread per 16-byte chunk of an output row
+COMBINE_THREADS = 128
 
 
 def _accumulator(dtype: str) -> str:
     return "double" if dtype == "float64" else "float"
+
+
+def combine_name_expression(dtype: str) -> str:
+    """fwd_combine's instantiation for ``dtype`` (any head dim, any forward family)."""
+    return f"cf::fwd_combine_kernel<{_CXX_TYPE[dtype]}, {_accumulator(dtype)}>"
 
 
 def instantiations() -> list[Instantiation]:
@@ -115,6 +123,11 @@ def _catalogue() -> tuple[Instantiation, ...]:
             family="fwd_v1", entry="fwd_v1.cu", name_expression=f"cf::fwd_v1_kernel<{cxx}>",
             dtype=dtype, head_dim=HEAD_DIM_BUCKETS[-1], head_dim_v=HEAD_DIM_BUCKETS[-1],
             threads=_V1_THREADS))
+    for dtype, cxx in _CXX_TYPE.items():
+        rows.append(Instantiation(
+            family="fwd_combine", entry="fwd_combine.cu", name_expression=combine_name_expression(dtype),
+            dtype=dtype, head_dim=HEAD_DIM_BUCKETS[-1], head_dim_v=HEAD_DIM_BUCKETS[-1],
+            threads=COMBINE_THREADS))
     rows.extend(_mma_instantiations())
     rows.extend(_wgmma_instantiations())
     rows.extend(_backward_instantiations())
@@ -214,11 +227,26 @@ def mma_tiles(arch: int) -> dict[int, tuple[int, int, int, int, bool]] | None:
     return None if tile_class is None else dict(_MMA_TILES[tile_class])
 
 
+# fwd_mma's split-KV instantiations (kSplit = true, used where the heuristic of
+# cupyflash._launch.num_splits splits the keys): each class's tile, except where
+# the split epilogue spills -- d = 128 with 64-key blocks, 20-88 B on every arch
+# (NVRTC 13.5) -- which takes 32-key blocks instead (sm86's tile: 247 / 244
+# registers on sm_80 / sm_90, no spills).
+_MMA_SPLIT_TILES = {128: (128, 32, 4, 1, True)}
+
+
+def mma_split_tiles(arch: int) -> dict[int, tuple[int, int, int, int, bool]] | None:
+    """Like :func:`mma_tiles`, for the split-KV instantiations; None below sm_80."""
+    tiles = mma_tiles(arch)
+    return None if tiles is None else {d: _MMA_SPLIT_TILES.get(d, t) for d, t in tiles.items()}
+
+
 def mma_name_expression(dtype: str, head_dim: int, block_m: int, block_n: int, warps: int,
-                        kv_stages: int, lazy_rescale: bool) -> str:
-    """``cf::fwd_mma_kernel<T, head_dim, block_m, block_n, warps, kv_stages, lazy_rescale>``."""
+                        kv_stages: int, lazy_rescale: bool, split: bool = False) -> str:
+    """``cf::fwd_mma_kernel<T, head_dim, block_m, block_n, warps, kv_stages, lazy_rescale[, true]>``
+    (the trailing ``true``: the split-KV instantiation, ``kSplit``)."""
     return (f"cf::fwd_mma_kernel<{_CXX_TYPE[dtype]}, {head_dim}, {block_m}, {block_n}, {warps}, "
-            f"{kv_stages}, {'true' if lazy_rescale else 'false'}>")
+            f"{kv_stages}, {'true' if lazy_rescale else 'false'}{', true' if split else ''}>")
 
 
 def launchable(arch: int) -> frozenset[str]:
@@ -235,6 +263,7 @@ def launchable(arch: int) -> frozenset[str]:
         for dtype in _MMA_DTYPES:
             for d in MMA_HEAD_DIMS:
                 names.add(mma_name_expression(dtype, d, *tiles[d]))
+                names.add(mma_name_expression(dtype, d, *mma_split_tiles(arch)[d], split=True))
                 for deterministic in (True, False):
                     names.update(bwd_mma_name_expressions(dtype, d, arch, deterministic))
     return frozenset(names)
@@ -243,15 +272,17 @@ def launchable(arch: int) -> frozenset[str]:
 def _mma_instantiations() -> list[Instantiation]:
     """fwd_mma rows: every distinct (dtype, head dim, tile) of ``_MMA_TILES``."""
     rows = {}
-    for dtype in _MMA_DTYPES:
-        for head_dim in MMA_HEAD_DIMS:
-            for tiles in _MMA_TILES.values():
-                block_m, block_n, warps, stages, lazy = tiles[head_dim]
-                name = mma_name_expression(dtype, head_dim, block_m, block_n, warps, stages, lazy)
-                rows.setdefault(name, Instantiation(
-                    family="fwd_mma", entry="fwd_mma.cu", name_expression=name, dtype=dtype,
-                    head_dim=head_dim, head_dim_v=head_dim, threads=32 * warps, block_m=block_m,
-                    block_n=block_n, kv_stages=stages, lazy_rescale=lazy))
+    for split in (False, True):
+        for dtype in _MMA_DTYPES:
+            for head_dim in MMA_HEAD_DIMS:
+                for tiles in _MMA_TILES.values():
+                    block_m, block_n, warps, stages, lazy = (
+                        _MMA_SPLIT_TILES.get(head_dim, tiles[head_dim]) if split else tiles[head_dim])
+                    name = mma_name_expression(dtype, head_dim, block_m, block_n, warps, stages, lazy, split)
+                    rows.setdefault(name, Instantiation(
+                        family="fwd_mma", entry="fwd_mma.cu", name_expression=name, dtype=dtype,
+                        head_dim=head_dim, head_dim_v=head_dim, threads=32 * warps, block_m=block_m,
+                        block_n=block_n, kv_stages=stages, lazy_rescale=lazy, split=split))
     return list(rows.values())
 
 # ---- fwd_wgmma: Hopper's warpgroup mma (wgmma.mma_async), float16 / bfloat16, sm_90a ----------
@@ -302,21 +333,23 @@ def wgmma_tiles() -> dict[int, tuple[int, int, bool]]:
 
 
 def wgmma_name_expression(dtype: str, head_dim: int, block_n: int, warpgroups: int,
-                          lazy_rescale: bool) -> str:
-    """``cf::fwd_wgmma_kernel<T, head_dim, block_n, warpgroups, lazy_rescale>``."""
+                          lazy_rescale: bool, split: bool = False) -> str:
+    """``cf::fwd_wgmma_kernel<T, head_dim, block_n, warpgroups, lazy_rescale[, true]>`` (the
+    trailing ``true``: the split-KV instantiation, ``kSplit``, same tile)."""
     return (f"cf::fwd_wgmma_kernel<{_CXX_TYPE[dtype]}, {head_dim}, {block_n}, {warpgroups}, "
-            f"{'true' if lazy_rescale else 'false'}>")
+            f"{'true' if lazy_rescale else 'false'}{', true' if split else ''}>")
 
 
 def _wgmma_instantiations() -> list[Instantiation]:
     rows = []
-    for dtype in _MMA_DTYPES:
-        for head_dim, (block_n, groups, lazy) in _WGMMA_TILES.items():
-            rows.append(Instantiation(
-                family="fwd_wgmma", entry="fwd_wgmma.cu",
-                name_expression=wgmma_name_expression(dtype, head_dim, block_n, groups, lazy),
-                dtype=dtype, head_dim=head_dim, head_dim_v=head_dim, threads=128 * groups,
-                block_m=64 * groups, block_n=block_n, kv_stages=2, lazy_rescale=lazy))
+    for split in (False, True):
+        for dtype in _MMA_DTYPES:
+            for head_dim, (block_n, groups, lazy) in _WGMMA_TILES.items():
+                rows.append(Instantiation(
+                    family="fwd_wgmma", entry="fwd_wgmma.cu",
+                    name_expression=wgmma_name_expression(dtype, head_dim, block_n, groups, lazy, split),
+                    dtype=dtype, head_dim=head_dim, head_dim_v=head_dim, threads=128 * groups,
+                    block_m=64 * groups, block_n=block_n, kv_stages=2, lazy_rescale=lazy, split=split))
     return rows
 
 # ---- backward ----------------------------------------------------------------------------------

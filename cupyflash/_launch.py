@@ -15,7 +15,7 @@ import math
 from ._kernels import Instantiation, bwd_mma_shared_bytes, bwd_wgmma_shared_bytes
 
 __all__ = ["launch_config", "v1_block_sizes", "representative_shared_bytes", "backward_launch_config",
-           "backward_kernel"]
+           "backward_kernel", "num_splits", "ctas_per_sm", "SPLIT_FAMILIES"]
 
 _MAX_GRID_X = 2**31 - 1
 _ACC_BYTES = {"float16": 4, "bfloat16": 4, "float32": 4, "float64": 8}
@@ -71,7 +71,8 @@ def _v1_shared_bytes(inst: Instantiation, block_m: int, block_n: int, head_dim: 
 
 
 def launch_config(inst: Instantiation, *, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
-                  head_dim: int = 0, head_dim_v: int = 0, sram_size: int | None = None):
+                  head_dim: int = 0, head_dim_v: int = 0, sram_size: int | None = None,
+                  num_splits: int = 1):
     """Grid, block and dynamic shared memory (bytes) for one launch of ``inst``.
 
     Parameters
@@ -86,6 +87,9 @@ def launch_config(inst: Instantiation, *, batch: int, heads: int, seqlen_q: int,
         Run-time head dims; only fwd_v1 sizes its buffers by them.
     sram_size : int, optional
         fwd_v1 only (required there): Algorithm 1's SRAM size ``M`` in elements.
+    num_splits : int, optional
+        Split-KV (fwd_simt, fwd_mma, fwd_wgmma): the grid's y extent, one CTA
+        per query block and split (see :func:`num_splits`).
 
     Returns
     -------
@@ -101,7 +105,15 @@ def launch_config(inst: Instantiation, *, batch: int, heads: int, seqlen_q: int,
     if seqlen_q < 1 or batch < 1 or heads < 1:
         raise ValueError(f"nothing to launch: batch={batch}, heads={heads}, seqlen_q={seqlen_q}")
     block = (inst.threads, 1, 1)
-    if inst.family == "fwd_simt":
+    if num_splits != 1 and (inst.family not in SPLIT_FAMILIES or not 1 <= num_splits <= _MAX_SPLITS):
+        raise ValueError(f"{inst.family}: num_splits={num_splits} (1 to {_MAX_SPLITS}, and only for "
+                         f"{', '.join(SPLIT_FAMILIES)})")
+    if inst.family == "fwd_combine":
+        # one thread per 16-byte chunk of each output row (head_dim_v, run time)
+        chunks = -(-max(int(head_dim_v), 1) // (16 // _ACC_BYTES[inst.dtype]))
+        ctas = -(-seqlen_q * heads * batch * chunks // inst.threads)
+        shared = 0
+    elif inst.family == "fwd_simt":
         ctas = -(-seqlen_q // inst.block_m) * heads * batch
         shared = _simt_shared_bytes(inst)
     elif inst.family in ("fwd_mma", "fwd_wgmma"):
@@ -121,7 +133,70 @@ def launch_config(inst: Instantiation, *, batch: int, heads: int, seqlen_q: int,
         raise ValueError(
             f"{inst.family}: batch={batch}, heads={heads}, seqlen_q={seqlen_q} needs {ctas} CTAs; "
             f"a launch allows at most {_MAX_GRID_X}")
-    return (ctas, 1, 1), block, shared
+    return (ctas, num_splits, 1), block, shared
+
+
+# ---- split-KV ------------------------------------------------------------------------------------
+
+SPLIT_FAMILIES = ("fwd_simt", "fwd_mma", "fwd_wgmma")
+_MAX_SPLITS = 64
+# Keys a split visits at least: below that, reading its Q tile again and
+# writing its partial rows (then fwd_combine reading them) stops being small
+# next to the K/V blocks it streams.
+_SPLIT_MIN_KEYS = 256
+# Shared memory per SM (bytes, less 1 KB per resident CTA) by compute capability.
+_SM_SHARED = {80: 164 * 1024, 86: 100 * 1024, 87: 164 * 1024, 89: 100 * 1024, 90: 228 * 1024}
+
+
+def ctas_per_sm(inst: Instantiation, arch: int) -> int:
+    """CTAs of ``inst`` one SM holds at once on compute capability ``arch``: the kernel's
+    own occupancy target (its ``__launch_bounds__`` minimum, which caps the registers)
+    bounded by the SM's shared memory -- an estimate for :func:`num_splits`."""
+    if inst.family == "fwd_simt":
+        shared = _simt_shared_bytes(inst)
+        target = 1 if shared > 64 * 1024 else 3 if shared > 48 * 1024 else 4   # SimtFwdTraits
+    elif inst.family == "fwd_mma":
+        shared = _mma_shared_bytes(inst)
+        target = 2 if inst.threads <= 128 else 1                            # MmaFwdTraits
+    elif inst.family == "fwd_wgmma":
+        shared = _wgmma_shared_bytes(inst)
+        target = 1
+    else:
+        raise ValueError(f"no split-KV for kernel family {inst.family!r}")
+    sm_shared = _SM_SHARED.get(int(arch), min(_SM_SHARED.values()))
+    return max(1, min(target, sm_shared // (shared + 1024)))
+
+
+def num_splits(inst: Instantiation, *, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
+               arch: int, multiprocessors: int) -> int:
+    """How many runs (splits) to cut each query block's keys into.
+
+    One launch gives every query block one CTA.  When those CTAs fill less
+    than 80 % of what the GPU holds at once (``multiprocessors`` x
+    :func:`ctas_per_sm`) -- few heads, short query sequences, decoding -- the
+    keys are split: CTA (x, y) takes the y-th run of query block x's key blocks
+    and fwd_combine merges the partial results.  Among the split counts that
+    leave every split at least 256 keys (at most 64), the smallest whose last
+    wave is at least 85 % as full as the best one's.  Returns 1 (no split)
+    for the other families.
+    """
+    if inst.family not in SPLIT_FAMILIES or seqlen_k <= 0:
+        return 1
+    ctas = -(-seqlen_q // inst.block_m) * heads * batch
+    slots = max(1, ctas_per_sm(inst, arch) * int(multiprocessors))
+    if ctas >= 0.8 * slots:
+        return 1
+    full_blocks = seqlen_k // inst.block_n      # a split's whole key blocks
+    most = min(_MAX_SPLITS, full_blocks // -(-_SPLIT_MIN_KEYS // inst.block_n))
+    if most < 2:
+        return 1
+
+    def fill(splits: int) -> float:   # how full the waves are on average
+        waves = ctas * splits / slots
+        return waves / math.ceil(waves)
+
+    best = max(fill(s) for s in range(1, most + 1))
+    return next(s for s in range(1, most + 1) if fill(s) >= 0.85 * best)
 
 
 def representative_shared_bytes(inst: Instantiation) -> int:

@@ -320,6 +320,7 @@ class CudaExecutor:
     The executor protocol shared with :class:`cupyflash.emulator.EmulatorExecutor`:
 
     - ``arch`` : int, compute capability of the device kernels run on (e.g. 90);
+    - ``multiprocessors`` : int, its SM count (the forward's split-KV heuristic);
     - ``launch(entry, name_expression, grid, block, shared_mem, params)``.
 
     Parameters
@@ -336,6 +337,7 @@ class CudaExecutor:
         self.synchronize = synchronize
         self._caches = module_caches if caches is None else caches
         self._archs: dict[int, int] = {}
+        self._sms: dict[int, int] = {}
         self._optin: dict[int, int] = {}
 
     @staticmethod
@@ -343,6 +345,18 @@ class CudaExecutor:
         import cupy
 
         return cupy.cuda.runtime.getDevice()
+
+    @property
+    def multiprocessors(self) -> int:
+        """Streaming multiprocessors of CuPy's current device (the split-KV heuristic's input)."""
+        device_id = self._device_id()
+        count = self._sms.get(device_id)
+        if count is None:
+            import cupy
+
+            count = self._sms[device_id] = int(
+                cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+        return count
 
     @property
     def arch(self) -> int:

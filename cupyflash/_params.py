@@ -23,7 +23,7 @@ UNBOUNDED = 1 << 62
 _POINTERS = ("q", "k", "v", "out", "lse", "ws_o", "ws_l", "ws_m")
 _STRIDED = ("q", "k", "v", "out", "lse")
 _SIZES = ("batch", "heads_q", "gqa_ratio", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v",
-          "window_left", "window_right", "block_m", "block_n")
+          "window_left", "window_right", "block_m", "block_n", "num_splits")
 
 FWD_PARAMS = np.dtype(
     [(name, np.uint64) for name in _POINTERS]
@@ -32,7 +32,7 @@ FWD_PARAMS = np.dtype(
     + [("scale", np.float64), ("scale_log2", np.float64)],
     align=True,
 )
-assert FWD_PARAMS.itemsize == 36 * 8
+assert FWD_PARAMS.itemsize == 37 * 8
 
 
 def data_pointer(a) -> int:
@@ -59,7 +59,8 @@ def _window(bound) -> int:
 
 
 def fwd_params(q, k, v, out, lse, *, scale: float, window_left, window_right, gqa_ratio: int,
-               workspace=(None, None, None), block_m: int = 0, block_n: int = 0) -> np.void:
+               workspace=(None, None, None), block_m: int = 0, block_n: int = 0,
+               num_splits: int = 1) -> np.void:
     """Fill a :data:`FWD_PARAMS` scalar for one forward launch.
 
     Parameters
@@ -76,9 +77,13 @@ def fwd_params(q, k, v, out, lse, *, scale: float, window_left, window_right, gq
     gqa_ratio : int
         ``Hq // Hkv``.
     workspace : (o, l, m), optional
-        fwd_v1's global-memory state, contiguous, of the accumulator type.
+        fwd_v1's global-memory state, or a split-KV forward's partial outputs
+        ``(num_splits, B, Hq, Lq, dv)`` and lse ``(num_splits, B, Hq, Lq)`` (m: None);
+        contiguous, of the accumulator type.
     block_m, block_n : int, optional
         fwd_v1's run-time block sizes.
+    num_splits : int, optional
+        Split-KV: runs each query block's keys are cut into (1: none).
     """
     p = np.zeros((), dtype=FWD_PARAMS)
     ws_o, ws_l, ws_m = workspace
@@ -96,6 +101,7 @@ def fwd_params(q, k, v, out, lse, *, scale: float, window_left, window_right, gq
     p["head_dim"], p["head_dim_v"] = head_dim, v.shape[3]
     p["window_left"], p["window_right"] = _window(window_left), _window(window_right)
     p["block_m"], p["block_n"] = block_m, block_n
+    p["num_splits"] = num_splits
     p["scale"] = float(scale)
     p["scale_log2"] = float(scale) * math.log2(math.e)
     return p[()]

@@ -258,8 +258,9 @@ ULP_AT_ONE = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
 
 
 def run_mma(executor, q, k, v, *, window=(None, None), gqa_ratio=1, scale=None, out=None,
-            lse=None, with_lse=True, family="fwd_mma"):
-    """One forward through _gpu.forward on the emulator, checked against the oracle."""
+            lse=None, with_lse=True, family="fwd_mma", splits=1):
+    """One forward through _gpu.forward on the emulator, checked against the oracle;
+    ``splits`` > 1 forces a split-KV launch (the kSplit row, then fwd_combine)."""
     batch, heads, seqlen_q, head_dim = q.shape
     if out is None:
         out = poisoned((batch, heads, seqlen_q, v.shape[3]), q.dtype)
@@ -267,9 +268,14 @@ def run_mma(executor, q, k, v, *, window=(None, None), gqa_ratio=1, scale=None, 
         lse = poisoned((batch, heads, seqlen_q), np.float32)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     recorder = Recorder(executor)
-    _gpu.forward(q, k, v, out, lse, scale=scale, window_left=window[0], window_right=window[1],
-                 gqa_ratio=gqa_ratio, executor=recorder)
-    assert [n.split("<")[0] for n in recorder.launched] == [f"cf::{family}_kernel"], recorder.launched
+    saved, _gpu.split_override = _gpu.split_override, splits
+    try:
+        _gpu.forward(q, k, v, out, lse, scale=scale, window_left=window[0], window_right=window[1],
+                     gqa_ratio=gqa_ratio, executor=recorder)
+    finally:
+        _gpu.split_override = saved
+    expected = [f"cf::{family}_kernel"] + (["cf::fwd_combine_kernel"] if splits > 1 else [])
+    assert [n.split("<")[0] for n in recorder.launched] == expected, recorder.launched
     check_against_oracle(out, lse if with_lse else None, q, k, v, scale=scale, window=window,
                          gqa_ratio=gqa_ratio)
     return out, lse
@@ -300,7 +306,7 @@ def qkv(rng, dtype, *, batch=1, heads_kv=1, gqa_ratio=1, seqlen_q, seqlen_k, hea
 
 def _arch_serving(inst):
     for arch in CLASS_ARCH.values():
-        if _gpu.select(inst.dtype, inst.head_dim, inst.head_dim, arch, aligned=True) == inst:
+        if _gpu.select(inst.dtype, inst.head_dim, inst.head_dim, arch, aligned=True, split=inst.split) == inst:
             return arch
     raise AssertionError(f"no arch selects {inst.name_expression}")
 
@@ -308,17 +314,20 @@ def _arch_serving(inst):
 @needs_emulator
 @pytest.mark.parametrize("inst", MMA_ROWS, ids=[f"{r.dtype}-d{r.head_dim}-{r.block_m}x{r.block_n}w"
                                                  f"{r.threads // 32}s{r.kv_stages}"
-                                                 f"{'-lazy' if r.lazy_rescale else ''}" for r in MMA_ROWS])
+                                                 f"{'-lazy' if r.lazy_rescale else ''}"
+                                                 f"{'-split' if r.split else ''}" for r in MMA_ROWS])
 def test_every_instantiation_matches_oracle_with_tails_and_causal_mask(executors, inst):
     # Two query blocks (the second partial), Lk > Lq: key blocks fully visible, cut by
-    # the diagonal, skipped, and a partial last one.
+    # the diagonal, skipped, and a partial last one.  A split-KV row runs 3 splits.
     arch = _arch_serving(inst)
     dtype = np.dtype(bfloat16 if inst.dtype == "bfloat16" else inst.dtype)
     rng = np.random.default_rng(inst.head_dim * 7 + inst.block_n)
     seqlen_q = inst.block_m + 21
     seqlen_k = seqlen_q + 2 * inst.block_n + 5
     q, k, v = qkv(rng, dtype, heads_kv=1, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=inst.head_dim)
-    run_mma(executors[arch], q, k, v, window=(None, 0))
+    recorder = Recorder(executors[arch])
+    run_mma(recorder, q, k, v, window=(None, 0), splits=3 if inst.split else 1)
+    assert recorder.launched[0] == inst.name_expression
 
 
 @needs_emulator

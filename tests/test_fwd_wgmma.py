@@ -28,7 +28,7 @@ from cupyflash._launch import launch_config
 from cupyflash.emulator import EmulatorError, EmulatorExecutor, emulator_available
 
 from _util import bfloat16, poisoned, random_array
-from test_fwd_mma import HALF_DTYPES, HALF_IDS, qkv, run_mma
+from test_fwd_mma import HALF_DTYPES, HALF_IDS, Recorder, qkv, run_mma
 
 WGMMA_ROWS = [r for r in instantiations() if r.family == "fwd_wgmma"]
 PROBE = str(Path(__file__).resolve().parent / "emulator_planted" / "wgmma_planted.cu")
@@ -63,7 +63,8 @@ def test_select_picks_fwd_wgmma_only_on_sm90_when_enabled(monkeypatch):
 
 def test_only_sm90_compiles_and_launches_fwd_wgmma():
     names = {r.name_expression for r in WGMMA_ROWS}
-    assert len(WGMMA_ROWS) == 2 * len(WGMMA_HEAD_DIMS)
+    assert len(WGMMA_ROWS) == 2 * 2 * len(WGMMA_HEAD_DIMS)   # two dtypes, and each split-KV row
+    assert sum(r.split for r in WGMMA_ROWS) == 2 * len(WGMMA_HEAD_DIMS)
     assert names <= launchable(90)
     for arch in (80, 86, 89, 100, 120):
         assert not names & launchable(arch)
@@ -181,17 +182,21 @@ def wgmma_on(monkeypatch):
 
 
 @needs_emulator
-@pytest.mark.parametrize("inst", WGMMA_ROWS, ids=lambda r: f"{r.dtype}-d{r.head_dim}")
+@pytest.mark.parametrize("inst", WGMMA_ROWS, ids=lambda r: f"{r.dtype}-d{r.head_dim}{'-split' if r.split else ''}")
 def test_every_instantiation_matches_oracle_with_tails_and_causal_mask(ex90, wgmma_on, inst):
     if inst.dtype == "bfloat16" and bfloat16 is None:
         pytest.skip("needs ml_dtypes")
     dtype = bfloat16 if inst.dtype == "bfloat16" else np.dtype(inst.dtype)
     rng = np.random.default_rng(inst.head_dim)
-    # Tails in both axes: a partial query block and a partial key block.
+    # Tails in both axes: a partial query block and a partial key block (three key
+    # blocks: a split-KV row runs one per split, the causal case with some empty).
     q, k, v = qkv(rng, dtype, seqlen_q=inst.block_m + 19, seqlen_k=2 * inst.block_n + 21,
                   head_dim=inst.head_dim)
-    run_mma(ex90, q, k, v, family="fwd_wgmma")
-    run_mma(ex90, q, k, v, window=(None, 0), family="fwd_wgmma")
+    splits = 3 if inst.split else 1
+    for window in ((None, None), (None, 0)):
+        recorder = Recorder(ex90)
+        run_mma(recorder, q, k, v, window=window, family="fwd_wgmma", splits=splits)
+        assert recorder.launched[0] == inst.name_expression
 
 
 @needs_emulator

@@ -368,7 +368,8 @@ def test_launchable_is_what_the_dispatchers_pick_on_each_architecture():
         picked = set()
         for dtype in ("float16", "bfloat16", "float32", "float64"):
             for d in MMA_HEAD_DIMS:
-                picked.add(_gpu.select(dtype, d, d, arch, aligned=True).name_expression)
+                for split in (False, True):   # the split-KV rows too
+                    picked.add(_gpu.select(dtype, d, d, arch, aligned=True, split=split).name_expression)
                 for deterministic in (True, False):
                     picked.update(r.name_expression for r in _gpu_bwd.select(
                         dtype, d, d, arch, aligned=True, deterministic=deterministic))

@@ -84,8 +84,10 @@ INTENDED_SASS = {
     "bwd_mma": {"float": ("HMMA", "LDSM", "LDGSTS", "MUFU")},
     "fwd_wgmma": {"float": ("HGMMA", "LDGSTS", "MUFU")},
     "bwd_wgmma": {"float": ("HGMMA", "LDGSTS", "MUFU")},
+    "fwd_combine": {"float": ("LDG", "MUFU", "FFMA", "STG"), "double": ("LDG", "DFMA", "STG")},
 }
 ABSENT_SASS = {"fwd_simt": ("HMMA",), "fwd_v1": ("HMMA",), "bwd_simt": ("HMMA",),
+               "fwd_combine": ("HMMA", "LDS", "STS", "BAR"),
                "fwd_wgmma": ("HMMA", "LDSM"), "bwd_wgmma": ("HMMA", "LDSM")}
 
 

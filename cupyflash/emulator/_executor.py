@@ -19,6 +19,9 @@ __all__ = ["EmulatorExecutor", "emulator_available"]
 # Largest dynamic shared memory per block (bytes), by compute capability.
 _MAX_SMEM = {70: 98304, 75: 65536, 80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448,
              120: 101376}
+# SM count the emulated GPU is taken to have (the forward's split-KV heuristic):
+# A100, RTX 3090, RTX 4090, H100 SXM for their compute capabilities.
+_MULTIPROCESSORS = {80: 108, 86: 82, 89: 128, 90: 132}
 
 _ERRBUF_BYTES = 16384
 
@@ -117,6 +120,9 @@ class EmulatorExecutor:
         module is compiled with instrumentation; slower).
     stack_bytes : int, optional
         Stack of each emulated thread.
+    multiprocessors : int, optional
+        SM count of the emulated GPU, which the forward's split-KV choice
+        depends on (default: a representative GPU of ``arch``, 108 for sm_80).
 
     Notes
     -----
@@ -152,8 +158,13 @@ class EmulatorExecutor:
     """
 
     def __init__(self, arch: int = 80, seed: int = 0, shuffle: bool = True, race_check: bool = True, *,
-                 stack_bytes: int = 256 * 1024):
+                 stack_bytes: int = 256 * 1024, multiprocessors: int | None = None):
         self.arch = int(arch)
+        if multiprocessors is None:
+            multiprocessors = _MULTIPROCESSORS.get(self.arch, _MULTIPROCESSORS[80])
+        if int(multiprocessors) < 1:
+            raise ValueError(f"multiprocessors: expected a positive SM count, got {multiprocessors!r}")
+        self.multiprocessors = int(multiprocessors)
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
         self.race_check = bool(race_check)

@@ -114,6 +114,15 @@ __device__ __forceinline__ void ldmatrix_x1_trans(uint32_t (&d)[1], const void* 
 __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&d)[2], const void* row) { cfemu_ldmatrix(2, 1, d, row); }
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&d)[4], const void* row) { cfemu_ldmatrix(4, 1, d, row); }
 
+// ---- global stores ----------------------------------------------------------------------
+// p[0] = a, p[1] = b in one 8-byte store (p 8-byte aligned, global memory).
+__device__ __forceinline__ void store_f32x2(float* p, float a, float b) {
+    if (reinterpret_cast<uintptr_t>(p) % 8 != 0)
+        cfemu_trap("store_f32x2: address not 8-byte aligned", __FILE__, __LINE__);
+    p[0] = a;
+    p[1] = b;
+}
+
 // ---- cp.async (global -> shared, asynchronous, per-thread groups) ---------------------
 // Copies src_bytes (0..16) from src and zero-fills the rest of the 16 destination
 // bytes; both addresses 16-byte aligned.  Visible to this thread only after the

@@ -1,0 +1,260 @@
+"""Split-KV forward: the heuristic, the launch geometry, and the split kernels on the emulator.
+
+When the query blocks of a call give the GPU too few CTAs (few heads, short
+query sequences, decoding with Lq = 1), :func:`cupyflash._launch.num_splits`
+cuts each query block's keys into several runs, one CTA each
+(``FwdParams::num_splits``, ``blockIdx.y``), and ``fwd_combine`` merges the
+partial results.  Checked here without a GPU:
+
+- the heuristic's rule (no split for a full grid or short key sequences; a
+  split that fills the GPU for decoding shapes; at least 256 keys a split);
+- the catalogue (a ``kSplit`` fwd_mma row for every tile a GPU class runs,
+  32-key blocks at d = 128 where the 64-key tile's split epilogue spills);
+- every split kernel on the emulator (shuffled threads, race check), forced
+  to several split counts -- including more splits than key blocks, so some
+  runs are empty -- over causal and window masks with Lq < Lk and Lq > Lk
+  (rows that see no key), GQA, tails, dv != d, strided outputs, with and
+  without lse, against the float64 oracle, each output NaN-poisoned first.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from cupyflash import _gpu
+from cupyflash._kernels import (MMA_HEAD_DIMS, by_name, combine_name_expression, launchable,
+                                mma_name_expression, mma_split_tiles, mma_tiles)
+from cupyflash._launch import ctas_per_sm, launch_config, num_splits
+from cupyflash.emulator import EmulatorExecutor, emulator_available
+from cupyflash.reference import naive_attention
+
+from _util import accum_dtype, assert_close, assert_lse_close, poisoned, random_array
+
+_OK, _WHY = emulator_available()
+needs_emulator = pytest.mark.skipif(not _OK, reason=f"CPU emulator unavailable: {_WHY}")
+
+H200_SMS = 132
+
+
+def _simt(dtype="float32", head_dim=64):
+    return _gpu.select(dtype, head_dim, head_dim, 90)
+
+
+def _mma(dtype="bfloat16", head_dim=128, arch=90):
+    return _gpu.select(dtype, head_dim, head_dim, arch, aligned=True, wgmma=False)
+
+
+# ---- the heuristic -------------------------------------------------------------------------------
+
+def test_a_full_grid_is_not_split():
+    for inst in (_simt(), _mma()):
+        assert num_splits(inst, batch=4, heads=16, seqlen_q=4096, seqlen_k=4096, arch=90,
+                          multiprocessors=H200_SMS) == 1
+
+
+def test_short_key_sequences_are_not_split():
+    # fewer than 2 x 256 keys: a second split would not have 256
+    for inst in (_simt(), _mma()):
+        assert num_splits(inst, batch=1, heads=1, seqlen_q=1, seqlen_k=511, arch=90,
+                          multiprocessors=H200_SMS) == 1
+
+
+@pytest.mark.parametrize("inst_name", ["simt", "mma"])
+@pytest.mark.parametrize("batch, heads, seqlen_q, seqlen_k", [
+    (1, 8, 1, 8192), (1, 32, 1, 4096), (1, 1, 10000, 10000), (2, 4, 300, 50000), (1, 1, 64, 1 << 20)])
+def test_small_grids_are_split_to_fill_the_gpu(inst_name, batch, heads, seqlen_q, seqlen_k):
+    inst = _simt() if inst_name == "simt" else _mma()
+    slots = ctas_per_sm(inst, 90) * H200_SMS
+    ctas = -(-seqlen_q // inst.block_m) * batch * heads
+    splits = num_splits(inst, batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, arch=90,
+                        multiprocessors=H200_SMS)
+    assert ctas < 0.8 * slots
+    full_blocks = seqlen_k // inst.block_n
+    allowed = [s for s in range(1, 65) if full_blocks // s * inst.block_n >= 256]   # >= 256 keys each
+
+    def fill(s):
+        waves = ctas * s / slots
+        return waves / math.ceil(waves)
+
+    best = max(fill(s) for s in allowed)
+    assert splits in allowed and splits >= 2
+    # the smallest count whose waves are within 85 % of the fullest
+    assert fill(splits) >= 0.85 * best
+    assert all(fill(s) < 0.85 * best for s in allowed if s < splits)
+
+
+def test_a_long_single_head_is_split_in_three_on_an_h200():
+    # 157 query blocks of 64 rows for 4 x 132 slots: 3 splits fill 89 % of one wave
+    # (2: 59 %; 10, 20 and 30 fill 99 % of 3, 6 and 9 waves, not worth the traffic)
+    assert num_splits(_simt(), batch=1, heads=1, seqlen_q=10000, seqlen_k=10000, arch=90,
+                      multiprocessors=H200_SMS) == 3
+
+
+def test_ctas_per_sm_follows_the_occupancy_targets_and_shared_memory():
+    f32 = _simt("float32", 64)          # 42 KB, __launch_bounds__(128, 4)
+    assert ctas_per_sm(f32, 90) == 4 and ctas_per_sm(f32, 80) == 3 and ctas_per_sm(f32, 86) == 2
+    assert ctas_per_sm(_simt("float32", 256), 90) == 1    # 67 KB: one CTA's target
+    assert ctas_per_sm(_mma("bfloat16", 128, 80), 80) == 2
+    wgmma = _gpu.select("bfloat16", 128, 128, 90, aligned=True, wgmma=True)
+    assert wgmma.family == "fwd_wgmma" and ctas_per_sm(wgmma, 90) == 1
+    with pytest.raises(ValueError, match="no split-KV"):
+        ctas_per_sm(by_name()[combine_name_expression("float32")], 90)
+
+
+def test_launch_geometry():
+    inst = _simt()
+    grid, block, _ = launch_config(inst, batch=2, heads=3, seqlen_q=100, seqlen_k=5000, num_splits=7)
+    assert grid == (2 * 3 * 2, 7, 1) and block == (128, 1, 1)
+    for bad in (0, 65):
+        with pytest.raises(ValueError, match="num_splits"):
+            launch_config(inst, batch=1, heads=1, seqlen_q=1, seqlen_k=1, num_splits=bad)
+    combine = by_name()[combine_name_expression("float32")]
+    with pytest.raises(ValueError, match="num_splits"):
+        launch_config(combine, batch=1, heads=1, seqlen_q=1, seqlen_k=1, head_dim_v=64, num_splits=2)
+    # one thread per 16-byte chunk of an output row: 4 floats, 2 doubles
+    grid, block, shared = launch_config(combine, batch=2, heads=3, seqlen_q=100, seqlen_k=1, head_dim_v=65)
+    assert grid == (-(-600 * 17 // 128), 1, 1) and shared == 0
+    combine64 = by_name()[combine_name_expression("float64")]
+    grid, _, _ = launch_config(combine64, batch=2, heads=3, seqlen_q=100, seqlen_k=1, head_dim_v=65)
+    assert grid == (-(-600 * 33 // 128), 1, 1)
+
+
+# ---- the catalogue -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", [80, 86, 89, 90])
+def test_every_mma_tile_has_a_split_instantiation(arch):
+    tiles, split_tiles = mma_tiles(arch), mma_split_tiles(arch)
+    for dtype in ("float16", "bfloat16"):
+        for d in MMA_HEAD_DIMS:
+            name = mma_name_expression(dtype, d, *split_tiles[d], split=True)
+            assert name.endswith(", true>") and name in launchable(arch)
+            row = by_name()[name]
+            assert row.split and row.family == "fwd_mma"
+            # the same tile, except d = 128's 32-key blocks
+            assert split_tiles[d] == (tiles[d] if d != 128 else (128, 32, 4, 1, True))
+            split = _gpu.select(dtype, d, d, arch, aligned=True, wgmma=False, split=True)
+            assert split.name_expression == name
+            assert not _gpu.select(dtype, d, d, arch, aligned=True, wgmma=False).split
+
+
+# ---- the kernels, on the emulator --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def executor():
+    return EmulatorExecutor(arch=80, seed=77, shuffle=True, race_check=True)
+
+
+class _Spy:
+    """Executor wrapper recording each launch's name and grid."""
+
+    def __init__(self, inner):
+        self.inner, self.arch, self.multiprocessors = inner, inner.arch, inner.multiprocessors
+        self.launched = []
+
+    def launch(self, entry, name_expression, grid, block, shared_mem, params):
+        self.launched.append((name_expression, tuple(grid)))
+        self.inner.launch(entry, name_expression, grid, block, shared_mem, params)
+
+
+def _run(executor, dtype, *, head_dim, seqlen_q, seqlen_k, head_dim_v=None, window=(None, None),
+         gqa_ratio=1, batch=1, heads_kv=1, splits=None, with_lse=True, out=None, monkeypatch):
+    rng = np.random.default_rng(seqlen_q * 1000 + seqlen_k + head_dim)
+    dtype = np.dtype(dtype)
+    dv = head_dim if head_dim_v is None else head_dim_v
+    heads = heads_kv * gqa_ratio
+    q = random_array(rng, (batch, heads, seqlen_q, head_dim), dtype)
+    k = random_array(rng, (batch, heads_kv, seqlen_k, head_dim), dtype)
+    v = random_array(rng, (batch, heads_kv, seqlen_k, dv), dtype)
+    if out is None:
+        out = poisoned((batch, heads, seqlen_q, dv), dtype)
+    lse = poisoned((batch, heads, seqlen_q), accum_dtype(dtype)) if with_lse else None
+    monkeypatch.setattr(_gpu, "split_override", splits)
+    spy = _Spy(executor)
+    scale = 1.0 / math.sqrt(head_dim)
+    _gpu.forward(q, k, v, out, lse, scale=scale, window_left=window[0], window_right=window[1],
+                 gqa_ratio=gqa_ratio, executor=spy)
+    ref, ref_lse = naive_attention(q, k, v, scale=scale, window=window, enable_gqa=gqa_ratio > 1,
+                                   return_lse=True)
+    assert not np.isnan(out.astype(np.float64)).any(), "output element left unwritten (NaN)"
+    assert_close(out, ref, dtype)
+    if with_lse:
+        assert_lse_close(lse, ref_lse, dtype)
+        no_key = np.isneginf(ref_lse)
+        assert (np.isneginf(lse) == no_key).all()
+        assert (out.astype(np.float64)[no_key] == 0).all()
+    return spy.launched, out
+
+
+def _bf16():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    return ml_dtypes.bfloat16
+
+
+@needs_emulator
+@pytest.mark.parametrize("case", [
+    # dtype, d, Lq, Lk, window, gqa, splits, kernel
+    ("float32", 64, 70, 300, (None, None), 1, 3, "fwd_simt_kernel<float, 64"),
+    ("float32", 64, 100, 90, (None, 0), 2, 5, "fwd_simt_kernel<float, 64"),     # rows with no key; 5 > 3 blocks
+    ("float64", 32, 40, 200, (20, 5), 2, 4, "fwd_simt_kernel<double, 32"),
+    ("float16", 64, 130, 400, (None, None), 1, 3, "fwd_mma_kernel<__half, 64, 128, 64, 4, 2, true, true>"),
+    ("bfloat16", 128, 65, 300, (None, 0), 2, 4, "fwd_mma_kernel<__nv_bfloat16, 128, 128, 32, 4, 1, true, true>"),
+    ("bfloat16", 36, 33, 260, (50, 0), 1, 2, "fwd_simt_kernel<__nv_bfloat16, 64"),   # rows of 72 B: SIMT
+    ("float16", 32, 20, 150, (None, 0), 1, 8, "fwd_mma_kernel<__half, 32"),   # 3 key blocks: 5 empty runs
+], ids=lambda c: f"{c[0]}-d{c[1]}-{c[2]}x{c[3]}-w{c[4]}-g{c[5]}-s{c[6]}")
+def test_split_kernels_match_the_oracle(executor, monkeypatch, case):
+    dtype, d, lq, lk, window, gqa, splits, kernel = case
+    dt = _bf16() if dtype == "bfloat16" else dtype
+    launched, _ = _run(executor, dt, head_dim=d, seqlen_q=lq, seqlen_k=lk, window=window, gqa_ratio=gqa,
+                       batch=2, splits=splits, monkeypatch=monkeypatch)
+    (main, grid), (combine, _) = launched
+    assert kernel in main and grid[1] == splits
+    assert combine == combine_name_expression(np.dtype(dt).name)
+
+
+@needs_emulator
+def test_split_with_dv_other_than_d_without_lse_into_a_strided_out(executor, monkeypatch):
+    # out: a transposed (B, L, H, dv) buffer viewed as (B, H, L, dv)
+    base = poisoned((1, 50, 2, 64), np.float32)
+    out = base.transpose(0, 2, 1, 3)
+    launched, _ = _run(executor, np.float32, head_dim=32, head_dim_v=64, seqlen_q=50, seqlen_k=333,
+                       window=(None, 0), gqa_ratio=2, splits=3, with_lse=False, out=out,
+                       monkeypatch=monkeypatch)
+    assert [n for n, _ in launched][1] == combine_name_expression("float32")
+
+
+@needs_emulator
+def test_split_and_unsplit_agree(executor, monkeypatch):
+    _, one = _run(executor, np.float64, head_dim=64, seqlen_q=17, seqlen_k=700, splits=1,
+                  monkeypatch=monkeypatch)
+    _, four = _run(executor, np.float64, head_dim=64, seqlen_q=17, seqlen_k=700, splits=4,
+                   monkeypatch=monkeypatch)
+    np.testing.assert_allclose(four, one, rtol=1e-13, atol=1e-15)
+
+
+@needs_emulator
+def test_the_heuristic_splits_a_decoding_step(executor, monkeypatch):
+    # Lq = 1 over 4096 keys, 2 heads: 2 CTAs on an emulated A100 (108 SMs)
+    launched, _ = _run(executor, np.float32, head_dim=64, seqlen_q=1, seqlen_k=4096, heads_kv=2,
+                       splits=None, monkeypatch=monkeypatch)
+    (main, grid), (combine, _) = launched
+    inst = _gpu.select("float32", 64, 64, 80)
+    assert main == inst.name_expression
+    # 2 CTAs for 3 x 108 slots, 128 key blocks: 16 splits of 256 keys at most; 14 is the
+    # smallest within 85 % of their fill
+    assert grid[1] == num_splits(inst, batch=1, heads=2, seqlen_q=1, seqlen_k=4096, arch=80,
+                                 multiprocessors=executor.multiprocessors) == 14
+    assert combine == combine_name_expression("float32")
+
+
+@needs_emulator
+def test_split_results_do_not_depend_on_thread_order(monkeypatch):
+    outs = []
+    for seed in (1, 2):
+        ex = EmulatorExecutor(arch=80, seed=seed, shuffle=True, race_check=False)
+        _, out = _run(ex, np.float32, head_dim=64, seqlen_q=9, seqlen_k=600, splits=3,
+                      monkeypatch=monkeypatch)
+        outs.append(out)
+    np.testing.assert_array_equal(outs[0], outs[1])
