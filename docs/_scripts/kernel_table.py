@@ -35,6 +35,7 @@ FAMILIES = (
     ("bwd_wgmma", "Hopper backward (`bwd_wgmma`, float16/bfloat16, sm_90a only; opt-in with `CUPYFLASH_WGMMA=1`; "
                   "tile: owned × streamed rows)"),
     ("fwd_v1", "Algorithm 1 (`fwd_v1`; shared memory at d = 64, M = 8192 elements)"),
+    ("fwd_combine", "Split-KV merge (`fwd_combine`, after a forward whose keys were split)"),
 )
 DTYPE_ORDER = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
 SHORT_KERNEL = {"bwd_simt_dot_do_o_kernel": "delta", "bwd_simt_dkdv_kernel": "dK/dV",
@@ -61,7 +62,8 @@ def _load(paths: list[str]) -> list[dict]:
 
 def _picked_mma(rows: list[dict]) -> set[tuple[str, str]]:
     """(arch, name) of the fwd_mma and bwd_mma instantiations the dispatcher runs on each arch."""
-    from cupyflash._kernels import MMA_HEAD_DIMS, bwd_mma_name_expressions, mma_name_expression, mma_tiles
+    from cupyflash._kernels import (MMA_HEAD_DIMS, bwd_mma_name_expressions, mma_name_expression,
+                                    mma_split_tiles, mma_tiles)
 
     picked = set()
     for arch in {r["arch"] for r in rows}:
@@ -70,6 +72,7 @@ def _picked_mma(rows: list[dict]) -> set[tuple[str, str]]:
         for dtype in ("float16", "bfloat16"):
             for d in MMA_HEAD_DIMS:
                 picked.add((arch, mma_name_expression(dtype, d, *tiles[d])))
+                picked.add((arch, mma_name_expression(dtype, d, *mma_split_tiles(number)[d], split=True)))
                 for deterministic in (True, False):
                     picked.update((arch, n) for n in bwd_mma_name_expressions(dtype, d, number, deterministic))
     return picked
@@ -86,14 +89,21 @@ def _kernel(row: dict) -> str:
     return SHORT_KERNEL.get(base, base)
 
 
+def _split(row: dict) -> bool:
+    """A split-KV instantiation (fwd_mma's and fwd_wgmma's kSplit, a trailing ``true``)."""
+    args = row["name"].split("<", 1)[1].rstrip(">").split(",")
+    return (row["family"], len(args)) in (("fwd_mma", 8), ("fwd_wgmma", 6))
+
+
 def _tile(row: dict) -> str:
     args = [a.strip() for a in row["name"].split("<", 1)[1].rstrip(">").split(",")]
-    if row["family"] == "fwd_mma":        # <T, d, block_m, block_n, warps, stages, lazy_rescale>
+    split = ", split-KV" if _split(row) else ""
+    if row["family"] == "fwd_mma":        # <T, d, block_m, block_n, warps, stages, lazy_rescale[, kSplit]>
         lazy = ", lazy rescale" if args[6] == "true" else ""
-        return f"{args[2]}×{args[3]}, {args[4]} warps, {args[5]} stage{'s' * (args[5] != '1')}{lazy}"
-    if row["family"] == "fwd_wgmma":      # <T, d, block_n, warpgroups, lazy_rescale>
+        return f"{args[2]}×{args[3]}, {args[4]} warps, {args[5]} stage{'s' * (args[5] != '1')}{lazy}{split}"
+    if row["family"] == "fwd_wgmma":      # <T, d, block_n, warpgroups, lazy_rescale[, kSplit]>
         lazy = ", lazy rescale" if args[4] == "true" else ""
-        return f"{64 * int(args[3])}×{args[2]}, {args[3]} warpgroups{lazy}"
+        return f"{64 * int(args[3])}×{args[2]}, {args[3]} warpgroups{lazy}{split}"
     if row["family"] == "bwd_mma":        # <T, d, own, streamed, warps[, kGrads], stages>
         return f"{args[2]}×{args[3]}, {args[4]} warps, {args[-1]} stage{'s' * (args[-1] != '1')}"
     if row["family"] == "bwd_wgmma":      # <T, d, own, streamed, warpgroups, kGrads>
@@ -118,8 +128,8 @@ def _family_table(rows: list[dict], family: str, archs: list[str], picked: set) 
     # one line per (kernel, dtype, head dim), with the tile per arch where it depends on the GPU class
     keys: dict[tuple, dict[str, dict]] = {}
     for r in rows:
-        if family == "fwd_mma":
-            key = (DTYPE_ORDER[r["dtype"]], r["head_dim"], "", r["dtype"])
+        if family in ("fwd_mma", "fwd_wgmma"):
+            key = (DTYPE_ORDER[r["dtype"]], r["head_dim"], "split" if _split(r) else "", r["dtype"])
         else:
             key = (DTYPE_ORDER[r["dtype"]], r["head_dim"], _kernel(r), r["dtype"])
         keys.setdefault(key, {})[r["arch"]] = r
