@@ -144,6 +144,15 @@ _MAX_SPLITS = 64
 # writing its partial rows (then fwd_combine reading them) stops being small
 # next to the K/V blocks it streams.
 _SPLIT_MIN_KEYS = 256
+# What a CTA costs beyond its key blocks, in key blocks: loading its Q tile
+# while the first K/V block is in flight, and writing its (partial) rows.
+_CTA_OVERHEAD_BLOCKS = 2
+# A split must promise at least this much less time than none.
+_SPLIT_MIN_GAIN = 0.10
+# Splits stop at this many waves of CTAs, which bounds the partial results
+# (waves x CTA slots x block_m rows) whatever the key count; past a few waves
+# the model's gain from evening out the last wave is a few percent.
+_SPLIT_MAX_WAVES = 4
 # Shared memory per SM (bytes, less 1 KB per resident CTA) by compute capability.
 _SM_SHARED = {80: 164 * 1024, 86: 100 * 1024, 87: 164 * 1024, 89: 100 * 1024, 90: 228 * 1024}
 
@@ -174,11 +183,13 @@ def num_splits(inst: Instantiation, *, batch: int, heads: int, seqlen_q: int, se
     One launch gives every query block one CTA.  When those CTAs fill less
     than 80 % of what the GPU holds at once (``multiprocessors`` x
     :func:`ctas_per_sm`) -- few heads, short query sequences, decoding -- the
-    keys are split: CTA (x, y) takes the y-th run of query block x's key blocks
-    and fwd_combine merges the partial results.  Among the split counts that
-    leave every split at least 256 keys (at most 64), the smallest whose last
-    wave is at least 85 % as full as the best one's.  Returns 1 (no split)
-    for the other families.
+    keys may be split: CTA (x, y) takes the y-th run of query block x's key
+    blocks and fwd_combine merges the partial results.  The count minimises a
+    simple model of the time, waves x (key blocks per split + 2 for the
+    CTA's own Q tile and output), over the counts that leave every split at
+    least 256 keys and the grid at most 4 waves (and at most 64); the
+    smallest such count, and only if it promises at least 10 % less time
+    than one split.  Returns 1 (no split) for the other families.
     """
     if inst.family not in SPLIT_FAMILIES or seqlen_k <= 0:
         return 1
@@ -186,17 +197,15 @@ def num_splits(inst: Instantiation, *, batch: int, heads: int, seqlen_q: int, se
     slots = max(1, ctas_per_sm(inst, arch) * int(multiprocessors))
     if ctas >= 0.8 * slots:
         return 1
-    full_blocks = seqlen_k // inst.block_n      # a split's whole key blocks
-    most = min(_MAX_SPLITS, full_blocks // -(-_SPLIT_MIN_KEYS // inst.block_n))
-    if most < 2:
-        return 1
+    key_blocks = -(-seqlen_k // inst.block_n)
+    most = min(_MAX_SPLITS, (seqlen_k // inst.block_n) // -(-_SPLIT_MIN_KEYS // inst.block_n),
+               _SPLIT_MAX_WAVES * slots // ctas)
 
-    def fill(splits: int) -> float:   # how full the waves are on average
-        waves = ctas * splits / slots
-        return waves / math.ceil(waves)
+    def time(splits: int) -> int:   # in key blocks of one CTA
+        return -(-ctas * splits // slots) * (-(-key_blocks // splits) + _CTA_OVERHEAD_BLOCKS)
 
-    best = max(fill(s) for s in range(1, most + 1))
-    return next(s for s in range(1, most + 1) if fill(s) >= 0.85 * best)
+    best = min(range(1, max(most, 1) + 1), key=lambda s: (time(s), s))
+    return best if time(best) <= (1 - _SPLIT_MIN_GAIN) * time(1) else 1
 
 
 def representative_shared_bytes(inst: Instantiation) -> int:

@@ -6,8 +6,9 @@ cuts each query block's keys into several runs, one CTA each
 (``FwdParams::num_splits``, ``blockIdx.y``), and ``fwd_combine`` merges the
 partial results.  Checked here without a GPU:
 
-- the heuristic's rule (no split for a full grid or short key sequences; a
-  split that fills the GPU for decoding shapes; at least 256 keys a split);
+- the heuristic's rule (no split for a full grid or short key sequences;
+  for small grids the count that minimises waves x (key blocks per split + 2),
+  with at least 256 keys a split and at most 4 waves);
 - the catalogue (a ``kSplit`` fwd_mma row for every tile a GPU class runs,
   32-key blocks at d = 128 where the 64-key tile's split epilogue spills);
 - every split kernel on the emulator (shuffled threads, race check), forced
@@ -55,6 +56,16 @@ def test_a_full_grid_is_not_split():
                           multiprocessors=H200_SMS) == 1
 
 
+def test_the_partial_results_stay_within_four_waves_of_rows():
+    # one float16 head at d = 256 over a million keys: the time model alone would take
+    # 43 splits (34 waves); four waves of 3 x 132 CTAs of 32 rows cap it
+    inst = _simt("float16", 256)
+    splits = num_splits(inst, batch=1, heads=1, seqlen_q=10000, seqlen_k=1 << 20, arch=90,
+                        multiprocessors=H200_SMS)
+    ctas = -(-10000 // inst.block_m)
+    assert 2 <= splits and ctas * splits <= 4 * ctas_per_sm(inst, 90) * H200_SMS
+
+
 def test_short_key_sequences_are_not_split():
     # fewer than 2 x 256 keys: a second split would not have 256
     for inst in (_simt(), _mma()):
@@ -73,24 +84,23 @@ def test_small_grids_are_split_to_fill_the_gpu(inst_name, batch, heads, seqlen_q
                         multiprocessors=H200_SMS)
     assert ctas < 0.8 * slots
     full_blocks = seqlen_k // inst.block_n
-    allowed = [s for s in range(1, 65) if full_blocks // s * inst.block_n >= 256]   # >= 256 keys each
+    allowed = [s for s in range(1, 65)
+               if full_blocks // s * inst.block_n >= 256 and ctas * s <= 4 * slots]   # 256 keys, 4 waves
 
-    def fill(s):
-        waves = ctas * s / slots
-        return waves / math.ceil(waves)
+    def time(s):   # waves x (key blocks per split + the CTA's own Q tile and rows)
+        return math.ceil(ctas * s / slots) * (math.ceil(seqlen_k / inst.block_n / s) + 2)
 
-    best = max(fill(s) for s in allowed)
     assert splits in allowed and splits >= 2
-    # the smallest count whose waves are within 85 % of the fullest
-    assert fill(splits) >= 0.85 * best
-    assert all(fill(s) < 0.85 * best for s in allowed if s < splits)
+    assert time(splits) == min(time(s) for s in allowed)
+    assert all(time(s) > time(splits) for s in allowed if s < splits), "the smallest best count"
+    assert time(splits) <= 0.9 * time(1)
 
 
-def test_a_long_single_head_is_split_in_three_on_an_h200():
-    # 157 query blocks of 64 rows for 4 x 132 slots: 3 splits fill 89 % of one wave
-    # (2: 59 %; 10, 20 and 30 fill 99 % of 3, 6 and 9 waves, not worth the traffic)
+def test_a_long_single_head_is_split_in_ten_on_an_h200():
+    # 157 query blocks of 64 rows (313 key blocks) for 4 x 132 slots: 3 splits run one
+    # wave of 105 + 2 blocks, 10 splits three waves of 32 + 2 (102, the least)
     assert num_splits(_simt(), batch=1, heads=1, seqlen_q=10000, seqlen_k=10000, arch=90,
-                      multiprocessors=H200_SMS) == 3
+                      multiprocessors=H200_SMS) == 10
 
 
 def test_ctas_per_sm_follows_the_occupancy_targets_and_shared_memory():
@@ -242,10 +252,10 @@ def test_the_heuristic_splits_a_decoding_step(executor, monkeypatch):
     (main, grid), (combine, _) = launched
     inst = _gpu.select("float32", 64, 64, 80)
     assert main == inst.name_expression
-    # 2 CTAs for 3 x 108 slots, 128 key blocks: 16 splits of 256 keys at most; 14 is the
-    # smallest within 85 % of their fill
+    # 2 CTAs for 3 x 108 slots, 128 key blocks: 16 splits of 256 keys, the most allowed,
+    # still run in one wave
     assert grid[1] == num_splits(inst, batch=1, heads=2, seqlen_q=1, seqlen_k=4096, arch=80,
-                                 multiprocessors=executor.multiprocessors) == 14
+                                 multiprocessors=executor.multiprocessors) == 16
     assert combine == combine_name_expression("float32")
 
 
