@@ -199,7 +199,8 @@ def forward(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio, e
         sms = getattr(executor, "multiprocessors", None)
         splits = 1 if sms is None else num_splits(inst, batch=batch, heads=heads, seqlen_q=seqlen_q,
                                                   seqlen_k=seqlen_k, arch=executor.arch,
-                                                  multiprocessors=sms)
+                                                  multiprocessors=sms, window_left=window_left,
+                                                  window_right=window_right)
     if splits > 1 and inst.family in ("fwd_mma", "fwd_wgmma"):
         inst = select(q.dtype, head_dim, head_dim_v, executor.arch, aligned=True, scale=scale, split=True)
     if splits == 1:

@@ -177,7 +177,8 @@ def ctas_per_sm(inst: Instantiation, arch: int) -> int:
 
 
 def num_splits(inst: Instantiation, *, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
-               arch: int, multiprocessors: int) -> int:
+               arch: int, multiprocessors: int, window_left: int | None = None,
+               window_right: int | None = None) -> int:
     """How many runs (splits) to cut each query block's keys into.
 
     One launch gives every query block one CTA.  When those CTAs fill less
@@ -189,7 +190,10 @@ def num_splits(inst: Instantiation, *, batch: int, heads: int, seqlen_q: int, se
     CTA's own Q tile and output), over the counts that leave every split at
     least 256 keys and the grid at most 4 waves (and at most 64); the
     smallest such count, and only if it promises at least 10 % less time
-    than one split.  Returns 1 (no split) for the other families.
+    than one split.  A window bounded on both sides (``window_left``,
+    ``window_right``; None: unbounded) limits the keys a query block visits,
+    and the model counts only those.  Returns 1 (no split) for the other
+    families.
     """
     if inst.family not in SPLIT_FAMILIES or seqlen_k <= 0:
         return 1
@@ -197,8 +201,11 @@ def num_splits(inst: Instantiation, *, batch: int, heads: int, seqlen_q: int, se
     slots = max(1, ctas_per_sm(inst, arch) * int(multiprocessors))
     if ctas >= 0.8 * slots:
         return 1
-    key_blocks = -(-seqlen_k // inst.block_n)
-    most = min(_MAX_SPLITS, (seqlen_k // inst.block_n) // -(-_SPLIT_MIN_KEYS // inst.block_n),
+    keys = seqlen_k   # the most keys one query block visits
+    if window_left is not None and window_right is not None:
+        keys = min(keys, inst.block_m + int(window_left) + int(window_right) + inst.block_n)
+    key_blocks = -(-keys // inst.block_n)
+    most = min(_MAX_SPLITS, (keys // inst.block_n) // -(-_SPLIT_MIN_KEYS // inst.block_n),
                _SPLIT_MAX_WAVES * slots // ctas)
 
     def time(splits: int) -> int:   # in key blocks of one CTA

@@ -66,6 +66,16 @@ def test_the_partial_results_stay_within_four_waves_of_rows():
     assert 2 <= splits and ctas * splits <= 4 * ctas_per_sm(inst, 90) * H200_SMS
 
 
+def test_a_local_window_counts_only_the_keys_it_lets_through():
+    inst = _mma()
+    common = dict(batch=1, heads=8, seqlen_q=1, seqlen_k=1 << 20, arch=90, multiprocessors=H200_SMS)
+    assert num_splits(inst, **common) == 33     # one wave of 8 x 33 CTAs
+    # 128 + 4096 + 0 + 64 keys: 67 blocks, at most 16 splits of 256 keys
+    assert 2 <= num_splits(inst, window_left=4096, window_right=0, **common) <= 16
+    assert num_splits(inst, window_left=100, window_right=0, **common) == 1     # 5 blocks
+    assert num_splits(inst, window_left=None, window_right=0, **common) == 33   # causal: all keys
+
+
 def test_short_key_sequences_are_not_split():
     # fewer than 2 x 256 keys: a second split would not have 256
     for inst in (_simt(), _mma()):
