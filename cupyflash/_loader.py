@@ -355,7 +355,7 @@ class CudaExecutor:
             import cupy
 
             count = self._sms[device_id] = int(
-                cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+                cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
         return count
 
     @property

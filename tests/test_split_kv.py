@@ -223,6 +223,7 @@ def _bf16():
     ("bfloat16", 128, 65, 300, (None, 0), 2, 4, "fwd_mma_kernel<__nv_bfloat16, 128, 128, 32, 4, 1, true, true>"),
     ("bfloat16", 36, 33, 260, (50, 0), 1, 2, "fwd_simt_kernel<__nv_bfloat16, 64"),   # rows of 72 B: SIMT
     ("float16", 32, 20, 150, (None, 0), 1, 8, "fwd_mma_kernel<__half, 32"),   # 3 key blocks: 5 empty runs
+    ("float16", 36, 20, 150, (None, 0), 2, 8, "fwd_simt_kernel<__half, 64"),  # 5 key blocks: 3 empty runs
 ], ids=lambda c: f"{c[0]}-d{c[1]}-{c[2]}x{c[3]}-w{c[4]}-g{c[5]}-s{c[6]}")
 def test_split_kernels_match_the_oracle(executor, monkeypatch, case):
     dtype, d, lq, lk, window, gqa, splits, kernel = case
