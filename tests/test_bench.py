@@ -196,7 +196,8 @@ def test_gpu_variants_name_catalogue_rows(monkeypatch, request):
     from cupyflash import _kernels, _report
     from cupyflash._loader import module_source
 
-    for name in ("_MMA_TILES", "_BWD_MMA_TILES", "_WGMMA_TILES", "_BWD_WGMMA_TILES"):
+    for name in ("_MMA_TILES", "_BWD_MMA_TILES", "_WGMMA_TILES", "_BWD_WGMMA_TILES", "_SIMT_TILES",
+                 "_BWD_SIMT_TILES"):
         monkeypatch.setattr(_kernels, name, copy.deepcopy(getattr(_kernels, name)))
     monkeypatch.setattr(_kernels, "_BWD_MMA_OWN", _kernels._BWD_MMA_OWN)
     monkeypatch.setattr(_kernels, "_BWD_MMA_WARPS", _kernels._BWD_MMA_WARPS)
@@ -206,7 +207,8 @@ def test_gpu_variants_name_catalogue_rows(monkeypatch, request):
     variants = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(variants)
     # bwd_wgmma: dK/dV and dQ, then the atomic-dQ dK/dV kernel
-    families = {"fwd": ["fwd_mma"], "bwd": ["bwd_mma"] * 2, "wfwd": ["fwd_wgmma"], "wbwd": ["bwd_wgmma"] * 3}
+    families = {"fwd": ["fwd_mma"], "bwd": ["bwd_mma"] * 2, "wfwd": ["fwd_wgmma"], "wbwd": ["bwd_wgmma"] * 3,
+                "sfwd": ["fwd_simt"], "sbwd": ["bwd_simt"] * 3}   # bwd_simt: delta, dK/dV, dQ
     kinds = set()
     for kind, d, tile in variants.all_variants():
         kinds.add(kind)
@@ -221,11 +223,19 @@ def test_gpu_variants_name_catalogue_rows(monkeypatch, request):
         if kind == "wbwd":
             (launch,), groups, streamed_dq = tile
             assert (rows[0].block_m, rows[0].threads // 128, rows[1].block_n) == (launch[1], groups, streamed_dq)
-        if kind in ("fwd", "wfwd"):
-            target = _kernels.compile_target(row.entry, "sm_90")
-            report = _report.compile_report(module_source(row.entry), [row.name_expression], target,
-                                            sass=False, filename=row.entry)
-            assert report.functions[row.name_expression].spill_stores == 0, (d, tile)
+        if kind == "sfwd":
+            (row,) = rows
+            assert (row.dtype, row.block_m, row.block_n) == tuple(tile)
+        if kind == "sbwd":   # <T, d, dv, own, streamed, atomic dQ> and <T, d, dv, own, streamed>
+            dtype, own, streamed = tile
+            assert all(r.dtype == dtype for r in rows)
+            assert all(f", {own}, {streamed}" in r.name_expression for r in rows[1:]), rows
+        if kind in ("fwd", "wfwd", "sfwd", "sbwd"):
+            for row in rows:
+                target = _kernels.compile_target(row.entry, "sm_90")
+                report = _report.compile_report(module_source(row.entry), [row.name_expression], target,
+                                                sass=False, filename=row.entry)
+                assert report.functions[row.name_expression].spill_stores == 0, (d, tile)
     assert kinds == set(families)
 
 
