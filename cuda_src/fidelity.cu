@@ -47,6 +47,21 @@ __device__ __forceinline__ void mma_16816(const FidelityParams& p) {
 __global__ void fid_mma_f16(const FidelityParams p) { mma_16816<0>(p); }
 __global__ void fid_mma_bf16(const FidelityParams p) { mma_16816<1>(p); }
 
+// in0: A fragment (1 f64 per lane), in1: B fragment (1 f64 per lane), in2: C (2 f64
+// per lane); out0: D (2 f64 per lane).  mma.sync m8n8k4 .f64 (sm_80).
+__global__ void fid_mma_f64(const FidelityParams p) {
+    const int t = threadIdx.x;
+    const double* a = static_cast<const double*>(p.in0) + t;
+    const double* b = static_cast<const double*>(p.in1) + t;
+    const double* c = static_cast<const double*>(p.in2) + 2 * t;
+    const double cr[2] = {c[0], c[1]};
+    double dr[2];
+    cf::mma_m8n8k4_f64(dr, a[0], b[0], cr);
+    double* d = static_cast<double*>(p.out0) + 2 * t;
+    d[0] = dr[0];
+    d[1] = dr[1];
+}
+
 // in0: A as 4 f32 per lane, in1: B as 2 f32 per lane (rounded here with to_tf32),
 // in2: C (4 f32 per lane); out0: D (4 f32 per lane); out1: the 6 tf32 registers.
 __global__ void fid_mma_tf32(const FidelityParams p) {

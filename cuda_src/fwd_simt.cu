@@ -25,6 +25,7 @@
 #pragma once
 
 #include "block_info.cuh"
+#include "fwd_tiles.cuh"
 #include "mask.cuh"
 #include "params.cuh"
 #include "ptx.cuh"
@@ -50,6 +51,7 @@ struct SimtFwdTraits {
 
     using QLayout = SwizzledRows<Acc, kHeadDim>;
     using KLayout = SwizzledRows<Acc, kHeadDim>;
+    __device__ static PlainRows v_layout() { return PlainRows{kHeadDimV}; }
 
     // float and double tiles need no conversion, so they are copied with
     // cp.async into separate K and V buffers: V(n) lands while S = Q K(n)^T
@@ -206,100 +208,6 @@ __device__ __forceinline__ void store_output(
         if (lse_out != nullptr && me.lane_in_group == 0) lse_out[i * lse_row_stride] = lse[ii];
     }
 }
-
-// Moves the Q tile and each key block's K and V into shared memory.  The
-// loop calls keys(n), then values(n), then done(); each returns once its tile
-// is visible to every thread.
-//   kAsync (float, double): K and V have their own buffers.  keys(n) waits for
-//   K(n), then starts V(n); values(n) waits for V(n), then starts K(n + 1).
-//   Every thread has at most one cp.async group in flight, so each wait is
-//   wait_group 0, and the __syncthreads after it also tells everyone that the
-//   buffer about to be refilled has been read (V by the previous block's
-//   O += P V, K by this block's S = Q K^T).
-//   otherwise: one buffer, converting loads between barriers.
-template <class Tr, typename T>
-struct SimtTiles {
-    using Acc = typename Tr::Acc;
-    const FwdParams& params;
-    const HeadSlice<T, Acc>& head;
-    Acc* sQ;
-    Acc* sK;
-    Acc* sV;
-    Acc* sP;  // the current block's probabilities (mma_pv)
-    int64_t n_end;
-
-    __device__ SimtTiles(const FwdParams& p, const HeadSlice<T, Acc>& h, const QueryBlock& block,
-                         int64_t n_begin, int64_t n_end_)
-        : params(p), head(h), sQ(reinterpret_cast<Acc*>(dynamic_smem())), sK(sQ + Tr::kSmemQ),
-          sV(Tr::kAsync ? sK + Tr::kSmemK : sK), sP(sK + Tr::kSmemK + Tr::kSmemV), n_end(n_end_) {
-        const int d = static_cast<int>(p.head_dim);
-        if constexpr (Tr::kAsync) {
-            cp_async_tile_rows<Tr::kThreads, Tr::kBlockM, Tr::kHeadDim>(
-                sQ, typename Tr::QLayout{}, head.q + block.m0 * p.q_row_stride, p.q_row_stride,
-                block.rows, d);
-            if (n_begin < n_end) issue_keys(n_begin);
-            cp_async_commit();
-        } else {
-            load_tile<Tr::kThreads>(sQ, typename Tr::QLayout{}, head.q + block.m0 * p.q_row_stride,
-                                    p.q_row_stride, Tr::kBlockM, Tr::kHeadDim, block.rows, d);
-        }
-    }
-
-    __device__ int keys_in(int64_t n_block) const {
-        return QueryBlock::keys_in(params, n_block * Tr::kBlockN, Tr::kBlockN);
-    }
-    __device__ void issue_keys(int64_t n_block) const {
-        const int64_t n0 = n_block * Tr::kBlockN;
-        cp_async_tile_rows<Tr::kThreads, Tr::kBlockN, Tr::kHeadDim>(
-            sK, typename Tr::KLayout{}, head.k + n0 * params.k_row_stride, params.k_row_stride,
-            keys_in(n_block), static_cast<int>(params.head_dim));
-    }
-    __device__ void issue_values(int64_t n_block) const {
-        const int64_t n0 = n_block * Tr::kBlockN;
-        cp_async_tile_rows<Tr::kThreads, Tr::kBlockN, Tr::kHeadDimV>(
-            sV, PlainRows{Tr::kHeadDimV}, head.v + n0 * params.v_row_stride, params.v_row_stride,
-            keys_in(n_block), static_cast<int>(params.head_dim_v));
-    }
-
-    __device__ void keys(int64_t n_block) const {
-        if constexpr (Tr::kAsync) {
-            cp_async_wait<0>();
-            __syncthreads();
-            issue_values(n_block);
-            cp_async_commit();
-        } else {
-            const int64_t n0 = n_block * Tr::kBlockN;
-            load_tile<Tr::kThreads>(sK, typename Tr::KLayout{}, head.k + n0 * params.k_row_stride,
-                                    params.k_row_stride, Tr::kBlockN, Tr::kHeadDim,
-                                    keys_in(n_block), static_cast<int>(params.head_dim));
-            __syncthreads();
-        }
-    }
-    __device__ void values(int64_t n_block) const {
-        if constexpr (Tr::kAsync) {
-            cp_async_wait<0>();
-            __syncthreads();
-            if (n_block + 1 < n_end) {
-                issue_keys(n_block + 1);
-                cp_async_commit();
-            }
-        } else {
-            __syncthreads();  // K fully read: its buffer takes V
-            const int64_t n0 = n_block * Tr::kBlockN;
-            load_tile<Tr::kThreads>(sV, PlainRows{Tr::kHeadDimV}, head.v + n0 * params.v_row_stride,
-                                    params.v_row_stride, Tr::kBlockN, Tr::kHeadDimV,
-                                    keys_in(n_block), static_cast<int>(params.head_dim_v));
-            __syncthreads();
-        }
-    }
-    __device__ void done() const {
-        if constexpr (!Tr::kAsync) __syncthreads();  // V fully read: the buffer takes the next K
-    }
-    // Retire the Q copy of a block that saw no key block (nothing else is in flight).
-    __device__ void finish() const {
-        if constexpr (Tr::kAsync) cp_async_wait<0>();
-    }
-};
 
 template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN>
 __global__ void __launch_bounds__(

@@ -97,6 +97,14 @@ __device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const uint32_t 
           "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
 }
 
+// D = A*B + C, m8n8k4 in double (sm_80): a = A[g][t], b = B[t][g], c/d = (g, 2t), (g, 2t + 1)
+// (ptx-fragments.md section 3); precision that of a double FMA.
+__device__ __forceinline__ void mma_m8n8k4_f64(double (&d)[2], double a, double b, const double (&c)[2]) {
+    asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0, %1}, {%2}, {%3}, {%4, %5};\n"
+                 : "=d"(d[0]), "=d"(d[1])
+                 : "d"(a), "d"(b), "d"(c[0]), "d"(c[1]));
+}
+
 // D = A*B + C, m16n8k8, tf32 inputs (one element per b32), f32 accumulate.
 // a[0]=(g,t), a[1]=(g+8,t), a[2]=(g,t+4), a[3]=(g+8,t+4); b[0]=(t,g), b[1]=(t+4,g).
 __device__ __forceinline__ void mma_m16n8k8_tf32(float (&d)[4], const uint32_t (&a)[4],

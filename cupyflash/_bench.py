@@ -8,8 +8,9 @@ on the GPU
     ``cupyflash`` (:func:`cupyflash.attention` as dispatched -- the ``kernel``
     field says which family ran, fwd_mma or fwd_simt, bwd_mma or bwd_simt),
     for backward cases ``cupyflash-atomic``
-    (``attention_backward(..., deterministic=False)``: dQ by atomics), on an sm_90
-    GPU with float16/bfloat16 ``cupyflash-wgmma`` (the Hopper kernels, opt-in:
+    (``attention_backward(..., deterministic=False)``: dQ by atomics), for float64
+    forward cases on compute capability 8.0/9.0 ``cupyflash-dmma`` (fwd_dmma, opt-in),
+    on an sm_90 GPU with float16/bfloat16 ``cupyflash-wgmma`` (the Hopper kernels, opt-in:
     fwd_wgmma, bwd_wgmma) and for backward cases ``cupyflash-wgmma-atomic``,
     ``cupyflash-v1`` (Algorithm 1, the fwd_v1 kernel, through
     :func:`cupyflash.reference.flash_attention_v1`), ``cupy-naive`` (matmul,
@@ -305,6 +306,9 @@ def implementations(device: str, case: Case) -> list[str]:
         names.append("cupyflash-wgmma")
         if case.backward:
             names.append("cupyflash-wgmma-atomic")
+    # fwd_dmma, the float64 forward on the FP64 tensor cores (opt-in until measured)
+    if device == "gpu" and not case.backward and case.dtype == "float64" and _dmma_gpu():
+        names.append("cupyflash-dmma")
     # the literal Algorithm 1 (O, l, m through global memory) is a teaching kernel:
     # timed up to 4096 x 4096 scores per head, where a call still takes milliseconds
     if device == "gpu" and not case.backward and case.seqlen_q * case.seqlen_k <= 4096 * 4096:
@@ -356,6 +360,17 @@ def prepare(impl: str, case: Case, inputs, device: str):
                 _gpu.wgmma_override = None
 
         return run_wgmma, _cupyflash_kernel(case, q, k, v, deterministic=deterministic, wgmma=True)
+    if impl == "cupyflash-dmma":
+        from . import _gpu
+
+        def run_dmma():
+            _gpu.dmma_override = True
+            try:
+                return cupyflash.attention(q, k, v, causal=causal)
+            finally:
+                _gpu.dmma_override = None
+
+        return run_dmma, _cupyflash_kernel(case, q, k, v, dmma=True)
     if impl == "cupyflash-v1":
         from .reference import flash_attention_v1
 
@@ -370,6 +385,18 @@ def prepare(impl: str, case: Case, inputs, device: str):
     raise ValueError(f"unknown implementation {impl!r}")
 
 
+def _dmma_gpu() -> bool:
+    """Whether the current device is one fwd_dmma runs on (compute capability 8.0 or 9.0)."""
+    try:
+        import cupy
+
+        from ._kernels import DMMA_ARCHS
+
+        return int(cupy.cuda.Device().compute_capability) in DMMA_ARCHS
+    except Exception:  # noqa: BLE001 - no CuPy or no device
+        return False
+
+
 def _is_sm90() -> bool:
     try:
         import cupy
@@ -379,7 +406,8 @@ def _is_sm90() -> bool:
         return False
 
 
-def _cupyflash_kernel(case: Case, q, k, v, deterministic: bool = True, wgmma: bool | None = None) -> str:
+def _cupyflash_kernel(case: Case, q, k, v, deterministic: bool = True, wgmma: bool | None = None,
+                      dmma: bool | None = None) -> str:
     """The kernel family :func:`cupyflash.attention` dispatches to for these CuPy arrays
     (backward: ``attention_backward`` with ``deterministic``; ", atomic dQ" where no dQ
     kernel runs; forward: ", N splits" where the keys are split over N CTAs)."""
@@ -398,7 +426,7 @@ def _cupyflash_kernel(case: Case, q, k, v, deterministic: bool = True, wgmma: bo
                                deterministic=deterministic, wgmma=wgmma)
         atomic = not any(r.name_expression.split("<")[0].endswith("_dq_kernel") for r in rows)
         return rows[-1].family + (", atomic dQ" if atomic else "")
-    inst = select(q.dtype, case.head_dim, case.head_dim, arch, aligned=aligned, wgmma=wgmma)
+    inst = select(q.dtype, case.head_dim, case.head_dim, arch, aligned=aligned, wgmma=wgmma, dmma=dmma)
     sms = int(cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())["multiProcessorCount"])
     splits = num_splits(inst, batch=case.batch, heads=case.heads, seqlen_q=case.seqlen_q,
                         seqlen_k=case.seqlen_k, arch=arch, multiprocessors=sms)

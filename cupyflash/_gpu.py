@@ -18,13 +18,14 @@ import os
 
 import numpy as np
 
-from ._kernels import (MMA_HEAD_DIMS, WGMMA_ARCH, WGMMA_HEAD_DIMS, Instantiation, by_name,
-                       combine_name_expression, instantiations, mma_name_expression, mma_split_tiles,
-                       mma_tiles, wgmma_name_expression, wgmma_tiles)
+from ._kernels import (DMMA_ARCHS, DMMA_HEAD_DIMS, MMA_HEAD_DIMS, WGMMA_ARCH, WGMMA_HEAD_DIMS, Instantiation,
+                       by_name, combine_name_expression, dmma_name_expression, dmma_tiles, instantiations,
+                       mma_name_expression, mma_split_tiles, mma_tiles, wgmma_name_expression, wgmma_tiles)
 from ._launch import launch_config, num_splits, v1_block_sizes
 from ._params import data_pointer, fwd_params
 
-__all__ = ["forward", "forward_v1", "select", "rows_aligned", "wgmma_enabled", "use_wgmma"]
+__all__ = ["forward", "forward_v1", "select", "rows_aligned", "wgmma_enabled", "use_wgmma", "dmma_enabled",
+           "use_dmma"]
 
 # The wgmma kernels (fwd_wgmma, bwd_wgmma) have not run on a GPU yet: they are
 # opt-in until the GPU tier has checked them.
@@ -36,6 +37,26 @@ wgmma_override: bool | None = None
 # Set by tests and benchmarks to force the forward's split-KV count (None: the
 # heuristic, cupyflash._launch.num_splits).
 split_override: int | None = None
+
+# fwd_dmma (float64 on the FP64 tensor cores) has not run on a GPU yet: opt-in
+# until the GPU tier has checked it and the benchmark has timed it against fwd_simt.
+DMMA_ENV = "CUPYFLASH_DMMA"
+# Set by the benchmarks to time fwd_dmma without touching the environment (None: use it).
+dmma_override: bool | None = None
+
+
+def dmma_enabled() -> bool:
+    """Whether the forward may pick fwd_dmma for float64 on :data:`~cupyflash._kernels.DMMA_ARCHS`:
+    ``CUPYFLASH_DMMA=1`` (read at each call). Off by default until checked on a GPU."""
+    if dmma_override is not None:
+        return dmma_override
+    return os.environ.get(DMMA_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def use_dmma(arch: int, dmma: bool | None = None) -> bool:
+    """Whether fwd_dmma replaces fwd_simt for float64 on ``arch``: a GPU of
+    :data:`~cupyflash._kernels.DMMA_ARCHS` and ``dmma`` true (default: :func:`dmma_enabled`)."""
+    return int(arch) in DMMA_ARCHS and (dmma_enabled() if dmma is None else dmma)
 
 
 def wgmma_enabled() -> bool:
@@ -57,7 +78,8 @@ def _dtype_name(dtype) -> str:
 
 
 def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = False,
-           scale: float = 1.0, wgmma: bool | None = None, split: bool = False) -> Instantiation:
+           scale: float = 1.0, wgmma: bool | None = None, split: bool = False,
+           dmma: bool | None = None) -> Instantiation:
     """The instantiation :func:`forward` runs for these arguments.
 
     ``fwd_wgmma`` (Hopper's wgmma, ``cuda_src/fwd_wgmma.cu``) where fwd_mma would
@@ -82,6 +104,11 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
     holds both head dims.  ``aligned`` defaults to False: without knowing the
     arrays, only fwd_simt is safe.
 
+    ``fwd_dmma`` (``cuda_src/fwd_dmma.cu``, the FP64 tensor cores) for float64 with
+    ``head_dim == head_dim_v <= 128`` on :data:`~cupyflash._kernels.DMMA_ARCHS` where
+    ``dmma`` is true (default: :func:`dmma_enabled`), in the smallest of
+    :data:`~cupyflash._kernels.DMMA_HEAD_DIMS` holding the head dim.
+
     ``split``: the instantiation a split-KV launch runs (``FwdParams::num_splits > 1``):
     fwd_mma's and fwd_wgmma's ``kSplit`` rows (fwd_mma's tiles:
     :func:`~cupyflash._kernels.mma_split_tiles`); fwd_simt splits at run time, so the
@@ -104,6 +131,9 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
             tiles = mma_split_tiles(arch) if split else mma_tiles(arch)
             wanted = mma_name_expression(name, bucket, *tiles[bucket], split=split)
         return by_name()[wanted]
+    if name == "float64" and d == dv and d <= DMMA_HEAD_DIMS[-1] and use_dmma(arch, dmma):
+        bucket = min(m for m in DMMA_HEAD_DIMS if m >= d)
+        return by_name()[dmma_name_expression(bucket, *dmma_tiles()[bucket])]
     bucket = simt_bucket("fwd_simt", name, d, dv)
     return next(r for r in instantiations()
                 if r.family == "fwd_simt" and r.dtype == name and r.head_dim == bucket)

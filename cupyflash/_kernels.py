@@ -16,7 +16,8 @@ __all__ = ["Instantiation", "instantiations", "HEAD_DIM_BUCKETS", "MMA_HEAD_DIMS
            "mma_tiles", "mma_name_expression", "bwd_mma_name_expressions", "bwd_mma_shared_bytes",
            "launchable", "by_name", "WGMMA_HEAD_DIMS", "wgmma_tiles", "wgmma_name_expression",
            "compile_target", "WGMMA_BWD_HEAD_DIMS", "bwd_wgmma_tiles", "bwd_wgmma_name_expressions",
-           "bwd_wgmma_shared_bytes", "combine_name_expression", "COMBINE_THREADS", "mma_split_tiles"]
+           "bwd_wgmma_shared_bytes", "combine_name_expression", "COMBINE_THREADS", "mma_split_tiles", "DMMA_ARCHS", "DMMA_HEAD_DIMS",
+           "dmma_name_expression", "dmma_tiles"]
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,7 @@ def _catalogue() -> tuple[Instantiation, ...]:
             threads=COMBINE_THREADS))
     rows.extend(_mma_instantiations())
     rows.extend(_wgmma_instantiations())
+    rows.extend(_dmma_instantiations())
     rows.extend(_backward_instantiations())
     return tuple(rows)
 
@@ -252,10 +254,13 @@ def mma_name_expression(dtype: str, head_dim: int, block_m: int, block_n: int, w
 def launchable(arch: int) -> frozenset[str]:
     """Name expressions of the catalogue rows some call may launch on compute capability
     ``arch``: every SIMT and fwd_v1 row, the tensor-core rows of ``arch``'s class
-    (none below sm_80), and on sm_90 exactly the fwd_wgmma and bwd_wgmma rows -- what
+    (none below sm_80), the fwd_dmma rows on :data:`DMMA_ARCHS`, and on sm_90
+    exactly the fwd_wgmma and bwd_wgmma rows -- what
     :func:`cupyflash.precompile` compiles for a device."""
     names = {r.name_expression for r in instantiations()
-             if r.family not in ("fwd_mma", "bwd_mma", "fwd_wgmma", "bwd_wgmma")}
+             if r.family not in ("fwd_mma", "bwd_mma", "fwd_wgmma", "bwd_wgmma", "fwd_dmma")}
+    if int(arch) in DMMA_ARCHS:
+        names.update(r.name_expression for r in instantiations() if r.family == "fwd_dmma")
     if int(arch) == WGMMA_ARCH:
         names.update(r.name_expression for r in instantiations() if r.family in ("fwd_wgmma", "bwd_wgmma"))
     tiles = mma_tiles(arch)
@@ -351,6 +356,42 @@ def _wgmma_instantiations() -> list[Instantiation]:
                     dtype=dtype, head_dim=head_dim, head_dim_v=head_dim, threads=128 * groups,
                     block_m=64 * groups, block_n=block_n, kv_stages=2, lazy_rescale=lazy, split=split))
     return rows
+
+# ---- fwd_dmma: float64 on the FP64 tensor cores (mma.sync m8n8k4 .f64), sm_80 / sm_90 -----------
+
+# Compute capabilities whose FP64 tensor cores run at twice the FP64 CUDA-core
+# rate (A100, A30; H100, H200): fwd_dmma replaces fwd_simt there.  Other GPUs
+# either lack FP64 tensor cores' speed (RTX 30/40: FP64 at 1/64 rate either
+# way) or are not known to gain (Blackwell).
+DMMA_ARCHS = (80, 90)
+DMMA_HEAD_DIMS = (32, 64, 128)
+# (block_m, block_n, warps) per head dim: 4 warps of 16 query rows (two m8 tiles,
+# so each K/V fragment feeds two DMMA); shared memory (Q + K + V) x 8 bytes.
+# Registers from the static report (NVRTC 13.5, sm_80 / sm_90), no spills;
+# 2 CTAs per SM (registers) everywhere.  Not yet timed on a GPU.
+_DMMA_TILES = {
+    32: (64, 32, 4),    # 187 / 192 regs, 32 KB
+    64: (64, 32, 4),    # 215 / 216 regs, 64 KB
+    128: (64, 16, 4),   # 246 / 246 regs, 96 KB (64 x 32 would take 128 KB)
+}
+
+
+def dmma_name_expression(head_dim: int, block_m: int, block_n: int, warps: int) -> str:
+    """``cf::fwd_dmma_kernel<head_dim, block_m, block_n, warps>`` (float64 only)."""
+    return f"cf::fwd_dmma_kernel<{head_dim}, {block_m}, {block_n}, {warps}>"
+
+
+def dmma_tiles() -> dict[int, tuple[int, int, int]]:
+    """``{head_dim: (block_m, block_n, warps)}`` of fwd_dmma."""
+    return dict(_DMMA_TILES)
+
+
+def _dmma_instantiations() -> list[Instantiation]:
+    return [Instantiation(family="fwd_dmma", entry="fwd_dmma.cu",
+                          name_expression=dmma_name_expression(d, block_m, block_n, warps),
+                          dtype="float64", head_dim=d, head_dim_v=d, threads=32 * warps,
+                          block_m=block_m, block_n=block_n)
+            for d, (block_m, block_n, warps) in _DMMA_TILES.items()]
 
 # ---- backward ----------------------------------------------------------------------------------
 

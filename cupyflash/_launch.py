@@ -4,7 +4,8 @@ One function, :func:`launch_config`, used by the GPU path and the emulator
 alike, so both run a kernel with the same geometry.  The shared-memory sizes
 mirror the kernels' own arithmetic (``SimtFwdTraits::kSmemBytes`` in
 ``cuda_src/fwd_simt.cu``, ``MmaFwdTraits::kSmemBytes`` in ``cuda_src/fwd_mma.cu``,
-``WgmmaFwdTraits::kSmemBytes`` in ``cuda_src/fwd_wgmma.cu``;
+``WgmmaFwdTraits::kSmemBytes`` in ``cuda_src/fwd_wgmma.cu``,
+``DmmaFwdTraits::kSmemBytes`` in ``cuda_src/fwd_dmma.cu``;
 the buffer list at the top of ``fwd_v1_kernel``).
 """
 
@@ -61,6 +62,11 @@ def _wgmma_shared_bytes(inst: Instantiation) -> int:
     # WgmmaFwdTraits::kSmemBytes: Q, then 2 x (K, V), 16-bit elements, and 1 KB
     # to align the tiles to 1024 bytes.
     return (inst.block_m + 2 * inst.kv_stages * inst.block_n) * inst.head_dim * 2 + 1024
+
+
+def _dmma_shared_bytes(inst: Instantiation) -> int:
+    # DmmaFwdTraits::kSmemBytes: Q, K and V tiles of doubles.
+    return (inst.block_m + 2 * inst.block_n) * inst.head_dim * 8
 
 
 def _v1_shared_bytes(inst: Instantiation, block_m: int, block_n: int, head_dim: int,
@@ -121,6 +127,9 @@ def launch_config(inst: Instantiation, *, batch: int, heads: int, seqlen_q: int,
             raise ValueError(f"{inst.family}: seqlen_k={seqlen_k} has more than 2**31 - 1 key blocks")
         ctas = -(-seqlen_q // inst.block_m) * heads * batch
         shared = _mma_shared_bytes(inst) if inst.family == "fwd_mma" else _wgmma_shared_bytes(inst)
+    elif inst.family == "fwd_dmma":
+        ctas = -(-seqlen_q // inst.block_m) * heads * batch
+        shared = _dmma_shared_bytes(inst)
     elif inst.family == "fwd_v1":
         if sram_size is None:
             raise ValueError("fwd_v1 needs `sram_size` (Algorithm 1's M, in elements)")
@@ -138,7 +147,7 @@ def launch_config(inst: Instantiation, *, batch: int, heads: int, seqlen_q: int,
 
 # ---- split-KV ------------------------------------------------------------------------------------
 
-SPLIT_FAMILIES = ("fwd_simt", "fwd_mma", "fwd_wgmma")
+SPLIT_FAMILIES = ("fwd_simt", "fwd_mma", "fwd_wgmma", "fwd_dmma")
 _MAX_SPLITS = 64
 # Keys a split visits at least: below that, reading its Q tile again and
 # writing its partial rows (then fwd_combine reading them) stops being small
@@ -170,6 +179,9 @@ def ctas_per_sm(inst: Instantiation, arch: int) -> int:
     elif inst.family == "fwd_wgmma":
         shared = _wgmma_shared_bytes(inst)
         target = 1
+    elif inst.family == "fwd_dmma":
+        shared = _dmma_shared_bytes(inst)
+        target = 2                                                          # DmmaFwdTraits
     else:
         raise ValueError(f"no split-KV for kernel family {inst.family!r}")
     sm_shared = _SM_SHARED.get(int(arch), min(_SM_SHARED.values()))

@@ -258,8 +258,9 @@ def test_gpu_profile_cases_run_the_kernels_they_name():
         family = name.rsplit("_", 1)[0].replace("_atomic", "")
         np_dtype = np.float16 if dtype == "bfloat16" else np.dtype(dtype)   # same dispatch as bfloat16
         wgmma = "wgmma" in name   # gpu_profile.py turns the opt-in wgmma kernels on for these
+        dmma = "dmma" in name     # and fwd_dmma
         if kind == "forward":
-            assert _gpu.select(np_dtype, d, d, 90, aligned=True, wgmma=wgmma).family == family, name
+            assert _gpu.select(np_dtype, d, d, 90, aligned=True, wgmma=wgmma, dmma=dmma).family == family, name
         else:
             rows = _gpu_bwd.select(np_dtype, d, d, 90, aligned=True, deterministic=deterministic, wgmma=wgmma)
             assert {r.family for r in rows[1:]} == {family}, name

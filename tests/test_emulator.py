@@ -49,7 +49,8 @@ TOY_DTYPE = np.dtype(
 
 SHFL_TYPES = ["float", "int", "double", "__half2", "__nv_bfloat162"]
 FIDELITY_KERNELS = (
-    ["fid_mma_f16", "fid_mma_bf16", "fid_mma_tf32", "fid_cp_async_4", "fid_exp2", "fid_pack", "fid_to_tf32"]
+    ["fid_mma_f16", "fid_mma_bf16", "fid_mma_tf32", "fid_mma_f64", "fid_cp_async_4", "fid_exp2", "fid_pack",
+     "fid_to_tf32"]
     + [f"fid_ldmatrix<{n}, {tr}>" for n in (1, 2, 4) for tr in ("false", "true")]
     + [f"fid_shfl_{op}<{t}>" for op in ("xor", "idx", "updown") for t in SHFL_TYPES]
     + [f"fid_cp_async<{n}>" for n in (0, 1, 2)]
@@ -233,6 +234,26 @@ def test_mma_m16n8k8_tf32_rounds_inputs_and_matches_fragment_tables(ex, rng):
     ex.launch(FIDELITY, "fid_mma_tf32", 1, 32 * warps, 0, fid_params(a_in, b_in, c_in, d, regs))
     np.testing.assert_array_equal(regs, expected_regs)
     np.testing.assert_allclose(d, expected_d, rtol=1e-6, atol=1e-5)
+
+
+def test_mma_m8n8k4_f64_matches_the_fragment_table(ex, rng):
+    # ptx-fragments.md section 3: a0 = A[g][t], b0 = B[t][g], c0/c1 = C[g][2t], C[g][2t+1];
+    # each warp its own 8x4 @ 4x8 + 8x8 product, in double.
+    warps = 2
+    a_in, b_in = np.zeros(32 * warps), np.zeros(32 * warps)
+    c_in, expected = np.zeros((32 * warps, 2)), np.zeros((32 * warps, 2))
+    for w in range(warps):
+        A, B, C = rng.standard_normal((8, 4)), rng.standard_normal((4, 8)), rng.standard_normal((8, 8))
+        D = A @ B + C
+        for lane in range(32):
+            g, t, L = lane >> 2, lane & 3, 32 * w + lane
+            a_in[L], b_in[L] = A[g, t], B[t, g]
+            c_in[L] = C[g, 2 * t:2 * t + 2]
+            expected[L] = D[g, 2 * t:2 * t + 2]
+    d = np.full((32 * warps, 2), np.nan)
+    ex.launch(FIDELITY, "fid_mma_f64", 1, 32 * warps, 0, fid_params(a_in, b_in, c_in, d))
+    # an FMA chain in double: within a few ulps of NumPy's sum of four products
+    np.testing.assert_allclose(d, expected, rtol=1e-14, atol=1e-14)
 
 
 def test_to_tf32_rounds_to_nearest_ties_away(ex):
@@ -710,6 +731,10 @@ def test_toy_flash_attention_missing_prefetch_wait_is_detected(ex, ex_nocheck):
 def _fidelity_case(name, rng):
     """Inputs, output templates, scalars and comparison mode for one fidelity kernel."""
     lanes = 64
+    if name == "fid_mma_f64":
+        ins = [rng.standard_normal(lanes), rng.standard_normal(lanes), rng.standard_normal((lanes, 2))]
+        return {"ins": ins, "outs": [np.zeros((lanes, 2))], "block": lanes, "smem": 0, "scalars": {},
+                "mode": "mma"}
     if name.startswith("fid_mma"):
         normal = rng.standard_normal
         if name == "fid_mma_tf32":
@@ -785,6 +810,8 @@ def test_fidelity_kernels_on_the_device_agree_with_the_emulator(ex, name):
             continue
         if case["mode"] == "mma" and e.dtype == np.float32:
             np.testing.assert_allclose(d, e, rtol=1e-5, atol=1e-5)  # accumulation order is unspecified
+        elif case["mode"] == "mma" and e.dtype == np.float64:
+            np.testing.assert_allclose(d, e, rtol=1e-14, atol=1e-14)
         elif case["mode"] == "ulp2":
             finite = np.isfinite(e) & (e != 0)
             assert np.all(np.abs(d[finite] - e[finite]) <= 2 * np.spacing(np.abs(e[finite])))

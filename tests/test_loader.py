@@ -370,6 +370,8 @@ def test_launchable_is_what_the_dispatchers_pick_on_each_architecture():
             for d in MMA_HEAD_DIMS:
                 for split in (False, True):   # the split-KV rows too
                     picked.add(_gpu.select(dtype, d, d, arch, aligned=True, split=split).name_expression)
+                if d <= 128:   # fwd_dmma, opt-in
+                    picked.add(_gpu.select(dtype, d, d, arch, aligned=True, dmma=True).name_expression)
                 for deterministic in (True, False):
                     picked.update(r.name_expression for r in _gpu_bwd.select(
                         dtype, d, d, arch, aligned=True, deterministic=deterministic))

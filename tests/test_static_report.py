@@ -85,9 +85,10 @@ INTENDED_SASS = {
     "fwd_wgmma": {"float": ("HGMMA", "LDGSTS", "MUFU")},
     "bwd_wgmma": {"float": ("HGMMA", "LDGSTS", "MUFU")},
     "fwd_combine": {"float": ("LDG", "MUFU", "FFMA", "STG"), "double": ("LDG", "DFMA", "STG")},
+    "fwd_dmma": {"double": ("DMMA", "LDGSTS", "LDS", "SHFL")},
 }
 ABSENT_SASS = {"fwd_simt": ("HMMA",), "fwd_v1": ("HMMA",), "bwd_simt": ("HMMA",),
-               "fwd_combine": ("HMMA", "LDS", "STS", "BAR"),
+               "fwd_combine": ("HMMA", "LDS", "STS", "BAR"), "fwd_dmma": ("HMMA", "LDSM"),
                "fwd_wgmma": ("HMMA", "LDSM"), "bwd_wgmma": ("HMMA", "LDSM")}
 
 

@@ -60,7 +60,7 @@ CFEMU_API int cfemu_run(const cfemu_launch_desc* desc, cfemu_thunk thunk, uint64
 
 enum cfemu_shfl_mode { CFEMU_SHFL_IDX = 0, CFEMU_SHFL_UP = 1, CFEMU_SHFL_DOWN = 2, CFEMU_SHFL_BFLY = 3 };
 enum cfemu_vote_mode { CFEMU_VOTE_ALL = 0, CFEMU_VOTE_ANY = 1, CFEMU_VOTE_BALLOT = 2 };
-enum cfemu_mma_kind { CFEMU_MMA_F16 = 0, CFEMU_MMA_BF16 = 1, CFEMU_MMA_TF32 = 2 };
+enum cfemu_mma_kind { CFEMU_MMA_F16 = 0, CFEMU_MMA_BF16 = 1, CFEMU_MMA_TF32 = 2, CFEMU_MMA_F64 = 3 };
 
 // A block barrier at call site file:line; returns how many live threads passed pred != 0.
 CFEMU_API int cfemu_syncthreads(const char* file, int line, int pred);
@@ -68,6 +68,8 @@ CFEMU_API void cfemu_syncwarp(unsigned mask);
 CFEMU_API uint64_t cfemu_shfl(int mode, unsigned mask, uint64_t bits, int size, int lane_arg, int width);
 CFEMU_API unsigned cfemu_vote(int mode, unsigned mask, int pred);
 CFEMU_API void cfemu_mma(int kind, float* d, const uint32_t* a, const uint32_t* b, const float* c);
+// mma.sync.m8n8k4 .f64 (kind CFEMU_MMA_F64): d[2] = a[0] b[0] + c[2] per ptx-fragments.md section 3.
+CFEMU_API void cfemu_mma_f64(double* d, const double* a, const double* b, const double* c);
 CFEMU_API void cfemu_ldmatrix(int num, int trans, uint32_t* d, const void* row);
 CFEMU_API void cfemu_cp_async(void* smem_dst, const void* gmem_src, int cp_size, int src_bytes);
 CFEMU_API void cfemu_cp_async_commit(void);

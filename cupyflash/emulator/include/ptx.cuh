@@ -82,6 +82,11 @@ __device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const uint32_t 
     cfemu_mma(CFEMU_MMA_BF16, d, a, b, c);
 }
 
+// D = A*B + C, m8n8k4, double: a = A[g][t], b = B[t][g], c/d = (g, 2t), (g, 2t + 1).
+__device__ __forceinline__ void mma_m8n8k4_f64(double (&d)[2], double a, double b, const double (&c)[2]) {
+    cfemu_mma_f64(d, &a, &b, c);
+}
+
 // D = A*B + C, m16n8k8, tf32 inputs (one element per b32), f32 accumulate.
 // a[0]=(g,t), a[1]=(g+8,t), a[2]=(g,t+4), a[3]=(g+8,t+4); b[0]=(t,g), b[1]=(t+4,g).
 // The tensor core reads the upper 19 bits of each register (low 13 bits ignored).

@@ -219,6 +219,12 @@ struct MmaArgs {
     const uint32_t* b;
     const float* c;
 };
+struct DmmaArgs {
+    double* d;
+    const double* a;
+    const double* b;
+    const double* c;
+};
 struct LdmArgs {
     uint32_t* d;
     const char* row;
@@ -308,8 +314,8 @@ const char* op_name(Op op, int variant) {
         }
         case Op::Mma: {
             static const char* names[] = {"mma.sync.m16n8k16 (f16)", "mma.sync.m16n8k16 (bf16)",
-                                          "mma.sync.m16n8k8 (tf32)"};
-            return names[variant % 3];
+                                          "mma.sync.m16n8k8 (tf32)", "mma.sync.m8n8k4 (f64)"};
+            return names[variant % 4];
         }
         case Op::Wgmma:
             return (variant >> 1) & 1   ? "wgmma.mma_async (A from registers)"
@@ -582,7 +588,12 @@ struct Launch {
                 case Op::Syncwarp: finish_syncwarp(base, mask); break;
                 case Op::Shfl: finish_shfl(base, mask, variant); break;
                 case Op::Vote: finish_vote(base, mask, variant); break;
-                case Op::Mma: finish_mma(base, variant); break;
+                case Op::Mma:
+                    if (variant == CFEMU_MMA_F64)
+                        finish_dmma(base);
+                    else
+                        finish_mma(base, variant);
+                    break;
                 case Op::Ldmatrix: finish_ldmatrix(base, variant); break;
                 case Op::None: break;
             }
@@ -701,6 +712,35 @@ struct Launch {
             m->d[1] = D[g][2 * t + 1];
             m->d[2] = D[g + 8][2 * t];
             m->d[3] = D[g + 8][2 * t + 1];
+        }
+    }
+
+    // D = A*B + C, m8n8k4 in double (ptx-fragments.md section 3): a0 = A[g][t], b0 = B[t][g],
+    // c0/c1 = C[g][2t], C[g][2t+1].  "Identical to .f64 fused multiply-add": each element as
+    // four FMAs in k order (the hardware's order is not documented; every order is exact to
+    // the rounding of an FMA chain).
+    void finish_dmma(int base) {
+        double A[8][4], B[4][8], C[8][8];
+        for (int l = 0; l < 32; ++l) {
+            const auto* m = static_cast<DmmaArgs*>(fibers[base + l].op_args);
+            const int g = l >> 2, t = l & 3;
+            A[g][t] = m->a[0];
+            B[t][g] = m->b[0];
+            C[g][2 * t] = m->c[0];
+            C[g][2 * t + 1] = m->c[1];
+        }
+        double D[8][8];
+        for (int r = 0; r < 8; ++r)
+            for (int n = 0; n < 8; ++n) {
+                double acc = C[r][n];
+                for (int k = 0; k < 4; ++k) acc = std::fma(A[r][k], B[k][n], acc);
+                D[r][n] = acc;
+            }
+        for (int l = 0; l < 32; ++l) {
+            auto* m = static_cast<DmmaArgs*>(fibers[base + l].op_args);
+            const int g = l >> 2, t = l & 3;
+            m->d[0] = D[g][2 * t];
+            m->d[1] = D[g][2 * t + 1];
         }
     }
 
@@ -1416,6 +1456,12 @@ CFEMU_API void cfemu_mma(int kind, float* d, const uint32_t* a, const uint32_t* 
     Launch* L = current_launch("mma");
     MmaArgs m{d, a, b, c};
     L->warp_op(L->cur, Op::Mma, kind, kFullMask, &m, __builtin_return_address(0));
+}
+
+CFEMU_API void cfemu_mma_f64(double* d, const double* a, const double* b, const double* c) {
+    Launch* L = current_launch("mma");
+    DmmaArgs m{d, a, b, c};
+    L->warp_op(L->cur, Op::Mma, CFEMU_MMA_F64, kFullMask, &m, __builtin_return_address(0));
 }
 
 CFEMU_API void cfemu_ldmatrix(int num, int trans, uint32_t* d, const void* row) {

@@ -1,0 +1,239 @@
+// fwd_dmma.cu -- the float64 forward on tensor cores: FlashAttention-2 with
+// mma.sync m8n8k4 .f64 (DMMA), sm_80 and later.
+//
+// Double precision throughout: the products and sums of DMMA are those of
+// double fused multiply-adds (ptx-fragments.md section 3), the softmax is the
+// SIMT kernels' OnlineSoftmax<double>.  On an A100 or H100 the FP64 tensor
+// cores run twice the rate of the FP64 CUDA cores that fwd_simt uses.
+//
+// A CTA owns kBlockM query rows of one (batch, head); each of its kWarps warps
+// owns kWarpRows = kBlockM / kWarps of them (kMTiles m8 tiles).  Q, K and V
+// move through shared memory as in fwd_simt's float64 path (fwd_tiles.cuh:
+// Q once, K and V in their own buffers by cp.async, V(n) landing during S =
+// Q K(n)^T, K(n + 1) during O += P V(n)).  Per key block, every warp computes
+//     S = Q K^T                   k4 steps: an A fragment per m8 tile (Q[g][t]),
+//                                 a B fragment per n8 tile (K[n + g][t])
+//     mask                        only on blocks that cross a mask boundary
+//     online softmax, exp2        OnlineSoftmax<double, kMTiles, 4>: lane (g, t)
+//                                 holds row g of each m8 tile, columns 2t, 2t + 1
+//                                 of each n8 tile; rows reduce over the quad
+//     O += P V                    P's A fragments (P[g][k + t]) gathered from the
+//                                 score accumulators by two quad shuffles each;
+//                                 B fragments V[k + t][n + g]
+// and divides O by l once, at the end.
+//
+// Shared layouts (16-byte chunks of 2 doubles): Q and K rows swizzle their
+// chunks by XOR with row % 8, so the 8 rows x 4 columns of an A or B fragment
+// of S hit 16 chunks spread over all 32 banks (two wavefronts, the minimum for
+// 256 bytes); V's fragment is 4 rows x 8 columns, so V rows XOR their chunks
+// with 4 x (row % 4) (DmmaVRows) to the same effect.  The dispatcher
+// (cupyflash/_gpu.py) gives this kernel float64, d = dv up to 128, 16-byte
+// aligned rows and sm_80 / sm_90; columns past the run-time d are zero-filled
+// by cp.async.  Split-KV (FwdParams::num_splits > 1) as in fwd_simt: CTA (x, y)
+// visits the y-th run of its key blocks and writes its partial results.
+#pragma once
+
+#include "block_info.cuh"
+#include "fwd_tiles.cuh"
+#include "mask.cuh"
+#include "params.cuh"
+#include "ptx.cuh"
+#include "softmax.cuh"
+#include "tile_io.cuh"
+
+namespace cf {
+
+// Rows of kCols doubles whose 16-byte chunks are permuted by XOR with
+// 4 x (row % 4): the 4 rows x 8 columns of a DMMA B fragment of V (rows k..k+3,
+// columns n..n+7, n a multiple of 8) land in 16 distinct chunks.
+template <int kCols>
+struct DmmaVRows {
+    static_assert(kCols % 32 == 0, "DmmaVRows: rows of at least 16 chunks");
+    __device__ static int offset(int r, int c) { return r * kCols + (((c >> 1) ^ ((r & 3) << 2)) << 1) + (c & 1); }
+};
+
+// Every compile-time quantity of one instantiation.  The (head dim -> tile)
+// table with the reason for each row is _DMMA_TILES in cupyflash/_kernels.py.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_>
+struct DmmaFwdTraits {
+    using Acc = double;
+    static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDim_;
+    static constexpr int kBlockM = kBlockM_, kBlockN = kBlockN_, kWarps = kWarps_;
+    static constexpr int kThreads = 32 * kWarps;
+    static constexpr int kWarpRows = kBlockM / kWarps;  // query rows per warp
+    static constexpr int kMTiles = kWarpRows / 8;       // m8 tiles per warp = accumulator rows per lane
+    static constexpr int kNTiles = kBlockN / 8;         // n8 tiles of S
+    static constexpr int kSCols = 2 * kNTiles;          // score columns per lane and row
+    static constexpr int kOTiles = kHeadDim / 8;        // n8 tiles of O
+    static constexpr int kOCols = 2 * kOTiles;          // output columns per lane and row
+    static constexpr int kKSteps = kHeadDim / 4;        // k4 steps of S = Q K^T
+    static constexpr int kKeySteps = kBlockN / 4;       // k4 steps of O += P V
+
+    // fwd_tiles.cuh's schedule: double needs no conversion, so cp.async.
+    static constexpr bool kAsync = true;
+    using QLayout = SwizzledRows<double, kHeadDim>;
+    using KLayout = SwizzledRows<double, kHeadDim>;
+    __device__ static DmmaVRows<kHeadDim> v_layout() { return {}; }
+    static constexpr int kSmemQ = kBlockM * kHeadDim, kSmemK = kBlockN * kHeadDim, kSmemV = kBlockN * kHeadDim;
+    static constexpr int kSmemBytes = (kSmemQ + kSmemK + kSmemV) * static_cast<int>(sizeof(double));
+    // __launch_bounds__ minimum CTAs per SM: 2 leaves every thread the 255-register maximum.
+    static constexpr int kMinBlocksPerSm = 2;
+
+    static_assert(kBlockM % (8 * kWarps) == 0, "block_m: whole m8 tiles per warp");
+    static_assert(kBlockN % 8 == 0, "block_n: whole n8 tiles");
+    static_assert(kHeadDim % 32 == 0 && kHeadDim <= 128, "head dim bucket: 32, 64 or 128");
+    static_assert(kSmemBytes <= 99 * 1024, "within the opt-in shared memory of every sm_80+ GPU");
+};
+
+// The two accumulators of lane (g, t) in n8 tile n of a row array, as DMMA's C/D.
+template <int kCols>
+__device__ __forceinline__ double (&pair(double (&row)[kCols], int n))[2] {
+    return *reinterpret_cast<double(*)[2]>(&row[2 * n]);
+}
+
+// s = (Q K^T) * scale_log2 for the warp's rows (from row0 of the Q tile) and the key block.
+template <class Tr>
+__device__ __forceinline__ void dmma_qk(double (&s)[Tr::kMTiles][Tr::kSCols], const double* sQ,
+                                        const double* sK, int row0, double scale_log2) {
+    const int g = lane_id() >> 2, t = lane_id() & 3;
+#pragma unroll
+    for (int mi = 0; mi < Tr::kMTiles; ++mi)
+#pragma unroll
+        for (int c = 0; c < Tr::kSCols; ++c) s[mi][c] = 0.0;
+#pragma unroll
+    for (int kk = 0; kk < Tr::kKSteps; ++kk) {
+        double a[Tr::kMTiles], b[Tr::kNTiles];
+#pragma unroll
+        for (int mi = 0; mi < Tr::kMTiles; ++mi) a[mi] = sQ[Tr::QLayout::offset(row0 + 8 * mi + g, 4 * kk + t)];
+#pragma unroll
+        for (int ni = 0; ni < Tr::kNTiles; ++ni) b[ni] = sK[Tr::KLayout::offset(8 * ni + g, 4 * kk + t)];
+#pragma unroll
+        for (int mi = 0; mi < Tr::kMTiles; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < Tr::kNTiles; ++ni) {
+                double (&acc)[2] = pair(s[mi], ni);
+                mma_m8n8k4_f64(acc, a[mi], b[ni], acc);
+            }
+    }
+#pragma unroll
+    for (int mi = 0; mi < Tr::kMTiles; ++mi)
+#pragma unroll
+        for (int c = 0; c < Tr::kSCols; ++c) s[mi][c] *= scale_log2;
+}
+
+// Scores of keys a row may not see (window, causal, beyond Lk) -> -inf; m0 is the
+// warp's first query row, n0 the block's first key.
+template <class Tr>
+__device__ __forceinline__ void dmma_mask(double (&s)[Tr::kMTiles][Tr::kSCols], const WindowMask& mask,
+                                          int64_t m0, int64_t n0) {
+    const int g = lane_id() >> 2, t = lane_id() & 3;
+#pragma unroll
+    for (int mi = 0; mi < Tr::kMTiles; ++mi) {
+        int lo, hi;
+        mask.row_range(m0 + 8 * mi + g, n0, Tr::kBlockN, lo, hi);
+#pragma unroll
+        for (int c = 0; c < Tr::kSCols; ++c) {
+            const int key = 8 * (c >> 1) + 2 * t + (c & 1);
+            if (key < lo || key >= hi) s[mi][c] = neg_inf<double>();
+        }
+    }
+}
+
+// o += P V, P the (unnormalised) probabilities in the score accumulators.  Key
+// step kk takes keys 4 kk .. 4 kk + 3: lane (g, t) needs P[g][4 kk + t], which
+// lane (g, 2 (kk % 2) + t / 2) holds as its element t % 2 of n8 tile kk / 2.
+template <class Tr>
+__device__ __forceinline__ void dmma_pv(double (&o)[Tr::kMTiles][Tr::kOCols],
+                                        const double (&p)[Tr::kMTiles][Tr::kSCols], const double* sV) {
+    const int lane = lane_id(), g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int kk = 0; kk < Tr::kKeySteps; ++kk) {
+        const int ni = kk >> 1;
+        const int src = (lane & ~3) | (2 * (kk & 1) + (t >> 1));
+        double a[Tr::kMTiles];
+#pragma unroll
+        for (int mi = 0; mi < Tr::kMTiles; ++mi) {
+            const double even = shfl(p[mi][2 * ni], src), odd = shfl(p[mi][2 * ni + 1], src);
+            a[mi] = (t & 1) ? odd : even;
+        }
+#pragma unroll
+        for (int nj = 0; nj < Tr::kOTiles; ++nj) {
+            const double b = sV[DmmaVRows<Tr::kHeadDim>::offset(4 * kk + t, 8 * nj + g)];
+#pragma unroll
+            for (int mi = 0; mi < Tr::kMTiles; ++mi) {
+                double (&acc)[2] = pair(o[mi], nj);
+                mma_m8n8k4_f64(acc, a[mi], b, acc);
+            }
+        }
+    }
+}
+
+// The warp's rows of the normalised output (to out, rows out_row_stride apart)
+// and their lse (to lse_out unless null): the call's output or a split's partials.
+template <class Tr>
+__device__ __forceinline__ void dmma_store(const double (&o)[Tr::kMTiles][Tr::kOCols],
+                                           const double (&lse)[Tr::kMTiles], double* out, int64_t out_row_stride,
+                                           double* lse_out, int64_t lse_row_stride, const QueryBlock& block,
+                                           int row0, int dv) {
+    const int g = lane_id() >> 2, t = lane_id() & 3;
+#pragma unroll
+    for (int mi = 0; mi < Tr::kMTiles; ++mi) {
+        const int row = row0 + 8 * mi + g;
+        if (row >= block.rows) continue;
+        const int64_t i = block.m0 + row;
+        double* out_row = out + i * out_row_stride;
+#pragma unroll
+        for (int nj = 0; nj < Tr::kOTiles; ++nj) {
+            const int col = 8 * nj + 2 * t;
+            if (col < dv) out_row[col] = o[mi][2 * nj];
+            if (col + 1 < dv) out_row[col + 1] = o[mi][2 * nj + 1];
+        }
+        if (lse_out != nullptr && t == 0) lse_out[i * lse_row_stride] = lse[mi];
+    }
+}
+
+template <int kHeadDim, int kBlockM, int kBlockN, int kWarps>
+__global__ void __launch_bounds__((DmmaFwdTraits<kHeadDim, kBlockM, kBlockN, kWarps>::kThreads),
+                                  (DmmaFwdTraits<kHeadDim, kBlockM, kBlockN, kWarps>::kMinBlocksPerSm))
+fwd_dmma_kernel(const FwdParams params) {
+    using Tr = DmmaFwdTraits<kHeadDim, kBlockM, kBlockN, kWarps>;
+
+    const TileIndex tile(params, kBlockM, blockIdx.x);
+    const HeadSlice<double, double> head(params, tile.batch, tile.head);
+    const WindowMask mask(params);
+    const QueryBlock block(params, mask, tile.m_block * kBlockM, kBlockM);
+    const double scale_log2 = params.scale_log2;
+    const int row0 = warp_id() * Tr::kWarpRows;  // the warp's first row in the Q tile
+
+    int64_t n_begin = block.n_begin(kBlockN), n_end = block.n_end(kBlockN);
+    split_key_blocks(params, blockIdx.y, n_begin, n_end);
+    const SimtTiles<Tr, double> tiles(params, head, block, n_begin, n_end);
+
+    OnlineSoftmax<double, Tr::kMTiles, 4> softmax;
+    double o[Tr::kMTiles][Tr::kOCols] = {};
+    for (int64_t n_block = n_begin; n_block < n_end; ++n_block) {
+        const int64_t n0 = n_block * kBlockN;
+        double s[Tr::kMTiles][Tr::kSCols];
+        tiles.keys(n_block);
+        dmma_qk<Tr>(s, tiles.sQ, tiles.sK, row0, scale_log2);
+        if (block.needs_mask(mask, n0, kBlockN)) dmma_mask<Tr>(s, mask, block.m0 + row0, n0);
+        softmax.update(s, o);
+        tiles.values(n_block);
+        dmma_pv<Tr>(o, s, tiles.sV);
+        tiles.done();
+    }
+    tiles.finish();
+
+    double lse[Tr::kMTiles];
+    softmax.normalize(o, lse);
+    const int dv = static_cast<int>(params.head_dim_v);
+    if (params.num_splits > 1) {
+        const SplitSlice<double> part(params, tile.batch, tile.head, blockIdx.y);
+        dmma_store<Tr>(o, lse, part.o, dv, part.lse, 1, block, row0, dv);
+    } else {
+        dmma_store<Tr>(o, lse, head.out, params.out_row_stride, head.lse, params.lse_row_stride, block, row0,
+                       dv);
+    }
+}
+
+}  // namespace cf

@@ -1,0 +1,124 @@
+"""Tier 1: fwd_dmma, the float64 forward on the FP64 tensor cores, on a real GPU.
+
+The matrix of tests/test_fwd_dmma.py on the device through ``cupyflash.attention``
+with fwd_dmma switched on (it is opt-in until this tier has passed): every
+instantiation with tails in both axes, causal and window masks with Lq < Lk
+and Lq > Lk, GQA, padded and unaligned head dims, split-KV, a check that
+fwd_dmma is the kernel that ran, agreement with fwd_simt to float64 rounding
+on a longer sequence, and repeated runs bit for bit.  Outputs are poisoned with
+NaN before each launch.  Skipped cleanly without CuPy or a CUDA device, and on
+GPUs other than compute capability 8.0 and 9.0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import cupyflash
+from cupyflash import _dispatch, _gpu
+from cupyflash._kernels import DMMA_ARCHS, DMMA_HEAD_DIMS, instantiations
+from cupyflash.reference import naive_attention
+
+from _util import assert_close, assert_lse_close, random_array
+
+cp = pytest.importorskip("cupy")
+
+pytestmark = pytest.mark.gpu
+
+DMMA_ROWS = [r for r in instantiations() if r.family == "fwd_dmma"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def dmma_gpu():
+    arch = int(cp.cuda.Device().compute_capability)
+    if arch not in DMMA_ARCHS:
+        pytest.skip(f"fwd_dmma runs on compute capability 8.0 and 9.0; this GPU is sm_{arch}")
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """fwd_dmma on, and the name expressions cupyflash.attention launches in this test."""
+    monkeypatch.setattr(_gpu, "dmma_override", True)
+    inner = _dispatch.executor_for("cuda")
+    names = []
+
+    class Recorder:
+        arch = inner.arch
+        multiprocessors = inner.multiprocessors
+
+        def launch(self, entry, name_expression, grid, block, shared_mem, params):
+            names.append(name_expression)
+            inner.launch(entry, name_expression, grid, block, shared_mem, params)
+
+    monkeypatch.setattr(_dispatch, "executor_for", lambda backend: Recorder())
+    return names
+
+
+def check(q, k, v, *, window=(None, None), gqa_ratio=1, repeat=2):
+    """cupyflash.attention on the device (NaN-poisoned out=) against the float64 oracle; runs
+    ``repeat`` times and requires the same bits each time."""
+    left, right = window
+    results = []
+    for _ in range(repeat):
+        out = cp.full(q.shape[:-1] + (v.shape[-1],), cp.nan)
+        _, lse = cupyflash.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), out=out, return_lse=True,
+                                     window=(left, right), enable_gqa=gqa_ratio > 1, backend="cuda")
+        results.append((cp.asnumpy(out), cp.asnumpy(lse)))
+    for later in results[1:]:
+        np.testing.assert_array_equal(later[0], results[0][0])
+        np.testing.assert_array_equal(later[1], results[0][1])
+    out, lse = results[0]
+    ref, ref_lse = naive_attention(q, k, v, scale=1 / math.sqrt(q.shape[-1]), window=window,
+                                   enable_gqa=gqa_ratio > 1, return_lse=True)
+    assert not np.isnan(out).any()
+    assert_close(out, ref, np.float64)
+    assert_lse_close(lse, ref_lse, np.float64)
+    return out
+
+
+def qkv(rng, *, seqlen_q, seqlen_k, head_dim, heads_kv=1, gqa_ratio=1, batch=1):
+    return (random_array(rng, (batch, heads_kv * gqa_ratio, seqlen_q, head_dim), np.float64),
+            random_array(rng, (batch, heads_kv, seqlen_k, head_dim), np.float64),
+            random_array(rng, (batch, heads_kv, seqlen_k, head_dim), np.float64))
+
+
+@pytest.mark.parametrize("inst", DMMA_ROWS, ids=lambda r: f"d{r.head_dim}")
+def test_every_instantiation_with_tails_and_masks(launched, inst):
+    rng = np.random.default_rng(inst.head_dim)
+    q, k, v = qkv(rng, seqlen_q=inst.block_m + 21, seqlen_k=inst.block_m + 2 * inst.block_n + 5,
+                  head_dim=inst.head_dim)
+    for window in ((None, 0), (None, None)):
+        check(q, k, v, window=window)
+    assert set(launched) == {inst.name_expression}
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(150, 100), (70, 200)], ids=["lq>lk", "lq<lk"])
+@pytest.mark.parametrize("window", [(None, 0), (16, 0), (5, 40), (70, None)])
+def test_masks(launched, seqlen_q, seqlen_k, window):
+    rng = np.random.default_rng(seqlen_q + seqlen_k)
+    check(*qkv(rng, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=64, heads_kv=2, gqa_ratio=2),
+          window=window, gqa_ratio=2)
+    assert all("fwd_dmma" in n for n in launched)
+
+
+@pytest.mark.parametrize("head_dim", [3, 17, 40, 100])
+def test_padded_and_unaligned_head_dims(launched, head_dim):
+    rng = np.random.default_rng(head_dim)
+    check(*qkv(rng, seqlen_q=300, seqlen_k=500, head_dim=head_dim, batch=2))
+    bucket = min(b for b in DMMA_HEAD_DIMS if b >= head_dim)
+    assert launched[0].startswith(f"cf::fwd_dmma_kernel<{bucket},")
+
+
+def test_a_split_decoding_step_and_a_long_sequence_agree_with_fwd_simt(launched, monkeypatch):
+    rng = np.random.default_rng(7)
+    # Lq = 1 over 20000 keys: few CTAs, so the keys are split
+    check(*qkv(rng, seqlen_q=1, seqlen_k=20000, head_dim=64, heads_kv=4))
+    assert launched[-1] == "cf::fwd_combine_kernel<double, double>"
+    q, k, v = qkv(rng, seqlen_q=2048, seqlen_k=2048, head_dim=64, heads_kv=8, batch=2)
+    dmma = cupyflash.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), causal=True, backend="cuda")
+    monkeypatch.setattr(_gpu, "dmma_override", False)
+    simt = cupyflash.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), causal=True, backend="cuda")
+    np.testing.assert_allclose(cp.asnumpy(dmma), cp.asnumpy(simt), rtol=1e-12, atol=1e-13)
