@@ -368,11 +368,12 @@ DMMA_HEAD_DIMS = (32, 64, 128)
 # (block_m, block_n, warps) per head dim: 4 warps of 16 query rows (two m8 tiles,
 # so each K/V fragment feeds two DMMA); shared memory (Q + K + V) x 8 bytes.
 # Registers from the static report (NVRTC 13.5, sm_80 / sm_90), no spills;
-# 2 CTAs per SM (registers) everywhere.  Not yet timed on a GPU.
+# 2 CTAs per SM (registers) except at d = 128 on sm_80 (shared memory: 1).
+# Not yet timed on a GPU.
 _DMMA_TILES = {
     32: (64, 32, 4),    # 187 / 192 regs, 32 KB
     64: (64, 32, 4),    # 215 / 216 regs, 64 KB
-    128: (64, 16, 4),   # 246 / 246 regs, 96 KB (64 x 32 would take 128 KB)
+    128: (64, 16, 4),   # 246 / 246 regs, 96 KB: 1 CTA on sm_80, 2 on sm_90 (64 x 32 would take 128 KB)
 }
 
 

@@ -29,6 +29,7 @@ FAMILIES = (
     ("fwd_mma", "Tensor-core forward (`fwd_mma`, float16/bfloat16, the tile each GPU class gets)"),
     ("fwd_wgmma", "Hopper forward (`fwd_wgmma`, float16/bfloat16, sm_90a only; opt-in with `CUPYFLASH_WGMMA=1`)"),
     ("fwd_simt", "SIMT forward (`fwd_simt`)"),
+    ("fwd_dmma", "float64 forward on the FP64 tensor cores (`fwd_dmma`, sm_80/sm_90; opt-in with `CUPYFLASH_DMMA=1`)"),
     ("bwd_mma", "Tensor-core backward (`bwd_mma`, float16/bfloat16, the kernels each GPU class launches; "
                 "tile: owned × streamed rows)"),
     ("bwd_simt", "SIMT backward (`bwd_simt`: delta, dK/dV and dQ kernels)"),
@@ -108,6 +109,8 @@ def _tile(row: dict) -> str:
         return f"{args[2]}×{args[3]}, {args[4]} warps, {args[-1]} stage{'s' * (args[-1] != '1')}"
     if row["family"] == "bwd_wgmma":      # <T, d, own, streamed, warpgroups, kGrads>
         return f"{args[2]}×{args[3]}, {args[4]} warpgroups"
+    if row["family"] == "fwd_dmma":       # <d, block_m, block_n, warps>
+        return f"{args[1]}×{args[2]}, {args[3]} warps"
     if row["family"] == "fwd_simt":       # <T, d, dv, block_m, block_n>
         return f"{args[3]}×{args[4]}"
     if row["family"] == "bwd_simt" and len(args) >= 5:   # <T, d, dv, own, streamed[, atomic dQ]>
