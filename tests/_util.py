@@ -117,3 +117,52 @@ def cxx_struct_layout(tmp_path, header: str, struct: str, fields: dict) -> dict:
                    check=True, capture_output=True)
     lines = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")
     return {name: int(value) for name, value in (line.split() for line in lines if line)}
+
+
+class LaunchSpy:
+    """Executor wrapper recording each launch's ``(name expression, grid)``; passes the
+    inner executor's ``arch`` and SM count on, so the dispatch is the inner one's."""
+
+    def __init__(self, inner):
+        self.inner, self.arch = inner, inner.arch
+        self.multiprocessors = getattr(inner, "multiprocessors", None)
+        self.launches = []
+
+    @property
+    def launched(self):
+        return [name for name, _ in self.launches]
+
+    def launch(self, entry, name_expression, grid, block, shared_mem, params):
+        self.launches.append((name_expression, tuple(grid) if isinstance(grid, tuple) else (grid,)))
+        self.inner.launch(entry, name_expression, grid, block, shared_mem, params)
+
+
+def forward_against_oracle(executor, q, k, v, *, window=(None, None), gqa_ratio=1, out=None,
+                           with_lse=True):
+    """:func:`cupyflash._gpu.forward` of q, k, v on ``executor`` into a NaN-poisoned ``out``
+    (unless given) against the float64 oracle: every element written, out and lse to the
+    dtype's tolerance, rows that see no key zero with lse = -inf.  Returns the
+    :class:`LaunchSpy` that ran it and ``out``."""
+    import math
+
+    from cupyflash import _gpu
+    from cupyflash.reference import naive_attention
+
+    dtype = q.dtype
+    if out is None:
+        out = poisoned(q.shape[:3] + (v.shape[3],), dtype)
+    lse = poisoned(q.shape[:3], accum_dtype(dtype)) if with_lse else None
+    spy = LaunchSpy(executor)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    _gpu.forward(q, k, v, out, lse, scale=scale, window_left=window[0], window_right=window[1],
+                 gqa_ratio=gqa_ratio, executor=spy)
+    ref, ref_lse = naive_attention(q, k, v, scale=scale, window=window, enable_gqa=gqa_ratio > 1,
+                                   return_lse=True)
+    assert not np.isnan(out.astype(np.float64)).any(), "output element left unwritten (NaN)"
+    assert_close(out, ref, dtype)
+    if with_lse:
+        assert_lse_close(lse, ref_lse, dtype)
+        no_key = np.isneginf(ref_lse)
+        assert (np.isneginf(lse) == no_key).all()
+        assert (out.astype(np.float64)[no_key] == 0).all()
+    return spy, out

@@ -20,8 +20,6 @@ tests/test_emulator.py (fid_mma_f64), and on a GPU against the device.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
@@ -29,9 +27,7 @@ from cupyflash import _gpu, _report
 from cupyflash._kernels import DMMA_ARCHS, DMMA_HEAD_DIMS, instantiations, launchable
 from cupyflash._launch import launch_config
 from cupyflash.emulator import EmulatorExecutor, emulator_available
-from cupyflash.reference import naive_attention
-
-from _util import assert_close, assert_lse_close, poisoned, random_array
+from _util import forward_against_oracle, poisoned, random_array
 
 DMMA_ROWS = [r for r in instantiations() if r.family == "fwd_dmma"]
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
@@ -111,15 +107,6 @@ def executor():
     return EmulatorExecutor(arch=80, seed=80, shuffle=True, race_check=True)
 
 
-class _Recorder:
-    def __init__(self, inner):
-        self.inner, self.arch, self.multiprocessors, self.launched = inner, inner.arch, inner.multiprocessors, []
-
-    def launch(self, entry, name_expression, grid, block, shared_mem, params):
-        self.launched.append(name_expression)
-        self.inner.launch(entry, name_expression, grid, block, shared_mem, params)
-
-
 def run_dmma(executor, monkeypatch, *, head_dim, seqlen_q, seqlen_k, window=(None, None), gqa_ratio=1,
              batch=1, heads_kv=1, splits=1, q=None, k=None, v=None, out=None, with_lse=True, seed=0):
     """One float64 forward through _gpu.forward with fwd_dmma on, checked against the oracle;
@@ -131,21 +118,9 @@ def run_dmma(executor, monkeypatch, *, head_dim, seqlen_q, seqlen_k, window=(Non
     q = random_array(rng, (batch, heads, seqlen_q, head_dim), np.float64) if q is None else q
     k = random_array(rng, (batch, heads_kv, seqlen_k, head_dim), np.float64) if k is None else k
     v = random_array(rng, (batch, heads_kv, seqlen_k, head_dim), np.float64) if v is None else v
-    out = poisoned(q.shape[:3] + (v.shape[3],), np.float64) if out is None else out
-    lse = poisoned(q.shape[:3], np.float64) if with_lse else None
-    recorder = _Recorder(executor)
-    scale = 1.0 / math.sqrt(head_dim)
-    _gpu.forward(q, k, v, out, lse, scale=scale, window_left=window[0], window_right=window[1],
-                 gqa_ratio=gqa_ratio, executor=recorder)
-    ref, ref_lse = naive_attention(q, k, v, scale=scale, window=window, enable_gqa=gqa_ratio > 1,
-                                   return_lse=True)
-    assert not np.isnan(out).any(), "output element left unwritten (NaN)"
-    assert_close(out, ref, np.float64)
-    if with_lse:
-        assert_lse_close(lse, ref_lse, np.float64)
-        assert (np.isneginf(lse) == np.isneginf(ref_lse)).all()
-        assert (out[np.isneginf(ref_lse)] == 0).all()
-    return recorder.launched, out
+    spy, out = forward_against_oracle(executor, q, k, v, window=window, gqa_ratio=gqa_ratio, out=out,
+                                      with_lse=with_lse)
+    return spy.launched, out
 
 
 @needs_emulator

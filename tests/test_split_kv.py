@@ -30,9 +30,8 @@ from cupyflash._kernels import (MMA_HEAD_DIMS, by_name, combine_name_expression,
                                 mma_name_expression, mma_split_tiles, mma_tiles)
 from cupyflash._launch import ctas_per_sm, launch_config, num_splits
 from cupyflash.emulator import EmulatorExecutor, emulator_available
-from cupyflash.reference import naive_attention
 
-from _util import accum_dtype, assert_close, assert_lse_close, poisoned, random_array
+from _util import forward_against_oracle, poisoned, random_array
 
 _OK, _WHY = emulator_available()
 needs_emulator = pytest.mark.skipif(not _OK, reason=f"CPU emulator unavailable: {_WHY}")
@@ -167,20 +166,10 @@ def executor():
     return EmulatorExecutor(arch=80, seed=77, shuffle=True, race_check=True)
 
 
-class _Spy:
-    """Executor wrapper recording each launch's name and grid."""
-
-    def __init__(self, inner):
-        self.inner, self.arch, self.multiprocessors = inner, inner.arch, inner.multiprocessors
-        self.launched = []
-
-    def launch(self, entry, name_expression, grid, block, shared_mem, params):
-        self.launched.append((name_expression, tuple(grid)))
-        self.inner.launch(entry, name_expression, grid, block, shared_mem, params)
-
-
 def _run(executor, dtype, *, head_dim, seqlen_q, seqlen_k, head_dim_v=None, window=(None, None),
          gqa_ratio=1, batch=1, heads_kv=1, splits=None, with_lse=True, out=None, monkeypatch):
+    """One forward with ``splits`` forced (None: the heuristic) on random inputs, checked
+    against the oracle; returns the (name, grid) launches and the output."""
     rng = np.random.default_rng(seqlen_q * 1000 + seqlen_k + head_dim)
     dtype = np.dtype(dtype)
     dv = head_dim if head_dim_v is None else head_dim_v
@@ -188,24 +177,10 @@ def _run(executor, dtype, *, head_dim, seqlen_q, seqlen_k, head_dim_v=None, wind
     q = random_array(rng, (batch, heads, seqlen_q, head_dim), dtype)
     k = random_array(rng, (batch, heads_kv, seqlen_k, head_dim), dtype)
     v = random_array(rng, (batch, heads_kv, seqlen_k, dv), dtype)
-    if out is None:
-        out = poisoned((batch, heads, seqlen_q, dv), dtype)
-    lse = poisoned((batch, heads, seqlen_q), accum_dtype(dtype)) if with_lse else None
     monkeypatch.setattr(_gpu, "split_override", splits)
-    spy = _Spy(executor)
-    scale = 1.0 / math.sqrt(head_dim)
-    _gpu.forward(q, k, v, out, lse, scale=scale, window_left=window[0], window_right=window[1],
-                 gqa_ratio=gqa_ratio, executor=spy)
-    ref, ref_lse = naive_attention(q, k, v, scale=scale, window=window, enable_gqa=gqa_ratio > 1,
-                                   return_lse=True)
-    assert not np.isnan(out.astype(np.float64)).any(), "output element left unwritten (NaN)"
-    assert_close(out, ref, dtype)
-    if with_lse:
-        assert_lse_close(lse, ref_lse, dtype)
-        no_key = np.isneginf(ref_lse)
-        assert (np.isneginf(lse) == no_key).all()
-        assert (out.astype(np.float64)[no_key] == 0).all()
-    return spy.launched, out
+    spy, out = forward_against_oracle(executor, q, k, v, window=window, gqa_ratio=gqa_ratio, out=out,
+                                      with_lse=with_lse)
+    return spy.launches, out
 
 
 def _bf16():
