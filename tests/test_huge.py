@@ -372,14 +372,15 @@ else:
 @needs_emulator
 def test_a_32_bit_offset_in_a_kernel_is_caught(tmp_path):
     # The premise of the tests above, shown on a copy of cuda_src/ whose fwd_simt
-    # truncates one row offset (key block start * row stride) to 32 bits.
+    # truncates one row offset (key block start * row stride) to 32 bits (in its
+    # K/V schedule, fwd_tiles.cuh).
     import shutil
     import subprocess
     import sys
 
     src = tmp_path / "cuda_src"
     shutil.copytree(cuda_src_dir(), src)
-    kernel = src / "fwd_simt.cu"
+    kernel = src / "fwd_tiles.cuh"
     good = "head.k + n0 * params.k_row_stride"
     assert good in kernel.read_text()
     kernel.write_text(kernel.read_text().replace(good, "head.k + static_cast<int>(n0 * params.k_row_stride)"))
