@@ -13,7 +13,8 @@ from the group-counting rule of section 6.
 
 Each model takes a ``plant`` argument naming a deliberate layout error (the
 two halves of a packed register swapped, g and t swapped, A's second row block
-and second column block swapped, ``.trans`` ignored, the shuffle width
+and second column block swapped, DMMA's B read like its A or its C pair
+swapped, ``.trans`` ignored, the shuffle width
 ignored, wait_group counting from the oldest group, no zero-fill).  The
 faithful model must agree with the emulator; every planted one must
 disagree, which shows the comparison can see a layout error at all.
@@ -283,6 +284,52 @@ def test_mma_m16n8k8_tf32_model_agrees(tf32_case):
 def test_mma_m16n8k8_tf32_planted_model_errors_are_caught(tf32_case, plant):
     a, b, c, d, _ = tf32_case
     assert not mma_agrees(d, per_warp(lambda *x: model_mma_1688_tf32(*x, plant=plant)[0], a, b, c))
+
+
+# ---- mma.sync m8n8k4 .f64 (DMMA): section 3 -----------------------------------------------------------
+
+def model_mma_884_f64(a, b, c, plant=None):
+    """Section 3: a0 = A[g][t], b0 = B[t][g], c0/c1 = C[g][2t], C[g][2t+1] (D likewise)."""
+    A, B, C = np.full((8, 4), np.nan), np.full((4, 8), np.nan), np.full((8, 8), np.nan)
+    G, T = _lane_grid(plant)
+    for lane in range(32):
+        g, t = G[lane], T[lane]
+        A[g, t] = a[lane]
+        if plant == "b_like_a":           # reading B's fragment as A's: b0 = B[g][t] is not even 4 x 8
+            B[t, g] = b[(4 * t + g) % 32]
+        else:
+            B[t, g] = b[lane]
+        cols = (2 * t + 1, 2 * t) if plant == "c_pair_swapped" else (2 * t, 2 * t + 1)
+        C[g, cols[0]], C[g, cols[1]] = c[lane]
+    D = A @ B + C
+    return np.array([[D[G[lane], 2 * T[lane] + e if plant != "c_pair_swapped" else 2 * T[lane] + 1 - e]
+                      for e in range(2)] for lane in range(32)])
+
+
+@pytest.fixture(scope="module")
+def dmma_case(run):
+    rng = np.random.default_rng(4)
+    a, b = rng.standard_normal(LANES), rng.standard_normal(LANES)
+    c = rng.standard_normal((LANES, 2))
+    d = np.full((LANES, 2), np.nan)
+    run("fid_mma_f64", [a, b, c], [d])
+    return a, b, c, d
+
+
+def dmma_agrees(d, expected):
+    # double FMAs in some order: a few ulps of the sum of four products and C
+    return d.shape == expected.shape and np.allclose(d, expected, rtol=1e-14, atol=1e-14)
+
+
+def test_mma_m8n8k4_f64_model_agrees(dmma_case):
+    a, b, c, d = dmma_case
+    assert dmma_agrees(d, per_warp(model_mma_884_f64, a, b, c))
+
+
+@pytest.mark.parametrize("plant", ["g_t_swapped", "b_like_a", "c_pair_swapped"])
+def test_mma_m8n8k4_f64_planted_model_errors_are_caught(dmma_case, plant):
+    a, b, c, d = dmma_case
+    assert not dmma_agrees(d, per_warp(model_mma_884_f64, a, b, c, plant=plant))
 
 
 # ---- ldmatrix: the CuTe bit-index picture ------------------------------------------------------------
