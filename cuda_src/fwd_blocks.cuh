@@ -232,4 +232,18 @@ __device__ __forceinline__ void store_partial(const FwdParams& p, int batch, int
     }
 }
 
+// The epilogue of the tensor-core forwards: o /= l, then the call's output and
+// lse (store_output) or, in a kSplit instantiation, the split's partial results
+// (store_partial).
+template <class Tr, bool kSplit, typename T, class Softmax>
+__device__ __forceinline__ void finish_output(const FwdParams& p, int batch, int head, int m_block, int row0,
+                                              T* sQ, Softmax& softmax, float (&o)[Tr::kRows][Tr::kOCols]) {
+    float lse[Tr::kRows];
+    softmax.normalize(o, lse);
+    if constexpr (kSplit)
+        store_partial<Tr>(p, batch, head, m_block, row0, o, lse);
+    else
+        store_output<Tr>(p, batch, head, m_block, row0, sQ, o, lse);
+}
+
 }  // namespace cf

@@ -153,13 +153,7 @@ fwd_mma_kernel(const FwdParams params) {
         kv.advance();
     }
 
-    float lse[Tr::kRows];
-    softmax.normalize(o, lse);
-
-    if constexpr (kSplit)
-        store_partial<Tr>(params, batch, head, m_block, row0, o, lse);
-    else
-        store_output<Tr>(params, batch, head, m_block, row0, sQ, o, lse);
+    finish_output<Tr, kSplit>(params, batch, head, m_block, row0, sQ, softmax, o);
 }
 
 }  // namespace cf

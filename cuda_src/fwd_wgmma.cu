@@ -199,13 +199,7 @@ fwd_wgmma_kernel(const FwdParams params) {
         wgmma_wait<0>();
     }
 
-    float lse[Tr::kRows];
-    softmax.normalize(o, lse);
-
-    if constexpr (kSplit)
-        store_partial<Tr>(params, batch, head, m_block, row0, o, lse);
-    else
-        store_output<Tr>(params, batch, head, m_block, row0, sQ, o, lse);
+    finish_output<Tr, kSplit>(params, batch, head, m_block, row0, sQ, softmax, o);
 }
 
 }  // namespace cf
