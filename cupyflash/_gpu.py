@@ -233,29 +233,23 @@ def forward(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio, e
                                                   window_right=window_right)
     if splits > 1 and inst.family in ("fwd_mma", "fwd_wgmma"):
         inst = select(q.dtype, head_dim, head_dim_v, executor.arch, aligned=True, scale=scale, split=True)
-    if splits == 1:
-        params = fwd_params(q, k, v, out, lse, scale=scale, window_left=window_left,
-                            window_right=window_right, gqa_ratio=gqa_ratio)
-        grid, block, shared = launch_config(inst, batch=batch, heads=heads, seqlen_q=seqlen_q,
-                                            seqlen_k=seqlen_k)
-        executor.launch(inst.entry, inst.name_expression, grid, block, shared, params)
-        return
-    # Split-KV: each split's normalised partial rows and lse (accumulator type),
-    # then fwd_combine merges them into out and lse.
-    xp = _array_module(q)
-    acc = _accumulator_dtype(q.dtype)
-    part_o = xp.empty((splits, batch, heads, seqlen_q, head_dim_v), dtype=acc)
-    part_lse = xp.empty((splits, batch, heads, seqlen_q), dtype=acc)
+    workspace = (None, None, None)
+    if splits > 1:   # each split's normalised partial rows and lse, in the accumulator type
+        xp = _array_module(q)
+        acc = _accumulator_dtype(q.dtype)
+        workspace = (xp.empty((splits, batch, heads, seqlen_q, head_dim_v), dtype=acc),
+                     xp.empty((splits, batch, heads, seqlen_q), dtype=acc), None)
     params = fwd_params(q, k, v, out, lse, scale=scale, window_left=window_left,
-                        window_right=window_right, gqa_ratio=gqa_ratio,
-                        workspace=(part_o, part_lse, None), num_splits=splits)
+                        window_right=window_right, gqa_ratio=gqa_ratio, workspace=workspace,
+                        num_splits=splits)
     grid, block, shared = launch_config(inst, batch=batch, heads=heads, seqlen_q=seqlen_q,
                                         seqlen_k=seqlen_k, num_splits=splits)
     executor.launch(inst.entry, inst.name_expression, grid, block, shared, params)
-    combine = by_name()[combine_name_expression(_dtype_name(q.dtype))]
-    grid, block, shared = launch_config(combine, batch=batch, heads=heads, seqlen_q=seqlen_q,
-                                        seqlen_k=seqlen_k, head_dim_v=head_dim_v)
-    executor.launch(combine.entry, combine.name_expression, grid, block, shared, params)
+    if splits > 1:   # fwd_combine merges the partials into out and lse
+        combine = by_name()[combine_name_expression(_dtype_name(q.dtype))]
+        grid, block, shared = launch_config(combine, batch=batch, heads=heads, seqlen_q=seqlen_q,
+                                            seqlen_k=seqlen_k, head_dim_v=head_dim_v)
+        executor.launch(combine.entry, combine.name_expression, grid, block, shared, params)
 
 
 def forward_v1(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio, sram_size,

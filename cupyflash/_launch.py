@@ -11,6 +11,7 @@ the buffer list at the top of ``fwd_v1_kernel``).
 
 from __future__ import annotations
 
+import functools
 import math
 
 from ._kernels import Instantiation, bwd_mma_shared_bytes, bwd_wgmma_shared_bytes
@@ -188,6 +189,7 @@ def ctas_per_sm(inst: Instantiation, arch: int) -> int:
     return max(1, min(target, sm_shared // (shared + 1024)))
 
 
+@functools.lru_cache(maxsize=4096)   # on every small-grid forward (decoding: every step)
 def num_splits(inst: Instantiation, *, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
                arch: int, multiprocessors: int, window_left: int | None = None,
                window_right: int | None = None) -> int:

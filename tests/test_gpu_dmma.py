@@ -22,7 +22,7 @@ from cupyflash import _dispatch, _gpu
 from cupyflash._kernels import DMMA_ARCHS, DMMA_HEAD_DIMS, instantiations
 from cupyflash.reference import naive_attention
 
-from _util import assert_close, assert_lse_close, random_array
+from _util import LaunchSpy, assert_close, assert_lse_close, random_array
 
 cp = pytest.importorskip("cupy")
 
@@ -39,22 +39,12 @@ def dmma_gpu():
 
 
 @pytest.fixture
-def launched(monkeypatch):
-    """fwd_dmma on, and the name expressions cupyflash.attention launches in this test."""
+def spy(monkeypatch):
+    """fwd_dmma on, and a record of what cupyflash.attention launches in this test."""
     monkeypatch.setattr(_gpu, "dmma_override", True)
-    inner = _dispatch.executor_for("cuda")
-    names = []
-
-    class Recorder:
-        arch = inner.arch
-        multiprocessors = inner.multiprocessors
-
-        def launch(self, entry, name_expression, grid, block, shared_mem, params):
-            names.append(name_expression)
-            inner.launch(entry, name_expression, grid, block, shared_mem, params)
-
-    monkeypatch.setattr(_dispatch, "executor_for", lambda backend: Recorder())
-    return names
+    recorder = LaunchSpy(_dispatch.executor_for("cuda"))
+    monkeypatch.setattr(_dispatch, "executor_for", lambda backend: recorder)
+    return recorder
 
 
 def check(q, k, v, *, window=(None, None), gqa_ratio=1, repeat=2):
@@ -86,37 +76,37 @@ def qkv(rng, *, seqlen_q, seqlen_k, head_dim, heads_kv=1, gqa_ratio=1, batch=1):
 
 
 @pytest.mark.parametrize("inst", DMMA_ROWS, ids=lambda r: f"d{r.head_dim}")
-def test_every_instantiation_with_tails_and_masks(launched, inst):
+def test_every_instantiation_with_tails_and_masks(spy, inst):
     rng = np.random.default_rng(inst.head_dim)
     q, k, v = qkv(rng, seqlen_q=inst.block_m + 21, seqlen_k=inst.block_m + 2 * inst.block_n + 5,
                   head_dim=inst.head_dim)
     for window in ((None, 0), (None, None)):
         check(q, k, v, window=window)
-    assert set(launched) == {inst.name_expression}
+    assert set(spy.launched) == {inst.name_expression}
 
 
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(150, 100), (70, 200)], ids=["lq>lk", "lq<lk"])
 @pytest.mark.parametrize("window", [(None, 0), (16, 0), (5, 40), (70, None)])
-def test_masks(launched, seqlen_q, seqlen_k, window):
+def test_masks(spy, seqlen_q, seqlen_k, window):
     rng = np.random.default_rng(seqlen_q + seqlen_k)
     check(*qkv(rng, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=64, heads_kv=2, gqa_ratio=2),
           window=window, gqa_ratio=2)
-    assert all("fwd_dmma" in n for n in launched)
+    assert all("fwd_dmma" in n for n in spy.launched)
 
 
 @pytest.mark.parametrize("head_dim", [3, 17, 40, 100])
-def test_padded_and_unaligned_head_dims(launched, head_dim):
+def test_padded_and_unaligned_head_dims(spy, head_dim):
     rng = np.random.default_rng(head_dim)
     check(*qkv(rng, seqlen_q=300, seqlen_k=500, head_dim=head_dim, batch=2))
     bucket = min(b for b in DMMA_HEAD_DIMS if b >= head_dim)
-    assert launched[0].startswith(f"cf::fwd_dmma_kernel<{bucket},")
+    assert spy.launched[0].startswith(f"cf::fwd_dmma_kernel<{bucket},")
 
 
-def test_a_split_decoding_step_and_a_long_sequence_agree_with_fwd_simt(launched, monkeypatch):
+def test_a_split_decoding_step_and_a_long_sequence_agree_with_fwd_simt(spy, monkeypatch):
     rng = np.random.default_rng(7)
     # Lq = 1 over 20000 keys: few CTAs, so the keys are split
     check(*qkv(rng, seqlen_q=1, seqlen_k=20000, head_dim=64, heads_kv=4))
-    assert launched[-1] == "cf::fwd_combine_kernel<double, double>"
+    assert spy.launched[-1] == "cf::fwd_combine_kernel<double, double>"
     q, k, v = qkv(rng, seqlen_q=2048, seqlen_k=2048, head_dim=64, heads_kv=8, batch=2)
     dmma = cupyflash.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), causal=True, backend="cuda")
     monkeypatch.setattr(_gpu, "dmma_override", False)

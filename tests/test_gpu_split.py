@@ -21,35 +21,17 @@ from cupyflash import _dispatch, _gpu
 from cupyflash._kernels import combine_name_expression
 from cupyflash.reference import naive_attention
 
-from _util import accum_dtype, assert_close, assert_lse_close, random_array
+from _util import LaunchSpy, accum_dtype, assert_close, assert_lse_close, random_array
 
 cp = pytest.importorskip("cupy")
 
 pytestmark = pytest.mark.gpu
 
 
-class _Spy:
-    """The CUDA executor, recording each launch's name and grid (its SM count passed on)."""
-
-    def __init__(self, inner):
-        self.inner, self.launched = inner, []
-
-    @property
-    def arch(self):
-        return self.inner.arch
-
-    @property
-    def multiprocessors(self):
-        return self.inner.multiprocessors
-
-    def launch(self, entry, name_expression, grid, block, shared_mem, params):
-        self.launched.append((name_expression, tuple(grid)))
-        self.inner.launch(entry, name_expression, grid, block, shared_mem, params)
-
-
 @pytest.fixture
 def spy(monkeypatch):
-    recorder = _Spy(_dispatch.executor_for("cuda"))
+    """The CUDA executor behind cupyflash.attention, recording each launch's name and grid."""
+    recorder = LaunchSpy(_dispatch.executor_for("cuda"))
     monkeypatch.setattr(_dispatch, "executor_for", lambda backend: recorder)
     return recorder
 
@@ -84,7 +66,7 @@ def test_small_grids_split_and_match_the_oracle(spy, monkeypatch, wgmma, dtype_n
         _, lse = cupyflash.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), causal=causal, out=out,
                                      return_lse=True, backend="cuda")
         results.append((cp.asnumpy(out), cp.asnumpy(lse)))
-    (main, grid), (combine, _) = spy.launched[:2]
+    (main, grid), (combine, _) = spy.launches[:2]
     assert grid[1] > 1, f"{main} was not split"
     assert combine == combine_name_expression(dtype.name)
     assert ("fwd_wgmma" in main) == wgmma
