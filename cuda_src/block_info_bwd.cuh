@@ -7,12 +7,14 @@
 // key block is the mirror image of a query block: the query rows that see a
 // key form one contiguous range whose ends grow with the key (mask.cuh), so
 // the rows seeing any key of [n0, n0 + keys) are [first_row, last_row] and
-// every query block outside it is skipped.  All offsets are 64-bit.
+// every query block outside it is skipped.  All offsets are 64-bit.  Last,
+// the query rows' statistics every backward kernel reads (lse, delta).
 #pragma once
 
 #include "block_info.cuh"
 #include "mask.cuh"
 #include "params_bwd.cuh"
+#include "softmax.cuh"
 
 namespace cf {
 
@@ -80,5 +82,23 @@ struct KeyBlock {
                mask.first_key(m0 + block_m - 1) > n0 || mask.last_key(m0) < n0 + block_n - 1;
     }
 };
+
+// Statistics of query row i: lse in base 2, and delta.  A row that sees no
+// key (lse = -inf) and a row past Lq get lse_log2 = +inf: their
+// probabilities exp2(s - inf) are 0, never inf or NaN.
+template <typename Acc>
+__device__ __forceinline__ void load_query_stats(Acc& lse_log2, Acc& delta, const Acc* lse,
+                                                 int64_t lse_row_stride, const Acc* delta_in,
+                                                 int64_t delta_row_stride, int64_t i,
+                                                 int64_t seqlen_q) {
+    constexpr double kLog2e = 1.44269504088896340736;
+    lse_log2 = -neg_inf<Acc>();
+    delta = Acc(0);
+    if (i < seqlen_q) {
+        const Acc l = lse[i * lse_row_stride];
+        if (l != neg_inf<Acc>()) lse_log2 = l * Acc(kLog2e);
+        delta = delta_in[i * delta_row_stride];
+    }
+}
 
 }  // namespace cf

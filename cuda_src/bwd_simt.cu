@@ -214,24 +214,6 @@ __device__ __forceinline__ Acc query_stat(const Acc (&x)[N], int ii, int jj) {
     return x[kQueryRows ? ii : jj];
 }
 
-// Statistics of query row i: lse in base 2, and delta.  A row that sees no
-// key (lse = -inf) and a row past Lq get lse_log2 = +inf: their
-// probabilities exp2(s - inf) are 0, never inf or NaN.
-template <typename Acc>
-__device__ __forceinline__ void load_query_stats(Acc& lse_log2, Acc& delta, const Acc* lse,
-                                                 int64_t lse_row_stride, const Acc* delta_in,
-                                                 int64_t delta_row_stride, int64_t i,
-                                                 int64_t seqlen_q) {
-    constexpr double kLog2e = 1.44269504088896340736;
-    lse_log2 = -neg_inf<Acc>();
-    delta = Acc(0);
-    if (i < seqlen_q) {
-        const Acc l = lse[i * lse_row_stride];
-        if (l != neg_inf<Acc>()) lse_log2 = l * Acc(kLog2e);
-        delta = delta_in[i * delta_row_stride];
-    }
-}
-
 // s (raw scores) -> P = exp2(s * scale_log2 - lse_log2).
 template <bool kQueryRows, class Tr, typename Acc, int N>
 __device__ __forceinline__ void probabilities(Acc (&s)[Tr::kRowsPerThread][Tr::kColsPerThread],

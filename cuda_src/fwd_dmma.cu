@@ -34,6 +34,7 @@
 #pragma once
 
 #include "block_info.cuh"
+#include "dmma_tile.cuh"
 #include "fwd_tiles.cuh"
 #include "mask.cuh"
 #include "params.cuh"
@@ -42,15 +43,6 @@
 #include "tile_io.cuh"
 
 namespace cf {
-
-// Rows of kCols doubles whose 16-byte chunks are permuted by XOR with
-// 4 x (row % 4): the 4 rows x 8 columns of a DMMA B fragment of V (rows k..k+3,
-// columns n..n+7, n a multiple of 8) land in 16 distinct chunks.
-template <int kCols>
-struct DmmaVRows {
-    static_assert(kCols % 32 == 0, "DmmaVRows: rows of at least 16 chunks");
-    __device__ static int offset(int r, int c) { return r * kCols + (((c >> 1) ^ ((r & 3) << 2)) << 1) + (c & 1); }
-};
 
 // Every compile-time quantity of one instantiation.  The (head dim -> tile)
 // table with the reason for each row is _DMMA_TILES in cupyflash/_kernels.py.
@@ -84,12 +76,6 @@ struct DmmaFwdTraits {
     static_assert(kHeadDim % 32 == 0 && kHeadDim <= 128, "head dim bucket: 32, 64 or 128");
     static_assert(kSmemBytes <= 99 * 1024, "within the opt-in shared memory of every sm_80+ GPU");
 };
-
-// The two accumulators of lane (g, t) in n8 tile n of a row array, as DMMA's C/D.
-template <int kCols>
-__device__ __forceinline__ double (&pair(double (&row)[kCols], int n))[2] {
-    return *reinterpret_cast<double(*)[2]>(&row[2 * n]);
-}
 
 // s = (Q K^T) * scale_log2 for the warp's rows (from row0 of the Q tile) and the key block.
 template <class Tr>

@@ -15,7 +15,8 @@ Three or four launches, in order: ``delta = rowsum(dout * out)`` into a
 workspace allocated here (``cuda_src/bwd_simt.cu``), then dK/dV (one launch,
 or dV and dK apart for bwd_mma's large head dims), then dQ, by the SIMT
 kernels or the tensor-core ones (``cuda_src/bwd_mma.cu``, on Hopper
-``cuda_src/bwd_wgmma.cu``; :func:`select`).
+``cuda_src/bwd_wgmma.cu``; for float64 ``cuda_src/bwd_dmma.cu`` where
+enabled; :func:`select`).
 Every gradient element is summed by one thread in a fixed order, so the
 results are bit-identical from run to run.
 """
@@ -24,9 +25,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._gpu import _accumulator_dtype, _array_module, mma_head_dim, rows_aligned, simt_bucket, use_wgmma
-from ._kernels import (WGMMA_BWD_HEAD_DIMS, Instantiation, bwd_mma_name_expressions, bwd_wgmma_name_expressions,
-                       by_name, instantiations)
+from ._gpu import _accumulator_dtype, _array_module, mma_head_dim, rows_aligned, simt_bucket, use_dmma, use_wgmma
+from ._kernels import (DMMA_HEAD_DIMS, WGMMA_BWD_HEAD_DIMS, Instantiation, bwd_dmma_name_expressions,
+                       bwd_mma_name_expressions, bwd_wgmma_name_expressions, by_name, instantiations)
 from ._launch import backward_kernel, backward_launch_config
 from ._params_bwd import bwd_params
 
@@ -38,7 +39,7 @@ _SIMT_KERNELS = ("bwd_simt_dot_do_o_kernel", "bwd_simt_dkdv_kernel", "bwd_simt_d
 
 def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = False,
            deterministic: bool = True, wgmma: bool | None = None,
-           dq_aligned: bool = True) -> tuple[Instantiation, ...]:
+           dq_aligned: bool = True, dmma: bool | None = None) -> tuple[Instantiation, ...]:
     """The instantiations :func:`backward` launches for these arguments, in launch order.
 
     bwd_wgmma (Hopper's wgmma, ``cuda_src/bwd_wgmma.cu``) where bwd_mma would run
@@ -48,7 +49,15 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
     launches, dV then dK, from head dim 192 on) and its dQ kernel -- or, not
     ``deterministic``, up to head dim 128 and with ``dq_aligned`` (every row of
     dq starts on an 8-byte boundary: its atomics add float pairs), the dK/dV
-    kernel that adds dQ by atomics.  Otherwise:
+    kernel that adds dQ by atomics.
+
+    bwd_dmma (float64 on the FP64 tensor cores, ``cuda_src/bwd_dmma.cu``) for
+    float64 with ``head_dim == head_dim_v <= 128`` (any strides) on
+    :data:`~cupyflash._kernels.DMMA_ARCHS` where ``dmma`` is true (default:
+    :func:`cupyflash._gpu.dmma_enabled`, the forward's switch), in the smallest
+    of :data:`~cupyflash._kernels.DMMA_HEAD_DIMS` holding the head dim:
+    bwd_simt's delta kernel, bwd_dmma's dK/dV and dQ kernels, whatever
+    ``deterministic`` says (they have no atomic variant).  Otherwise:
 
     bwd_mma (tensor cores, ``cuda_src/bwd_mma.cu``) where it applies -- the
     conditions of fwd_mma (:func:`cupyflash._gpu.select`): ``arch >= 80``,
@@ -79,6 +88,9 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
             if r.family == "bwd_simt" and r.dtype == name and r.head_dim == bucket]
     simt = {backward_kernel(r): r for r in rows if not r.name_expression.endswith(", true>")}
     atomic = [r for r in rows if r.name_expression.endswith(", true>")]
+    if name == "float64" and d == dv and d <= DMMA_HEAD_DIMS[-1] and use_dmma(arch, dmma):
+        names = bwd_dmma_name_expressions(min(m for m in DMMA_HEAD_DIMS if m >= d))
+        return (simt["bwd_simt_dot_do_o_kernel"],) + tuple(by_name()[n] for n in names)
     mma_dim = mma_head_dim(name, d, dv, arch, aligned=aligned)
     if mma_dim is not None:
         if mma_dim in WGMMA_BWD_HEAD_DIMS and use_wgmma(arch, wgmma):

@@ -17,7 +17,7 @@ __all__ = ["Instantiation", "instantiations", "HEAD_DIM_BUCKETS", "MMA_HEAD_DIMS
            "launchable", "by_name", "WGMMA_HEAD_DIMS", "wgmma_tiles", "wgmma_name_expression",
            "compile_target", "WGMMA_BWD_HEAD_DIMS", "bwd_wgmma_tiles", "bwd_wgmma_name_expressions",
            "bwd_wgmma_shared_bytes", "combine_name_expression", "COMBINE_THREADS", "mma_split_tiles", "DMMA_ARCHS", "DMMA_HEAD_DIMS",
-           "dmma_name_expression", "dmma_tiles"]
+           "dmma_name_expression", "dmma_tiles", "bwd_dmma_name_expressions", "bwd_dmma_shared_bytes"]
 
 
 @dataclass(frozen=True)
@@ -254,13 +254,13 @@ def mma_name_expression(dtype: str, head_dim: int, block_m: int, block_n: int, w
 def launchable(arch: int) -> frozenset[str]:
     """Name expressions of the catalogue rows some call may launch on compute capability
     ``arch``: every SIMT and fwd_v1 row, the tensor-core rows of ``arch``'s class
-    (none below sm_80), the fwd_dmma rows on :data:`DMMA_ARCHS`, and on sm_90
+    (none below sm_80), the fwd_dmma and bwd_dmma rows on :data:`DMMA_ARCHS`, and on sm_90
     exactly the fwd_wgmma and bwd_wgmma rows -- what
     :func:`cupyflash.precompile` compiles for a device."""
     names = {r.name_expression for r in instantiations()
-             if r.family not in ("fwd_mma", "bwd_mma", "fwd_wgmma", "bwd_wgmma", "fwd_dmma")}
+             if r.family not in ("fwd_mma", "bwd_mma", "fwd_wgmma", "bwd_wgmma", "fwd_dmma", "bwd_dmma")}
     if int(arch) in DMMA_ARCHS:
-        names.update(r.name_expression for r in instantiations() if r.family == "fwd_dmma")
+        names.update(r.name_expression for r in instantiations() if r.family in ("fwd_dmma", "bwd_dmma"))
     if int(arch) == WGMMA_ARCH:
         names.update(r.name_expression for r in instantiations() if r.family in ("fwd_wgmma", "bwd_wgmma"))
     tiles = mma_tiles(arch)
@@ -543,7 +543,7 @@ def _backward_instantiations() -> list[Instantiation]:
                     for name in bwd_mma_name_expressions(dtype, d, arch, deterministic):
                         if name not in mma:
                             mma[name] = _bwd_mma_row(dtype, d, name)
-    return rows + list(mma.values()) + _bwd_wgmma_instantiations()
+    return rows + list(mma.values()) + _bwd_wgmma_instantiations() + _bwd_dmma_instantiations()
 
 
 # ---- bwd_wgmma: the backward on Hopper's wgmma (cuda_src/bwd_wgmma.cu), sm_90a --------------------
@@ -634,6 +634,52 @@ def _bwd_wgmma_instantiations() -> list[Instantiation]:
                         block_m=streamed if dkdv else own, block_n=own if dkdv else streamed, kv_stages=2)
                     if row not in rows:
                         rows.append(row)
+    return rows
+
+
+# ---- bwd_dmma: the float64 backward on the FP64 tensor cores (cuda_src/bwd_dmma.cu), sm_80 / sm_90 --
+
+# Head dims (d == dv) with bwd_dmma kernels: those of fwd_dmma, on DMMA_ARCHS.
+# Per head dim (own rows, streamed rows, warps) of both kernels -- dK/dV owns
+# keys and streams query rows, dQ owns query rows and streams keys.  Per lane:
+# the own rows' gradients (dK and dV, or dQ) 2 x d / 8 doubles per m8 tile, S
+# and dP streamed / 4 each.  Shared memory (2 own + 2 x 2 streamed tiles) x d x
+# 8 bytes.  Registers from the static report (NVRTC 13.5, sm_80 / sm_90), no
+# spills; not yet timed on a GPU.
+_BWD_DMMA_TILES = {
+    32: (64, 32, 4),    # dK/dV 236 / 246 regs, dQ 230 / 228; 64 KB
+    64: (64, 16, 4),    # dK/dV 240 / 244, dQ 230 / 242; 96 KB (32 streamed rows: 128 KB; fully unrolled
+                        # score products: the dK/dV kernel spills 28-36 B)
+    128: (32, 8, 4),    # dK/dV 254 / 252, dQ 200 / 208; 96 KB: one m8 tile per warp (two would be 128
+                        # doubles of dK and dV per lane)
+}
+
+
+def bwd_dmma_name_expressions(head_dim: int) -> list[str]:
+    """bwd_dmma's kernels for compile-time ``head_dim`` (one of :data:`DMMA_HEAD_DIMS`), in
+    launch order: dK/dV, then dQ (there is no atomic variant)."""
+    if head_dim not in _BWD_DMMA_TILES:
+        raise ValueError(f"bwd_dmma has no kernel for head_dim={head_dim}")
+    own, streamed, warps = _BWD_DMMA_TILES[head_dim]
+    return [f"cf::bwd_dmma_dkdv_kernel<{head_dim}, {own}, {streamed}, {warps}>",
+            f"cf::bwd_dmma_dq_kernel<{head_dim}, {own}, {streamed}, {warps}>"]
+
+
+def bwd_dmma_shared_bytes(head_dim: int, own: int, streamed: int) -> int:
+    """``DmmaBwdTraits::kSmemBytes`` (bwd_dmma.cu): two own tiles and two stages of two
+    streamed tiles of doubles."""
+    return (2 * own + 4 * streamed) * head_dim * 8
+
+
+def _bwd_dmma_instantiations() -> list[Instantiation]:
+    rows = []
+    for d, (own, streamed, warps) in _BWD_DMMA_TILES.items():
+        for name in bwd_dmma_name_expressions(d):
+            dkdv = "dkdv" in name
+            rows.append(Instantiation(
+                family="bwd_dmma", entry="bwd_dmma.cu", name_expression=name, dtype="float64", head_dim=d,
+                head_dim_v=d, threads=32 * warps, block_m=streamed if dkdv else own,
+                block_n=own if dkdv else streamed, kv_stages=2))
     return rows
 
 

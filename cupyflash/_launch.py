@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import math
 
-from ._kernels import Instantiation, bwd_mma_shared_bytes, bwd_wgmma_shared_bytes
+from ._kernels import Instantiation, bwd_dmma_shared_bytes, bwd_mma_shared_bytes, bwd_wgmma_shared_bytes
 
 __all__ = ["launch_config", "v1_block_sizes", "representative_shared_bytes", "backward_launch_config",
            "backward_kernel", "num_splits", "ctas_per_sm", "SPLIT_FAMILIES"]
@@ -250,7 +250,8 @@ def backward_kernel(inst: Instantiation) -> str:
 
     ``"bwd_simt_dot_do_o_kernel"`` (delta), ``"bwd_simt_dkdv_kernel"``,
     ``"bwd_simt_dq_kernel"``, ``"bwd_mma_dkdv_kernel"``, ``"bwd_mma_dq_kernel"``,
-    ``"bwd_wgmma_dkdv_kernel"`` or ``"bwd_wgmma_dq_kernel"``.
+    ``"bwd_wgmma_dkdv_kernel"``, ``"bwd_wgmma_dq_kernel"``, ``"bwd_dmma_dkdv_kernel"`` or
+    ``"bwd_dmma_dq_kernel"``.
     """
     return inst.name_expression.split("<", 1)[0].removeprefix("cf::")
 
@@ -274,6 +275,11 @@ def _bwd_shared_bytes(inst: Instantiation) -> int:
         own_bytes, stage_bytes = own * row_bytes + scratch_bytes, streamed * row_bytes
         pipelined = inst.dtype in ("float32", "float64") and own_bytes + 2 * stage_bytes <= 72 * 1024
         return own_bytes + (2 if pipelined else 1) * stage_bytes
+    if kernel.startswith("bwd_dmma_"):
+        # DmmaBwdTraits::kSmemBytes: the same shape for both kernels
+        dkdv = kernel == "bwd_dmma_dkdv_kernel"
+        own, streamed = (inst.block_n, inst.block_m) if dkdv else (inst.block_m, inst.block_n)
+        return bwd_dmma_shared_bytes(inst.head_dim, own, streamed)
     if kernel.startswith("bwd_wgmma_"):
         # WgmmaBwdTraits::kSmemBytes; the dK/dV kernel's last template argument is
         # kGrads (V only for dK; bit 4: atomic dQ and its dS tile)
@@ -321,9 +327,10 @@ def backward_launch_config(inst: Instantiation, *, batch: int, heads_q: int, hea
         a backward kernel.
     """
     kernel = backward_kernel(inst)
-    if kernel in ("bwd_simt_dot_do_o_kernel", "bwd_simt_dq_kernel", "bwd_mma_dq_kernel", "bwd_wgmma_dq_kernel"):
+    if kernel in ("bwd_simt_dot_do_o_kernel", "bwd_simt_dq_kernel", "bwd_mma_dq_kernel", "bwd_wgmma_dq_kernel",
+                  "bwd_dmma_dq_kernel"):
         heads, rows, block_rows = heads_q, seqlen_q, inst.block_m
-    elif kernel in ("bwd_simt_dkdv_kernel", "bwd_mma_dkdv_kernel", "bwd_wgmma_dkdv_kernel"):
+    elif kernel in ("bwd_simt_dkdv_kernel", "bwd_mma_dkdv_kernel", "bwd_wgmma_dkdv_kernel", "bwd_dmma_dkdv_kernel"):
         heads, rows, block_rows = heads_kv, seqlen_k, inst.block_n
     else:
         raise ValueError(f"no backward launch configuration for {inst.name_expression!r}")

@@ -1,13 +1,16 @@
-"""Tier 1: fwd_dmma, the float64 forward on the FP64 tensor cores, on a real GPU.
+"""Tier 1: fwd_dmma and bwd_dmma, float64 on the FP64 tensor cores, on a real GPU.
 
-The matrix of tests/test_fwd_dmma.py on the device through ``cupyflash.attention``
-with fwd_dmma switched on (it is opt-in until this tier has passed): every
+The matrices of tests/test_fwd_dmma.py and tests/test_bwd_dmma.py on the device
+through ``cupyflash.attention`` and ``cupyflash.attention_backward`` with the
+DMMA kernels switched on (they are opt-in until this tier has passed): every
 instantiation with tails in both axes, causal and window masks with Lq < Lk
-and Lq > Lk, GQA, padded and unaligned head dims, split-KV, a check that
-fwd_dmma is the kernel that ran, agreement with fwd_simt to float64 rounding
-on a longer sequence, and repeated runs bit for bit.  Outputs are poisoned with
-NaN before each launch.  Skipped cleanly without CuPy or a CUDA device, and on
-GPUs other than compute capability 8.0 and 9.0.
+and Lq > Lk, GQA, padded and unaligned head dims, split-KV (forward), a check
+that the DMMA kernels are the ones that ran, agreement with fwd_simt and
+bwd_simt to float64 rounding on a longer sequence, and repeated runs bit for
+bit.  Outputs are poisoned with NaN before each forward launch; gradients are
+checked against the float64 CPU backward term by term (tests/test_gpu_backward.py).
+Skipped cleanly without CuPy or a CUDA device, and on GPUs other than compute
+capability 8.0 and 9.0.
 """
 
 from __future__ import annotations
@@ -23,12 +26,14 @@ from cupyflash._kernels import DMMA_ARCHS, DMMA_HEAD_DIMS, instantiations
 from cupyflash.reference import naive_attention
 
 from _util import LaunchSpy, assert_close, assert_lse_close, random_array
+from test_gpu_backward import _check as check_gradients
 
 cp = pytest.importorskip("cupy")
 
 pytestmark = pytest.mark.gpu
 
 DMMA_ROWS = [r for r in instantiations() if r.family == "fwd_dmma"]
+BWD_ROWS = [r for r in instantiations() if r.family == "bwd_dmma"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -112,3 +117,69 @@ def test_a_split_decoding_step_and_a_long_sequence_agree_with_fwd_simt(spy, monk
     monkeypatch.setattr(_gpu, "dmma_override", False)
     simt = cupyflash.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), causal=True, backend="cuda")
     np.testing.assert_allclose(cp.asnumpy(dmma), cp.asnumpy(simt), rtol=1e-12, atol=1e-13)
+
+
+# ---- bwd_dmma ---------------------------------------------------------------------------------
+
+def backward_check(q, k, v, *, seed, repeat=2, **kw):
+    """attention (fwd_dmma) then attention_backward on the device, ``repeat`` times with the
+    same bits each time; gradients against the float64 CPU backward.  Returns them."""
+    rng = np.random.default_rng(seed)
+    qd, kd, vd = (cp.asarray(x) for x in (q, k, v))
+    out, lse = cupyflash.attention(qd, kd, vd, return_lse=True, backend="cuda", **kw)
+    dout = random_array(rng, out.shape, np.float64)
+    runs = [tuple(cp.asnumpy(g) for g in cupyflash.attention_backward(cp.asarray(dout), qd, kd, vd, out, lse,
+                                                                       backend="cuda", **kw))
+            for _ in range(repeat)]
+    for later in runs[1:]:
+        for a, b in zip(later, runs[0]):
+            np.testing.assert_array_equal(a, b)
+    check_gradients(runs[0], dout, q, k, v, cp.asnumpy(out), np.float64, **kw)
+    return runs[0]
+
+
+def _bwd_launched(spy):
+    return [n for n in spy.launched if n.startswith("cf::bwd_")]
+
+
+@pytest.mark.parametrize("head_dim", DMMA_HEAD_DIMS, ids=lambda d: f"d{d}")
+def test_backward_every_instantiation_with_tails_gqa_and_masks(spy, head_dim):
+    own = next(r.block_n for r in BWD_ROWS if r.head_dim == head_dim and "dkdv" in r.name_expression)
+    rng = np.random.default_rng(head_dim)
+    q, k, v = qkv(rng, seqlen_q=2 * own + 13, seqlen_k=3 * own + 5, head_dim=head_dim, heads_kv=2, gqa_ratio=2)
+    for causal in (False, True):
+        backward_check(q, k, v, seed=head_dim, causal=causal, enable_gqa=True)
+    assert set(_bwd_launched(spy)) == {f"cf::bwd_simt_dot_do_o_kernel<double, {head_dim}>"} | {
+        r.name_expression for r in BWD_ROWS if r.head_dim == head_dim}
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(150, 100), (70, 200)], ids=["lq>lk", "lq<lk"])
+@pytest.mark.parametrize("window", [(None, 0), (16, 0), (5, 40), (70, None)])
+def test_backward_masks(spy, seqlen_q, seqlen_k, window):
+    rng = np.random.default_rng(seqlen_q + seqlen_k)
+    backward_check(*qkv(rng, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=64, batch=2), seed=5, window=window)
+    assert any(n.startswith("cf::bwd_dmma_dq_kernel") for n in spy.launched)
+
+
+@pytest.mark.parametrize("head_dim", [3, 17, 40, 100])
+def test_backward_padded_and_unaligned_head_dims(spy, head_dim):
+    rng = np.random.default_rng(head_dim)
+    backward_check(*qkv(rng, seqlen_q=300, seqlen_k=500, head_dim=head_dim), seed=head_dim, causal=True)
+    bucket = min(b for b in DMMA_HEAD_DIMS if b >= head_dim)
+    assert any(n.startswith(f"cf::bwd_dmma_dkdv_kernel<{bucket},") for n in spy.launched)
+
+
+def test_backward_long_sequence_agrees_with_bwd_simt_and_ignores_deterministic(spy, monkeypatch):
+    rng = np.random.default_rng(9)
+    q, k, v = (cp.asarray(x) for x in qkv(rng, seqlen_q=2048, seqlen_k=2048, head_dim=64, heads_kv=4, batch=2))
+    out, lse = cupyflash.attention(q, k, v, causal=True, return_lse=True, backend="cuda")
+    dout = cp.asarray(random_array(rng, out.shape, np.float64))
+    dmma = [cp.asnumpy(g) for g in cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True)]
+    fast = [cp.asnumpy(g) for g in cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True,
+                                                                 deterministic=False)]
+    assert "cf::bwd_dmma_dq_kernel<64, 64, 16, 4>" in spy.launched
+    monkeypatch.setattr(_gpu, "dmma_override", False)
+    simt = [cp.asnumpy(g) for g in cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True)]
+    for name, a, b, c in zip(("dq", "dk", "dv"), dmma, fast, simt):
+        np.testing.assert_array_equal(a, b, err_msg=name)   # no atomic variant: the same kernels
+        np.testing.assert_allclose(a, c, rtol=1e-10, atol=1e-12, err_msg=name)

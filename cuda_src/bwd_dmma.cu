@@ -1,0 +1,361 @@
+// bwd_dmma.cu -- the float64 backward on tensor cores: FlashAttention-2's
+// backward with mma.sync m8n8k4 .f64 (DMMA), sm_80 and later.
+//
+// The algorithm and the launch order are bwd_simt's (its delta kernel runs
+// first): with P recomputed from the forward's lse,
+//     P  = exp2(S * scale * log2(e) - lse * log2(e))      S = Q K^T
+//     dV = P^T dO        dP = dO V^T        dS = P o (dP - delta)
+//     dK = scale * dS^T Q                   dQ = scale * dS K
+// Every product is a chain of double FMAs on the FP64 tensor cores, so the
+// gradients are float64 throughout, as bwd_simt's are.  Two kernels:
+//   bwd_dmma_dkdv_kernel  a CTA owns kOwn keys of one kv head (K, V in shared
+//                         memory, dK, dV in registers) and streams the query
+//                         blocks that see them, head by head through the kv
+//                         head's query group;
+//   bwd_dmma_dq_kernel    a CTA owns kOwn query rows (Q, dO in shared memory,
+//                         dQ in registers) and streams the key blocks they see.
+// Every gradient element is summed by one lane in a fixed order, so results
+// are bit-identical from run to run; there is no atomic variant
+// (deterministic=False runs the same kernels).
+//
+// Each of the kWarps warps owns kWarpRows = kOwn / kWarps of the CTA's rows
+// (kMTiles m8 tiles).  Per streamed block of kStream rows a warp computes
+//     X = Own Stream^T    (S^T = K Q^T, dP^T = V dO^T; S = Q K^T, dP = dO V^T)
+//                         A fragments: the own tile's rows; B fragments: the
+//                         streamed tile's rows
+//     G += X' Stream      (dV += P^T dO, dK += dS^T Q; dQ += dS K)
+//                         A fragments: X' gathered from the accumulators by
+//                         two quad shuffles (gather_a); B fragments: the
+//                         streamed tile's columns
+// so Q and dO (streamed in dK/dV) and K (streamed in dQ) are read both ways:
+// every tile uses DmmaRows, conflict-free for both (dmma_tile.cuh).  The
+// streamed tiles are double-buffered: the next block's copy (cp.async) runs
+// while this one is computed.  The dispatcher (cupyflash/_gpu_bwd.py) gives
+// these kernels float64 with d = dv up to 128 on sm_80 / sm_90 (rows not
+// 16-byte aligned are copied a word at a time); columns past the run-time d
+// are zero-filled by cp.async.
+#pragma once
+
+#include "block_info.cuh"
+#include "block_info_bwd.cuh"
+#include "dmma_tile.cuh"
+#include "mask.cuh"
+#include "params_bwd.cuh"
+#include "ptx.cuh"
+#include "softmax.cuh"
+#include "tile_io.cuh"
+
+namespace cf {
+
+// Every compile-time quantity of one instantiation: kOwn rows stay in shared
+// memory for the whole CTA, kStream rows are reloaded per block.  The tile
+// table with the reason for each row is _BWD_DMMA_TILES in cupyflash/_kernels.py.
+template <int kHeadDim_, int kOwn_, int kStream_, int kWarps_>
+struct DmmaBwdTraits {
+    static constexpr int kHeadDim = kHeadDim_, kOwnRows = kOwn_, kStreamRows = kStream_, kWarps = kWarps_;
+    static constexpr int kThreads = 32 * kWarps;
+    static constexpr int kWarpRows = kOwnRows / kWarps;  // own rows per warp
+    static constexpr int kMTiles = kWarpRows / 8;        // m8 tiles per warp = accumulator rows per lane
+    static constexpr int kNTiles = kStreamRows / 8;      // n8 tiles of S, dP
+    static constexpr int kSCols = 2 * kNTiles;           // S, dP columns per lane and row
+    static constexpr int kGTiles = kHeadDim / 8;         // n8 tiles of a gradient row
+    static constexpr int kGCols = 2 * kGTiles;           // gradient columns per lane and row
+    static constexpr int kKSteps = kHeadDim / 4;         // k4 steps of S, dP
+    static constexpr int kStreamSteps = kStreamRows / 4; // k4 steps of the gradient products
+
+    using Layout = DmmaRows<kHeadDim>;
+    // Shared memory (doubles): the two own tiles, then two stages of the two streamed tiles.
+    static constexpr int kOwnTile = kOwnRows * kHeadDim, kStreamTile = kStreamRows * kHeadDim;
+    static constexpr int kSmemBytes = (2 * kOwnTile + 4 * kStreamTile) * static_cast<int>(sizeof(double));
+    // __launch_bounds__ minimum CTAs per SM: 2 leaves every thread the 255-register maximum.
+    static constexpr int kMinBlocksPerSm = 2;
+
+    static_assert(kOwnRows % (8 * kWarps) == 0, "own block: whole m8 tiles per warp");
+    static_assert(kStreamRows % 8 == 0, "streamed block: whole n8 tiles");
+    static_assert(kHeadDim % 16 == 0 && kHeadDim <= 128, "head dim bucket: a multiple of 16 up to 128");
+    static_assert(kSmemBytes <= 99 * 1024, "within the opt-in shared memory of every sm_80+ GPU");
+};
+
+// x = X Y^T for the warp's rows of the own tile sX (from row0) and every row
+// of the streamed tile sY, over the bucket's columns (zero past the run-time d).
+template <class Tr>
+__device__ __forceinline__ void dmma_row_products(double (&x)[Tr::kMTiles][Tr::kSCols], const double* sX,
+                                                  const double* sY, int row0) {
+    using Layout = typename Tr::Layout;
+    const int g = lane_id() >> 2, t = lane_id() & 3;
+#pragma unroll
+    for (int mi = 0; mi < Tr::kMTiles; ++mi)
+#pragma unroll
+        for (int c = 0; c < Tr::kSCols; ++c) x[mi][c] = 0.0;
+    // Eight k4 steps per unrolled iteration: fully unrolled, the d = 64 dK/dV
+    // kernel's 64 own rows hoist enough fragment loads to spill 28-36 bytes.
+#pragma unroll 8
+    for (int kk = 0; kk < Tr::kKSteps; ++kk) {
+        double a[Tr::kMTiles], b[Tr::kNTiles];
+#pragma unroll
+        for (int mi = 0; mi < Tr::kMTiles; ++mi) a[mi] = sX[Layout::offset(row0 + 8 * mi + g, 4 * kk + t)];
+#pragma unroll
+        for (int ni = 0; ni < Tr::kNTiles; ++ni) b[ni] = sY[Layout::offset(8 * ni + g, 4 * kk + t)];
+#pragma unroll
+        for (int mi = 0; mi < Tr::kMTiles; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < Tr::kNTiles; ++ni) {
+                double (&acc)[2] = pair(x[mi], ni);
+                mma_m8n8k4_f64(acc, a[mi], b[ni], acc);
+            }
+    }
+}
+
+// grad += X Z: X the warp's rows over the streamed rows (accumulators of
+// dmma_row_products' shape), Z the streamed tile sZ.
+template <class Tr>
+__device__ __forceinline__ void dmma_accumulate(double (&grad)[Tr::kMTiles][Tr::kGCols],
+                                                const double (&x)[Tr::kMTiles][Tr::kSCols], const double* sZ) {
+    using Layout = typename Tr::Layout;
+    const int g = lane_id() >> 2, t = lane_id() & 3;
+#pragma unroll
+    for (int kk = 0; kk < Tr::kStreamSteps; ++kk) {
+        double a[Tr::kMTiles];
+#pragma unroll
+        for (int mi = 0; mi < Tr::kMTiles; ++mi) a[mi] = gather_a(x[mi], kk);
+#pragma unroll
+        for (int nj = 0; nj < Tr::kGTiles; ++nj) {
+            const double b = sZ[Layout::offset(4 * kk + t, 8 * nj + g)];
+#pragma unroll
+            for (int mi = 0; mi < Tr::kMTiles; ++mi) {
+                double (&acc)[2] = pair(grad[mi], nj);
+                mma_m8n8k4_f64(acc, a[mi], b, acc);
+            }
+        }
+    }
+}
+
+// The streamed column c of lane (g, t) in an n8-tiled accumulator row.
+__device__ __forceinline__ int dmma_col(int c) { return 8 * (c >> 1) + 2 * (lane_id() & 3) + (c & 1); }
+
+// Write factor * grad for the warp's rows below rows_valid (from row0 of a
+// tile whose first row is dst) and columns below cols_valid.
+template <class Tr>
+__device__ __forceinline__ void dmma_store_rows(double* dst, int64_t row_stride,
+                                                const double (&grad)[Tr::kMTiles][Tr::kGCols], double factor,
+                                                int row0, int rows_valid, int cols_valid) {
+    const int g = lane_id() >> 2;
+#pragma unroll
+    for (int mi = 0; mi < Tr::kMTiles; ++mi) {
+        const int row = row0 + 8 * mi + g;
+        if (row >= rows_valid) continue;
+        double* out = dst + row * row_stride;
+#pragma unroll
+        for (int c = 0; c < Tr::kGCols; ++c)
+            if (dmma_col(c) < cols_valid) out[dmma_col(c)] = factor * grad[mi][c];
+    }
+}
+
+// Two stages of the streamed tiles (Q, dO in dK/dV; K, V in dQ) after the own
+// tiles.  issue() starts the copies of one block into a stage; the caller
+// commits them, waits and synchronises before reading.
+template <class Tr>
+struct DmmaStream {
+    double* base;
+    __device__ double* first(int stage) const { return base + 2 * stage * Tr::kStreamTile; }
+    __device__ double* second(int stage) const { return first(stage) + Tr::kStreamTile; }
+    __device__ void issue(int stage, const double* src1, int64_t stride1, const double* src2, int64_t stride2,
+                          int rows, int d) const {
+        cp_async_tile_rows<Tr::kThreads, Tr::kStreamRows, Tr::kHeadDim>(first(stage), typename Tr::Layout{},
+                                                                        src1, stride1, rows, d);
+        cp_async_tile_rows<Tr::kThreads, Tr::kStreamRows, Tr::kHeadDim>(second(stage), typename Tr::Layout{},
+                                                                        src2, stride2, rows, d);
+    }
+};
+
+// dK, dV of kOwn keys of one (batch, kv head).
+template <int kHeadDim, int kOwn, int kStream, int kWarps>
+__global__ void __launch_bounds__((DmmaBwdTraits<kHeadDim, kOwn, kStream, kWarps>::kThreads),
+                                  (DmmaBwdTraits<kHeadDim, kOwn, kStream, kWarps>::kMinBlocksPerSm))
+bwd_dmma_dkdv_kernel(const BwdParams params) {
+    using Tr = DmmaBwdTraits<kHeadDim, kOwn, kStream, kWarps>;
+    using Layout = typename Tr::Layout;
+    const FwdParams& p = params.fwd;
+
+    const KeyTileIndex tile(p, kOwn, blockIdx.x);
+    const WindowMask mask(p);
+    const KeyBlock block(p, mask, tile.n_block * kOwn, kOwn);
+    const double scale_log2 = p.scale_log2;
+    const int d = static_cast<int>(p.head_dim);
+    const int row0 = warp_id() * Tr::kWarpRows;  // the warp's first key in the block
+    const int g = lane_id() >> 2;
+    const int64_t first_head = tile.head_kv * p.gqa_ratio;  // the kv head's query group
+
+    double* sK = reinterpret_cast<double*>(dynamic_smem());
+    double* sV = sK + Tr::kOwnTile;
+    const DmmaStream<Tr> stream{sV + Tr::kOwnTile};  // Q, dO
+    const HeadSlice<double, double> kv(p, tile.batch, first_head);
+    cp_async_tile_rows<Tr::kThreads, kOwn, kHeadDim>(sK, Layout{}, kv.k + block.n0 * p.k_row_stride,
+                                                     p.k_row_stride, block.keys, d);
+    cp_async_tile_rows<Tr::kThreads, kOwn, kHeadDim>(sV, Layout{}, kv.v + block.n0 * p.v_row_stride,
+                                                     p.v_row_stride, block.keys, d);
+
+    // (head, m_block) walks heads first_head.. and, within each, the query
+    // blocks m_begin..m_end that see these keys.
+    const int64_t m_begin = block.m_begin(kStream), m_end = block.m_end(kStream);
+    const int64_t num_blocks = (m_end - m_begin) * p.gqa_ratio;
+    auto issue_queries = [&](int stage, int64_t head, int64_t m_block) {
+        const int64_t m0 = m_block * kStream;
+        const HeadSlice<double, double> qo(p, tile.batch, head);
+        const GradSlice<double, double> grad(params, tile.batch, head);
+        stream.issue(stage, qo.q + m0 * p.q_row_stride, p.q_row_stride, grad.dout + m0 * params.dout_row_stride,
+                     params.dout_row_stride, static_cast<int>(min64(kStream, p.seqlen_q - m0)), d);
+    };
+
+    double dk[Tr::kMTiles][Tr::kGCols] = {};
+    double dv[Tr::kMTiles][Tr::kGCols] = {};
+    int64_t head = first_head, m_block = m_begin;
+    if (num_blocks > 0) issue_queries(0, head, m_block);
+    cp_async_commit();  // K, V and the first query block
+    for (int64_t it = 0; it < num_blocks; ++it) {
+        const int stage = static_cast<int>(it & 1);
+        const int64_t next_head = m_block + 1 == m_end ? head + 1 : head;
+        const int64_t next_m_block = m_block + 1 == m_end ? m_begin : m_block + 1;
+        cp_async_wait<0>();
+        __syncthreads();  // this block landed; the other stage has been read
+        if (it + 1 < num_blocks) {
+            issue_queries(stage ^ 1, next_head, next_m_block);
+            cp_async_commit();
+        }
+        const double* sQ = stream.first(stage);
+        const double* sdO = stream.second(stage);
+        const int64_t m0 = m_block * kStream;
+        const HeadSlice<double, double> qo(p, tile.batch, head);
+        const GradSlice<double, double> grad(params, tile.batch, head);
+
+        double s[Tr::kMTiles][Tr::kSCols], dp[Tr::kMTiles][Tr::kSCols];
+        dmma_row_products<Tr>(s, sK, sQ, row0);  // S^T = K Q^T
+        double lse_log2[Tr::kSCols], delta[Tr::kSCols];
+#pragma unroll
+        for (int c = 0; c < Tr::kSCols; ++c)
+            load_query_stats(lse_log2[c], delta[c], qo.lse, p.lse_row_stride, grad.delta, params.delta_row_stride,
+                             m0 + dmma_col(c), p.seqlen_q);
+#pragma unroll
+        for (int mi = 0; mi < Tr::kMTiles; ++mi)
+#pragma unroll
+            for (int c = 0; c < Tr::kSCols; ++c) s[mi][c] = exp2(s[mi][c] * scale_log2 - lse_log2[c]);  // P^T
+        if (block.needs_mask(p, mask, m0, kStream, kOwn)) {
+            // P of pairs (query i, key j) the mask hides, or past Lq or Lk -> 0 (a select:
+            // whatever the padded scores held never reaches the gradients).
+#pragma unroll
+            for (int c = 0; c < Tr::kSCols; ++c) {
+                const int64_t i = m0 + dmma_col(c);
+                int lo, hi;
+                mask.row_range(i, block.n0, kOwn, lo, hi);
+#pragma unroll
+                for (int mi = 0; mi < Tr::kMTiles; ++mi) {
+                    const int key = row0 + 8 * mi + g;
+                    if (i >= p.seqlen_q || key < lo || key >= hi) s[mi][c] = 0.0;
+                }
+            }
+        }
+        dmma_row_products<Tr>(dp, sV, sdO, row0);  // dP^T = V dO^T
+        dmma_accumulate<Tr>(dv, s, sdO);           // dV += P^T dO
+#pragma unroll
+        for (int mi = 0; mi < Tr::kMTiles; ++mi)
+#pragma unroll
+            for (int c = 0; c < Tr::kSCols; ++c) dp[mi][c] = s[mi][c] * (dp[mi][c] - delta[c]);  // dS^T
+        dmma_accumulate<Tr>(dk, dp, sQ);           // dK += dS^T Q
+        head = next_head;
+        m_block = next_m_block;
+    }
+    cp_async_wait<0>();  // K and V of a block no query row sees
+
+    const GradSlice<double, double> kv_grad(params, tile.batch, first_head);
+    dmma_store_rows<Tr>(kv_grad.dk + block.n0 * params.dk_row_stride, params.dk_row_stride, dk, p.scale, row0,
+                        block.keys, d);
+    dmma_store_rows<Tr>(kv_grad.dv + block.n0 * params.dv_row_stride, params.dv_row_stride, dv, 1.0, row0,
+                        block.keys, d);
+}
+
+// dQ of kOwn query rows of one (batch, query head).
+template <int kHeadDim, int kOwn, int kStream, int kWarps>
+__global__ void __launch_bounds__((DmmaBwdTraits<kHeadDim, kOwn, kStream, kWarps>::kThreads),
+                                  (DmmaBwdTraits<kHeadDim, kOwn, kStream, kWarps>::kMinBlocksPerSm))
+bwd_dmma_dq_kernel(const BwdParams params) {
+    using Tr = DmmaBwdTraits<kHeadDim, kOwn, kStream, kWarps>;
+    using Layout = typename Tr::Layout;
+    const FwdParams& p = params.fwd;
+
+    const TileIndex tile(p, kOwn, blockIdx.x);
+    const HeadSlice<double, double> head(p, tile.batch, tile.head);
+    const GradSlice<double, double> grad(params, tile.batch, tile.head);
+    const WindowMask mask(p);
+    const QueryBlock block(p, mask, tile.m_block * kOwn, kOwn);
+    const double scale_log2 = p.scale_log2;
+    const int d = static_cast<int>(p.head_dim);
+    const int row0 = warp_id() * Tr::kWarpRows;  // the warp's first query row in the block
+    const int g = lane_id() >> 2;
+
+    double* sQ = reinterpret_cast<double*>(dynamic_smem());
+    double* sdO = sQ + Tr::kOwnTile;
+    const DmmaStream<Tr> stream{sdO + Tr::kOwnTile};  // K, V
+    cp_async_tile_rows<Tr::kThreads, kOwn, kHeadDim>(sQ, Layout{}, head.q + block.m0 * p.q_row_stride,
+                                                     p.q_row_stride, block.rows, d);
+    cp_async_tile_rows<Tr::kThreads, kOwn, kHeadDim>(sdO, Layout{}, grad.dout + block.m0 * params.dout_row_stride,
+                                                     params.dout_row_stride, block.rows, d);
+    double lse_log2[Tr::kMTiles], delta[Tr::kMTiles];
+#pragma unroll
+    for (int mi = 0; mi < Tr::kMTiles; ++mi)
+        load_query_stats(lse_log2[mi], delta[mi], head.lse, p.lse_row_stride, grad.delta, params.delta_row_stride,
+                         block.m0 + row0 + 8 * mi + g, p.seqlen_q);
+
+    auto issue_keys = [&](int stage, int64_t n_block) {
+        const int64_t n0 = n_block * kStream;
+        stream.issue(stage, head.k + n0 * p.k_row_stride, p.k_row_stride, head.v + n0 * p.v_row_stride,
+                     p.v_row_stride, QueryBlock::keys_in(p, n0, kStream), d);
+    };
+
+    double dq[Tr::kMTiles][Tr::kGCols] = {};
+    const int64_t n_begin = block.n_begin(kStream), n_end = block.n_end(kStream);
+    if (n_begin < n_end) issue_keys(0, n_begin);
+    cp_async_commit();  // Q, dO and the first key block
+    for (int64_t n_block = n_begin; n_block < n_end; ++n_block) {
+        const int stage = static_cast<int>((n_block - n_begin) & 1);
+        cp_async_wait<0>();
+        __syncthreads();  // this block landed; the other stage has been read
+        if (n_block + 1 < n_end) {
+            issue_keys(stage ^ 1, n_block + 1);
+            cp_async_commit();
+        }
+        const double* sK = stream.first(stage);
+        const double* sV = stream.second(stage);
+        const int64_t n0 = n_block * kStream;
+
+        double s[Tr::kMTiles][Tr::kSCols], dp[Tr::kMTiles][Tr::kSCols];
+        dmma_row_products<Tr>(s, sQ, sK, row0);  // S = Q K^T
+#pragma unroll
+        for (int mi = 0; mi < Tr::kMTiles; ++mi)
+#pragma unroll
+            for (int c = 0; c < Tr::kSCols; ++c) s[mi][c] = exp2(s[mi][c] * scale_log2 - lse_log2[mi]);  // P
+        if (block.needs_mask(mask, n0, kStream)) {
+            // Keys the mask hides from a row, and keys past Lk -> P = 0 (rows past Lq
+            // already have P = 0: their lse_log2 is +inf).
+#pragma unroll
+            for (int mi = 0; mi < Tr::kMTiles; ++mi) {
+                int lo, hi;
+                mask.row_range(block.m0 + row0 + 8 * mi + g, n0, kStream, lo, hi);
+#pragma unroll
+                for (int c = 0; c < Tr::kSCols; ++c)
+                    if (dmma_col(c) < lo || dmma_col(c) >= hi) s[mi][c] = 0.0;
+            }
+        }
+        dmma_row_products<Tr>(dp, sdO, sV, row0);  // dP = dO V^T
+#pragma unroll
+        for (int mi = 0; mi < Tr::kMTiles; ++mi)
+#pragma unroll
+            for (int c = 0; c < Tr::kSCols; ++c) dp[mi][c] = s[mi][c] * (dp[mi][c] - delta[mi]);  // dS
+        dmma_accumulate<Tr>(dq, dp, sK);           // dQ += dS K
+    }
+    cp_async_wait<0>();  // Q and dO of a block that sees no key
+
+    dmma_store_rows<Tr>(grad.dq + block.m0 * params.dq_row_stride, params.dq_row_stride, dq, p.scale, row0,
+                        block.rows, d);
+}
+
+}  // namespace cf
