@@ -55,6 +55,7 @@ CASES = [
     ("float32", 2, 8, 2048, 64, False, False),
     ("float32", 1, 8, 4096, 64, False, True),
     ("float64", 1, 8, 1024, 64, False, False),
+    ("float64", 1, 8, 2048, 64, False, True),
 ]
 QUICK = [CASES[0], CASES[8], CASES[11]]
 # Grids too small to fill the GPU, which the split-KV forward is for, last:

@@ -10,7 +10,7 @@ Each case calls the public API once (the forward, or the forward and the
 backward), so every kernel it launches is profiled once: on sm_90 fwd_wgmma and
 bwd_wgmma (deterministic and with atomic dQ) at d = 128, then fwd_mma at d = 128
 and 64, fwd_simt in float32, fwd_dmma in float64 (where the GPU has it), bwd_mma
-deterministic and with atomic dQ, bwd_simt in float32.  Shapes are large enough to fill an H100-class GPU for a few
+deterministic and with atomic dQ, bwd_simt in float32, bwd_dmma in float64.  Shapes are large enough to fill an H100-class GPU for a few
 milliseconds (the counters then describe the steady state, not the tail), small
 enough that ncu's replay of every kernel stays within seconds.  Without
 arguments every case runs; ``--case NAME`` (repeatable) picks some.
@@ -39,6 +39,7 @@ CASES = {
     "bwd_mma_d128": ("backward", "bfloat16", 1, 16, 4096, 128, True),
     "bwd_mma_atomic_d128": ("backward", "bfloat16", 1, 16, 4096, 128, False),
     "bwd_simt_f32": ("backward", "float32", 1, 8, 2048, 64, True),
+    "bwd_dmma_f64": ("backward", "float64", 1, 8, 2048, 64, True),
 }
 
 
@@ -56,7 +57,7 @@ def run(name: str) -> None:
     if wgmma and int(cupy.cuda.Device().compute_capability) != WGMMA_ARCH:
         print(f"gpu_profile: {name} skipped (not an sm_90 GPU)", file=sys.stderr, flush=True)
         return
-    dmma = "dmma" in name   # fwd_dmma is opt-in too, and only on compute capability 8.0 / 9.0
+    dmma = "dmma" in name   # fwd_dmma and bwd_dmma are opt-in too, and only on compute capability 8.0 / 9.0
     if dmma and int(cupy.cuda.Device().compute_capability) not in DMMA_ARCHS:
         print(f"gpu_profile: {name} skipped (no fast FP64 tensor cores)", file=sys.stderr, flush=True)
         return

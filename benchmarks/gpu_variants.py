@@ -1,4 +1,4 @@
-"""Tile variants of fwd_wgmma, bwd_wgmma, fwd_mma, bwd_mma, fwd_simt and bwd_simt on one GPU.
+"""Tile variants of fwd_wgmma, bwd_wgmma, fwd_mma, bwd_mma, fwd_simt, bwd_simt, fwd_dmma and bwd_dmma on one GPU.
 
 The catalogue (``cupyflash/_kernels.py``) holds one tile per (head dim,
 architecture); this script swaps other tiles in for one run, so that a GPU
@@ -74,6 +74,19 @@ SIMT_FWD_VARIANTS = {
 SIMT_BWD_VARIANTS = {
     ("float32", 64): [(32, 32), (64, 32), (32, 64)],
 }
+# fwd_dmma / bwd_dmma (float64 on the FP64 tensor cores, opt-in, timed after the SIMT
+# tiles at SIMT_SHAPE): head dim -> [(block_m, block_n, warps)] / [(own, streamed,
+# warps)], the catalogue's first.  Registers (NVRTC 13.5, sm_90), all spill-free:
+# forward (64, 32, 4) 216, (64, 16, 4) 194, (32, 32, 2) 246; backward dK/dV / dQ
+# (64, 16, 4) 244 / 242, (32, 16, 4) 232 / 155, (32, 32, 4) 232 / 224.  Eight warps
+# (128 registers at two CTAs per SM) spill: forward (128, 32, 8) 168 B, backward
+# (64, 16, 8) 8 B on sm_80.
+DMMA_FWD_VARIANTS = {
+    64: [(64, 32, 4), (64, 16, 4), (32, 32, 2)],
+}
+DMMA_BWD_VARIANTS = {
+    64: [(64, 16, 4), (32, 16, 4), (32, 32, 4)],
+}
 SHAPE = dict(batch=2, heads=16, seqlen=8192)
 SIMT_SHAPE = dict(batch=1, heads=8, seqlen=4096)   # the benchmark table's float32 backward case
 # ||out - ref|| / ||ref||: bfloat16 with SDPA's own rounding; float32/float64 against
@@ -107,9 +120,23 @@ def use_simt(kind: str, dtype: str, head_dim: int, tile) -> None:
     _kernels.refresh()
 
 
+def use_dmma(kind: str, head_dim: int, tile) -> None:
+    """Install ``tile`` as the fwd_dmma or bwd_dmma row (_DMMA_TILES, _BWD_DMMA_TILES)."""
+    table = _kernels._DMMA_TILES if kind == "dfwd" else _kernels._BWD_DMMA_TILES
+    table[head_dim] = tuple(tile)
+    _kernels.refresh()
+
+
 def variant_rows(kind: str, head_dim: int, variant, dtype: str = "bfloat16"):
     """The catalogue rows (entry, name expression) this variant adds; for the SIMT
-    kinds ``variant`` is ``(dtype, tile...)``."""
+    kinds ``variant`` is ``(dtype, tile...)``, the DMMA kinds are float64."""
+    if kind in ("dfwd", "dbwd"):
+        from cupyflash import _gpu, _gpu_bwd
+
+        use_dmma(kind, head_dim, variant)
+        if kind == "dfwd":
+            return [_gpu.select("float64", head_dim, head_dim, 90, dmma=True)]
+        return list(_gpu_bwd.select("float64", head_dim, head_dim, 90, dmma=True))
     if kind in ("sfwd", "sbwd"):
         from cupyflash import _gpu, _gpu_bwd
 
@@ -151,6 +178,10 @@ def all_variants(wgmma: bool = True):
         for (dtype, d), tiles in table.items():
             for t in tiles:
                 yield kind, d, (dtype, *t)
+    for kind, table in (("dfwd", DMMA_FWD_VARIANTS), ("dbwd", DMMA_BWD_VARIANTS)):
+        for d, tiles in table.items():
+            for t in tiles:
+                yield kind, d, t
 
 
 def _compile(job):
@@ -219,9 +250,10 @@ def main() -> int:
     for kind, d, variant in jobs:
         variant_rows(kind, d, variant)   # installs the variant in the catalogue
         _gpu.wgmma_override = kind in ("wfwd", "wbwd")
-        simt = kind in ("sfwd", "sbwd")
-        dtype = variant[0] if simt else "bfloat16"
-        shape = SIMT_SHAPE if simt else SHAPE
+        _gpu.dmma_override = kind in ("dfwd", "dbwd")
+        simt, dmma = kind in ("sfwd", "sbwd"), kind in ("dfwd", "dbwd")
+        dtype = variant[0] if simt else "float64" if dmma else "bfloat16"
+        shape = SIMT_SHAPE if simt or dmma else SHAPE
         b, h, L = shape["batch"], shape["heads"], shape["seqlen"]
         for causal, deterministic in ((c, m) for c in (False, True) for m in modes.get(kind, (True,))):
             if (dtype, d) not in inputs:   # one input set per dtype and head dim: every variant sees the same
@@ -231,7 +263,7 @@ def main() -> int:
             row = dict(kind=kind, head_dim=d, variant=list(variant), causal=causal,
                        deterministic=deterministic, dtype=dtype, shape=shape)
             try:
-                if kind in ("fwd", "wfwd", "sfwd"):
+                if kind in ("fwd", "wfwd", "sfwd", "dfwd"):
                     ref = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv,
                                                                            is_causal=causal)
                     out = cupyflash.attention(q, k, v, causal=causal)

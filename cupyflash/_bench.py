@@ -9,7 +9,7 @@ on the GPU
     field says which family ran, fwd_mma or fwd_simt, bwd_mma or bwd_simt),
     for backward cases ``cupyflash-atomic``
     (``attention_backward(..., deterministic=False)``: dQ by atomics), for float64
-    forward cases on compute capability 8.0/9.0 ``cupyflash-dmma`` (fwd_dmma, opt-in),
+    cases on compute capability 8.0/9.0 ``cupyflash-dmma`` (fwd_dmma, bwd_dmma; opt-in),
     on an sm_90 GPU with float16/bfloat16 ``cupyflash-wgmma`` (the Hopper kernels, opt-in:
     fwd_wgmma, bwd_wgmma) and for backward cases ``cupyflash-wgmma-atomic``,
     ``cupyflash-v1`` (Algorithm 1, the fwd_v1 kernel, through
@@ -306,8 +306,8 @@ def implementations(device: str, case: Case) -> list[str]:
         names.append("cupyflash-wgmma")
         if case.backward:
             names.append("cupyflash-wgmma-atomic")
-    # fwd_dmma, the float64 forward on the FP64 tensor cores (opt-in until measured)
-    if device == "gpu" and not case.backward and case.dtype == "float64" and _dmma_gpu():
+    # fwd_dmma / bwd_dmma, float64 on the FP64 tensor cores (opt-in until measured)
+    if device == "gpu" and case.dtype == "float64" and _dmma_gpu():
         names.append("cupyflash-dmma")
     # the literal Algorithm 1 (O, l, m through global memory) is a teaching kernel:
     # timed up to 4096 x 4096 scores per head, where a call still takes milliseconds
@@ -363,9 +363,14 @@ def prepare(impl: str, case: Case, inputs, device: str):
     if impl == "cupyflash-dmma":
         from . import _gpu
 
+        if case.backward:
+            out, lse = cupyflash.attention(q, k, v, causal=causal, return_lse=True)
+
         def run_dmma():
             _gpu.dmma_override = True
             try:
+                if case.backward:
+                    return cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
                 return cupyflash.attention(q, k, v, causal=causal)
             finally:
                 _gpu.dmma_override = None
@@ -423,7 +428,7 @@ def _cupyflash_kernel(case: Case, q, k, v, deterministic: bool = True, wgmma: bo
     if case.backward:
         # the delta pre-pass is always bwd_simt's; the family is that of the last launch
         rows = _gpu_bwd.select(q.dtype, case.head_dim, case.head_dim, arch, aligned=aligned,
-                               deterministic=deterministic, wgmma=wgmma)
+                               deterministic=deterministic, wgmma=wgmma, dmma=dmma)
         atomic = not any(r.name_expression.split("<")[0].endswith("_dq_kernel") for r in rows)
         return rows[-1].family + (", atomic dQ" if atomic else "")
     inst = select(q.dtype, case.head_dim, case.head_dim, arch, aligned=aligned, wgmma=wgmma, dmma=dmma)

@@ -197,7 +197,7 @@ def test_gpu_variants_name_catalogue_rows(monkeypatch, request):
     from cupyflash._loader import module_source
 
     for name in ("_MMA_TILES", "_BWD_MMA_TILES", "_WGMMA_TILES", "_BWD_WGMMA_TILES", "_SIMT_TILES",
-                 "_BWD_SIMT_TILES"):
+                 "_BWD_SIMT_TILES", "_DMMA_TILES", "_BWD_DMMA_TILES"):
         monkeypatch.setattr(_kernels, name, copy.deepcopy(getattr(_kernels, name)))
     monkeypatch.setattr(_kernels, "_BWD_MMA_OWN", _kernels._BWD_MMA_OWN)
     monkeypatch.setattr(_kernels, "_BWD_MMA_WARPS", _kernels._BWD_MMA_WARPS)
@@ -208,7 +208,8 @@ def test_gpu_variants_name_catalogue_rows(monkeypatch, request):
     spec.loader.exec_module(variants)
     # bwd_wgmma: dK/dV and dQ, then the atomic-dQ dK/dV kernel
     families = {"fwd": ["fwd_mma"], "bwd": ["bwd_mma"] * 2, "wfwd": ["fwd_wgmma"], "wbwd": ["bwd_wgmma"] * 3,
-                "sfwd": ["fwd_simt"], "sbwd": ["bwd_simt"] * 3}   # bwd_simt: delta, dK/dV, dQ
+                "sfwd": ["fwd_simt"], "sbwd": ["bwd_simt"] * 3,   # bwd_simt: delta, dK/dV, dQ
+                "dfwd": ["fwd_dmma"], "dbwd": ["bwd_simt", "bwd_dmma", "bwd_dmma"]}
     kinds = set()
     for kind, d, tile in variants.all_variants():
         kinds.add(kind)
@@ -230,7 +231,10 @@ def test_gpu_variants_name_catalogue_rows(monkeypatch, request):
             dtype, own, streamed = tile
             assert all(r.dtype == dtype for r in rows)
             assert all(f", {own}, {streamed}" in r.name_expression for r in rows[1:]), rows
-        if kind in ("fwd", "wfwd", "sfwd", "sbwd"):
+        if kind in ("dfwd", "dbwd"):   # <d, block_m, block_n, warps>; <d, own, streamed, warps>
+            assert all(r.name_expression.endswith(f"<{d}, {', '.join(map(str, tile))}>") for r in rows
+                       if "dmma" in r.family), rows
+        if kind in ("fwd", "wfwd", "sfwd", "sbwd", "dfwd", "dbwd"):
             for row in rows:
                 target = _kernels.compile_target(row.entry, "sm_90")
                 report = _report.compile_report(module_source(row.entry), [row.name_expression], target,
@@ -258,10 +262,11 @@ def test_gpu_profile_cases_run_the_kernels_they_name():
         family = name.rsplit("_", 1)[0].replace("_atomic", "")
         np_dtype = np.float16 if dtype == "bfloat16" else np.dtype(dtype)   # same dispatch as bfloat16
         wgmma = "wgmma" in name   # gpu_profile.py turns the opt-in wgmma kernels on for these
-        dmma = "dmma" in name     # and fwd_dmma
+        dmma = "dmma" in name     # and fwd_dmma, bwd_dmma
         if kind == "forward":
             assert _gpu.select(np_dtype, d, d, 90, aligned=True, wgmma=wgmma, dmma=dmma).family == family, name
         else:
-            rows = _gpu_bwd.select(np_dtype, d, d, 90, aligned=True, deterministic=deterministic, wgmma=wgmma)
+            rows = _gpu_bwd.select(np_dtype, d, d, 90, aligned=True, deterministic=deterministic, wgmma=wgmma,
+                                   dmma=dmma)
             assert {r.family for r in rows[1:]} == {family}, name
             assert any("_dq_kernel" in r.name_expression for r in rows) == deterministic, name
