@@ -33,6 +33,8 @@ FAMILIES = (
     ("bwd_mma", "Tensor-core backward (`bwd_mma`, float16/bfloat16, the kernels each GPU class launches; "
                 "tile: owned × streamed rows)"),
     ("bwd_simt", "SIMT backward (`bwd_simt`: delta, dK/dV and dQ kernels)"),
+    ("bwd_dmma", "float64 backward on the FP64 tensor cores (`bwd_dmma`, sm_80/sm_90; opt-in with "
+                 "`CUPYFLASH_DMMA=1`; tile: owned × streamed rows)"),
     ("bwd_wgmma", "Hopper backward (`bwd_wgmma`, float16/bfloat16, sm_90a only; opt-in with `CUPYFLASH_WGMMA=1`; "
                   "tile: owned × streamed rows)"),
     ("fwd_v1", "Algorithm 1 (`fwd_v1`; shared memory at d = 64, M = 8192 elements)"),
@@ -110,6 +112,8 @@ def _tile(row: dict) -> str:
     if row["family"] == "bwd_wgmma":      # <T, d, own, streamed, warpgroups, kGrads>
         return f"{args[2]}×{args[3]}, {args[4]} warpgroups"
     if row["family"] == "fwd_dmma":       # <d, block_m, block_n, warps>
+        return f"{args[1]}×{args[2]}, {args[3]} warps"
+    if row["family"] == "bwd_dmma":       # <d, own, streamed, warps>
         return f"{args[1]}×{args[2]}, {args[3]} warps"
     if row["family"] == "fwd_simt":       # <T, d, dv, block_m, block_n>
         return f"{args[3]}×{args[4]}"
