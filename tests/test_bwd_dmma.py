@@ -247,3 +247,34 @@ def test_agrees_with_bwd_simt_and_is_bit_identical_across_thread_orders(monkeypa
     for name, a, b in zip(("dq", "dk", "dv"), runs[0], simt):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-13, err_msg=name)
     case.check(runs[0])
+
+
+@needs_emulator
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 1), (1, 50), (50, 1), (3, 0), (0, 5)],
+                         ids=["1x1", "1x50", "50x1", "lk0", "lq0"])
+def test_tiny_and_empty_sequences(spy, seqlen_q, seqlen_k):
+    rng = np.random.default_rng(seqlen_q * 100 + seqlen_k)
+    q, k, v = qkv(rng, np.float64, batch=2, heads_kv=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=24)
+    case = Case(rng, q, k, v)
+    dq, dk, dv = _run(case, spy)
+    case.check((dq, dk, dv))
+    if seqlen_k == 0:
+        assert (dq == 0).all()
+    if seqlen_q == 0:
+        assert (dk == 0).all() and (dv == 0).all()
+    # a kernel runs only where it has rows to own: dK/dV needs keys, dQ (and delta) query rows
+    assert [n.split("<")[0] for n in spy.launched] == (
+        ["cf::bwd_simt_dot_do_o_kernel"] * (seqlen_q > 0) + ["cf::bwd_dmma_dkdv_kernel"] * (seqlen_k > 0)
+        + ["cf::bwd_dmma_dq_kernel"] * (seqlen_q > 0))
+
+
+@needs_emulator
+@pytest.mark.parametrize("scale", [12.0, -0.7, 0.0], ids=["large", "negative", "zero"])
+def test_extreme_and_negative_scales(spy, scale):
+    rng = np.random.default_rng(15)
+    q, k, v = qkv(rng, np.float64, seqlen_q=45, seqlen_k=77, head_dim=40)
+    case = Case(rng, q, k, v, scale=scale, window=(None, 0))
+    dq, dk, dv = _run(case, spy)
+    case.check((dq, dk, dv))
+    if scale == 0.0:   # P is uniform over the visible keys, and dq, dk carry the factor scale
+        assert (dq == 0).all() and (dk == 0).all()
