@@ -67,6 +67,11 @@ SMALL_GRID_CASES = [
     ("float32", 1, 1, 16384, 16384, 64),
     ("float64", 1, 1, 8192, 8192, 64),
 ]
+# The exact dtypes at a short and a long sequence besides the table's, forward and
+# backward (issue 5: float32/float64 faster than PyTorch's math backend at every L
+# where it fits), after the small grids: (dtype, B, H, L, d, causal, backward).
+EXACT_L_CASES = [(dtype, 1, 8, length, 64, False, backward)
+                 for dtype in ("float64", "float32") for backward in (False, True) for length in (512, 8192)]
 
 
 def precompile(workers: int) -> int:
@@ -148,6 +153,8 @@ def main(argv=None) -> int:
              for dtype, b, h, length, d, causal, backward in selected]
     if not args.quick:
         cases += [_bench.Case(dtype, b, h, lq, lk, d) for dtype, b, h, lq, lk, d in SMALL_GRID_CASES]
+        cases += [_bench.Case(dtype, b, h, length, length, d, causal, backward)
+                  for dtype, b, h, length, d, causal, backward in EXACT_L_CASES]
     doc = _bench.bench(cases, device="gpu", repeat=10 if args.quick else 50, warmup=5,
                        budget_s=args.budget, log=lambda line: print(line, flush=True))
     doc["command"] = shlex.join(["benchmarks/gpu_check.py",
