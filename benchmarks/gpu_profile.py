@@ -9,7 +9,7 @@ hardware counters), or by hand::
 Each case calls the public API once (the forward, or the forward and the
 backward), so every kernel it launches is profiled once: on sm_90 fwd_wgmma and
 bwd_wgmma (deterministic and with atomic dQ) at d = 128, then fwd_mma at d = 128
-and 64, fwd_simt in float32, fwd_dmma in float64 (where the GPU has it), bwd_mma
+and 64, fwd_simt in float32, fwd_dmma in float64 and float32 (where the GPU has it), bwd_mma
 deterministic and with atomic dQ, bwd_simt in float32, bwd_dmma in float64.  Shapes are large enough to fill an H100-class GPU for a few
 milliseconds (the counters then describe the steady state, not the tail), small
 enough that ncu's replay of every kernel stays within seconds.  Without
@@ -36,6 +36,7 @@ CASES = {
     "fwd_mma_d64": ("forward", "bfloat16", 1, 16, 4096, 64, True),
     "fwd_simt_f32": ("forward", "float32", 1, 16, 2048, 64, True),
     "fwd_dmma_f64": ("forward", "float64", 1, 16, 2048, 64, True),
+    "fwd_dmma_f32": ("forward", "float32", 1, 16, 2048, 64, True),
     "bwd_mma_d128": ("backward", "bfloat16", 1, 16, 4096, 128, True),
     "bwd_mma_atomic_d128": ("backward", "bfloat16", 1, 16, 4096, 128, False),
     "bwd_simt_f32": ("backward", "float32", 1, 8, 2048, 64, True),
@@ -62,7 +63,7 @@ def run(name: str) -> None:
         print(f"gpu_profile: {name} skipped (no fast FP64 tensor cores)", file=sys.stderr, flush=True)
         return
     _gpu.wgmma_override = wgmma
-    _gpu.dmma_override = dmma
+    _gpu.dmma_override = _gpu.dmma_float32_override = dmma
     if dtype == "bfloat16":
         import ml_dtypes
 

@@ -86,18 +86,20 @@ struct KeyBlock {
 // Statistics of query row i: lse in base 2, and delta.  A row that sees no
 // key (lse = -inf) and a row past Lq get lse_log2 = +inf: their
 // probabilities exp2(s - inf) are 0, never inf or NaN.
-template <typename Acc>
-__device__ __forceinline__ void load_query_stats(Acc& lse_log2, Acc& delta, const Acc* lse,
-                                                 int64_t lse_row_stride, const Acc* delta_in,
+// Stored: the type lse and delta are kept in (the call's accumulator type),
+// Acc the one they are used in (double in bwd_dmma's float32 kernels).
+template <typename Acc, typename Stored>
+__device__ __forceinline__ void load_query_stats(Acc& lse_log2, Acc& delta, const Stored* lse,
+                                                 int64_t lse_row_stride, const Stored* delta_in,
                                                  int64_t delta_row_stride, int64_t i,
                                                  int64_t seqlen_q) {
     constexpr double kLog2e = 1.44269504088896340736;
     lse_log2 = -neg_inf<Acc>();
     delta = Acc(0);
     if (i < seqlen_q) {
-        const Acc l = lse[i * lse_row_stride];
+        const Acc l = static_cast<Acc>(lse[i * lse_row_stride]);
         if (l != neg_inf<Acc>()) lse_log2 = l * Acc(kLog2e);
-        delta = delta_in[i * delta_row_stride];
+        delta = static_cast<Acc>(delta_in[i * delta_row_stride]);
     }
 }
 

@@ -34,6 +34,12 @@
 // these kernels float64 with d = dv up to 128 on sm_80 / sm_90 (rows not
 // 16-byte aligned are copied a word at a time); columns past the run-time d
 // are zero-filled by cp.async.
+//
+// float32 (T = float, opt-in with the forward's fwd_dmma float32 kernels): the
+// tiles are widened to double on the way into shared memory (converting loads
+// between barriers, one streamed stage), every product and sum is double, and
+// the gradients are rounded to float once.  lse and delta stay float32 (the
+// forward's and the delta kernel's), so P is as exact as float32 lse allows.
 #pragma once
 
 #include "block_info.cuh"
@@ -50,7 +56,7 @@ namespace cf {
 // Every compile-time quantity of one instantiation: kOwn rows stay in shared
 // memory for the whole CTA, kStream rows are reloaded per block.  The tile
 // table with the reason for each row is _BWD_DMMA_TILES in cupyflash/_kernels.py.
-template <int kHeadDim_, int kOwn_, int kStream_, int kWarps_>
+template <typename T, int kHeadDim_, int kOwn_, int kStream_, int kWarps_>
 struct DmmaBwdTraits {
     static constexpr int kHeadDim = kHeadDim_, kOwnRows = kOwn_, kStreamRows = kStream_, kWarps = kWarps_;
     static constexpr int kThreads = 32 * kWarps;
@@ -64,9 +70,15 @@ struct DmmaBwdTraits {
     static constexpr int kStreamSteps = kStreamRows / 4; // k4 steps of the gradient products
 
     using Layout = DmmaRows<kHeadDim>;
-    // Shared memory (doubles): the two own tiles, then two stages of the two streamed tiles.
+    // double tiles go straight to shared memory by cp.async, the next streamed
+    // block while this one is computed (two stages); float ones are widened on
+    // the way in by converting loads between barriers (one stage).
+    static constexpr bool kAsync = SameType<T, double>::value;
+    static constexpr int kStages = kAsync ? 2 : 1;
+    // Shared memory (doubles): the two own tiles, then kStages stages of the two streamed tiles.
     static constexpr int kOwnTile = kOwnRows * kHeadDim, kStreamTile = kStreamRows * kHeadDim;
-    static constexpr int kSmemBytes = (2 * kOwnTile + 4 * kStreamTile) * static_cast<int>(sizeof(double));
+    static constexpr int kSmemBytes =
+        (2 * kOwnTile + 2 * kStages * kStreamTile) * static_cast<int>(sizeof(double));
     // __launch_bounds__ minimum CTAs per SM: 2 leaves every thread the 255-register maximum.
     static constexpr int kMinBlocksPerSm = 2;
 
@@ -133,10 +145,10 @@ __device__ __forceinline__ void dmma_accumulate(double (&grad)[Tr::kMTiles][Tr::
 // The streamed column c of lane (g, t) in an n8-tiled accumulator row.
 __device__ __forceinline__ int dmma_col(int c) { return 8 * (c >> 1) + 2 * (lane_id() & 3) + (c & 1); }
 
-// Write factor * grad for the warp's rows below rows_valid (from row0 of a
-// tile whose first row is dst) and columns below cols_valid.
-template <class Tr>
-__device__ __forceinline__ void dmma_store_rows(double* dst, int64_t row_stride,
+// Write factor * grad, rounded to Out, for the warp's rows below rows_valid
+// (from row0 of a tile whose first row is dst) and columns below cols_valid.
+template <class Tr, typename Out>
+__device__ __forceinline__ void dmma_store_rows(Out* dst, int64_t row_stride,
                                                 const double (&grad)[Tr::kMTiles][Tr::kGCols], double factor,
                                                 int row0, int rows_valid, int cols_valid) {
     const int g = lane_id() >> 2;
@@ -144,37 +156,70 @@ __device__ __forceinline__ void dmma_store_rows(double* dst, int64_t row_stride,
     for (int mi = 0; mi < Tr::kMTiles; ++mi) {
         const int row = row0 + 8 * mi + g;
         if (row >= rows_valid) continue;
-        double* out = dst + row * row_stride;
+        Out* out = dst + row * row_stride;
 #pragma unroll
         for (int c = 0; c < Tr::kGCols; ++c)
-            if (dmma_col(c) < cols_valid) out[dmma_col(c)] = factor * grad[mi][c];
+            if (dmma_col(c) < cols_valid) out[dmma_col(c)] = static_cast<Out>(factor * grad[mi][c]);
     }
 }
 
-// Two stages of the streamed tiles (Q, dO in dK/dV; K, V in dQ) after the own
-// tiles.  issue() starts the copies of one block into a stage; the caller
-// commits them, waits and synchronises before reading.
+// A rows x kHeadDim tile of T from global memory into shared doubles (rows
+// past rows_valid and columns past d zero): by cp.async for double (the caller
+// commits, waits and synchronises), by converting loads for float (the caller
+// synchronises).
+template <class Tr, int kRows, typename T>
+__device__ __forceinline__ void dmma_load_tile(double* dst, const T* src, int64_t row_stride, int rows_valid,
+                                               int d) {
+    if constexpr (Tr::kAsync) {
+        cp_async_tile_rows<Tr::kThreads, kRows, Tr::kHeadDim>(dst, typename Tr::Layout{}, src, row_stride,
+                                                             rows_valid, d);
+    } else {
+        load_tile<Tr::kThreads>(dst, typename Tr::Layout{}, src, row_stride, kRows, Tr::kHeadDim, rows_valid, d);
+    }
+}
+
+// The stages of the streamed tiles (Q, dO in dK/dV; K, V in dQ) after the own
+// tiles; load() fills one stage with one block (dmma_load_tile's protocol).
 template <class Tr>
 struct DmmaStream {
     double* base;
     __device__ double* first(int stage) const { return base + 2 * stage * Tr::kStreamTile; }
     __device__ double* second(int stage) const { return first(stage) + Tr::kStreamTile; }
-    __device__ void issue(int stage, const double* src1, int64_t stride1, const double* src2, int64_t stride2,
-                          int rows, int d) const {
-        cp_async_tile_rows<Tr::kThreads, Tr::kStreamRows, Tr::kHeadDim>(first(stage), typename Tr::Layout{},
-                                                                        src1, stride1, rows, d);
-        cp_async_tile_rows<Tr::kThreads, Tr::kStreamRows, Tr::kHeadDim>(second(stage), typename Tr::Layout{},
-                                                                        src2, stride2, rows, d);
+    template <typename T>
+    __device__ void load(int stage, const T* src1, int64_t stride1, const T* src2, int64_t stride2, int rows,
+                         int d) const {
+        dmma_load_tile<Tr, Tr::kStreamRows>(first(stage), src1, stride1, rows, d);
+        dmma_load_tile<Tr, Tr::kStreamRows>(second(stage), src2, stride2, rows, d);
+    }
+    // Make block `it` of the loop readable in stage(it), and (double) start
+    // copying block it + 1 into the other stage: load_next(stage) loads the next
+    // block, load_this(stage) this one (float: one stage, loaded in turn).
+    __device__ static int stage(int64_t it) { return Tr::kAsync ? static_cast<int>(it & 1) : 0; }
+    template <class LoadNext, class LoadThis>
+    __device__ void advance(int64_t it, int64_t count, LoadNext load_next, LoadThis load_this) const {
+        if constexpr (Tr::kAsync) {
+            cp_async_wait<0>();
+            __syncthreads();  // this block landed; the other stage has been read
+            if (it + 1 < count) {
+                load_next(stage(it) ^ 1);
+                cp_async_commit();
+            }
+        } else {
+            __syncthreads();  // the previous block has been read
+            load_this(0);
+            __syncthreads();
+        }
     }
 };
 
-// dK, dV of kOwn keys of one (batch, kv head).
-template <int kHeadDim, int kOwn, int kStream, int kWarps>
-__global__ void __launch_bounds__((DmmaBwdTraits<kHeadDim, kOwn, kStream, kWarps>::kThreads),
-                                  (DmmaBwdTraits<kHeadDim, kOwn, kStream, kWarps>::kMinBlocksPerSm))
+// dK, dV of kOwn keys of one (batch, kv head).  T: double, or float (opt-in:
+// computed in double, the gradients rounded to float once).
+template <int kHeadDim, int kOwn, int kStream, int kWarps, typename T = double>
+__global__ void __launch_bounds__((DmmaBwdTraits<T, kHeadDim, kOwn, kStream, kWarps>::kThreads),
+                                  (DmmaBwdTraits<T, kHeadDim, kOwn, kStream, kWarps>::kMinBlocksPerSm))
 bwd_dmma_dkdv_kernel(const BwdParams params) {
-    using Tr = DmmaBwdTraits<kHeadDim, kOwn, kStream, kWarps>;
-    using Layout = typename Tr::Layout;
+    using Tr = DmmaBwdTraits<T, kHeadDim, kOwn, kStream, kWarps>;
+    using Out = acc_t<T>;  // lse, delta and the gradients: the call's accumulator type
     const FwdParams& p = params.fwd;
 
     const KeyTileIndex tile(p, kOwn, blockIdx.x);
@@ -189,44 +234,40 @@ bwd_dmma_dkdv_kernel(const BwdParams params) {
     double* sK = reinterpret_cast<double*>(dynamic_smem());
     double* sV = sK + Tr::kOwnTile;
     const DmmaStream<Tr> stream{sV + Tr::kOwnTile};  // Q, dO
-    const HeadSlice<double, double> kv(p, tile.batch, first_head);
-    cp_async_tile_rows<Tr::kThreads, kOwn, kHeadDim>(sK, Layout{}, kv.k + block.n0 * p.k_row_stride,
-                                                     p.k_row_stride, block.keys, d);
-    cp_async_tile_rows<Tr::kThreads, kOwn, kHeadDim>(sV, Layout{}, kv.v + block.n0 * p.v_row_stride,
-                                                     p.v_row_stride, block.keys, d);
+    const HeadSlice<T, Out> kv(p, tile.batch, first_head);
+    dmma_load_tile<Tr, kOwn>(sK, kv.k + block.n0 * p.k_row_stride, p.k_row_stride, block.keys, d);
+    dmma_load_tile<Tr, kOwn>(sV, kv.v + block.n0 * p.v_row_stride, p.v_row_stride, block.keys, d);
 
     // (head, m_block) walks heads first_head.. and, within each, the query
     // blocks m_begin..m_end that see these keys.
     const int64_t m_begin = block.m_begin(kStream), m_end = block.m_end(kStream);
     const int64_t num_blocks = (m_end - m_begin) * p.gqa_ratio;
-    auto issue_queries = [&](int stage, int64_t head, int64_t m_block) {
+    auto load_queries = [&](int stage, int64_t head, int64_t m_block) {
         const int64_t m0 = m_block * kStream;
-        const HeadSlice<double, double> qo(p, tile.batch, head);
-        const GradSlice<double, double> grad(params, tile.batch, head);
-        stream.issue(stage, qo.q + m0 * p.q_row_stride, p.q_row_stride, grad.dout + m0 * params.dout_row_stride,
-                     params.dout_row_stride, static_cast<int>(min64(kStream, p.seqlen_q - m0)), d);
+        const HeadSlice<T, Out> qo(p, tile.batch, head);
+        const GradSlice<T, Out> grad(params, tile.batch, head);
+        stream.load(stage, qo.q + m0 * p.q_row_stride, p.q_row_stride, grad.dout + m0 * params.dout_row_stride,
+                    params.dout_row_stride, static_cast<int>(min64(kStream, p.seqlen_q - m0)), d);
     };
 
     double dk[Tr::kMTiles][Tr::kGCols] = {};
     double dv[Tr::kMTiles][Tr::kGCols] = {};
     int64_t head = first_head, m_block = m_begin;
-    if (num_blocks > 0) issue_queries(0, head, m_block);
-    cp_async_commit();  // K, V and the first query block
+    if constexpr (Tr::kAsync) {
+        if (num_blocks > 0) load_queries(0, head, m_block);
+        cp_async_commit();  // K, V and the first query block
+    }
     for (int64_t it = 0; it < num_blocks; ++it) {
-        const int stage = static_cast<int>(it & 1);
+        const int stage = stream.stage(it);
         const int64_t next_head = m_block + 1 == m_end ? head + 1 : head;
         const int64_t next_m_block = m_block + 1 == m_end ? m_begin : m_block + 1;
-        cp_async_wait<0>();
-        __syncthreads();  // this block landed; the other stage has been read
-        if (it + 1 < num_blocks) {
-            issue_queries(stage ^ 1, next_head, next_m_block);
-            cp_async_commit();
-        }
+        stream.advance(it, num_blocks, [&](int st) { load_queries(st, next_head, next_m_block); },
+                       [&](int st) { load_queries(st, head, m_block); });
         const double* sQ = stream.first(stage);
         const double* sdO = stream.second(stage);
         const int64_t m0 = m_block * kStream;
-        const HeadSlice<double, double> qo(p, tile.batch, head);
-        const GradSlice<double, double> grad(params, tile.batch, head);
+        const HeadSlice<T, Out> qo(p, tile.batch, head);
+        const GradSlice<T, Out> grad(params, tile.batch, head);
 
         double s[Tr::kMTiles][Tr::kSCols], dp[Tr::kMTiles][Tr::kSCols];
         dmma_row_products<Tr>(s, sK, sQ, row0);  // S^T = K Q^T
@@ -264,27 +305,27 @@ bwd_dmma_dkdv_kernel(const BwdParams params) {
         head = next_head;
         m_block = next_m_block;
     }
-    cp_async_wait<0>();  // K and V of a block no query row sees
+    if constexpr (Tr::kAsync) cp_async_wait<0>();  // K and V of a block no query row sees
 
-    const GradSlice<double, double> kv_grad(params, tile.batch, first_head);
+    const GradSlice<T, Out> kv_grad(params, tile.batch, first_head);
     dmma_store_rows<Tr>(kv_grad.dk + block.n0 * params.dk_row_stride, params.dk_row_stride, dk, p.scale, row0,
                         block.keys, d);
     dmma_store_rows<Tr>(kv_grad.dv + block.n0 * params.dv_row_stride, params.dv_row_stride, dv, 1.0, row0,
                         block.keys, d);
 }
 
-// dQ of kOwn query rows of one (batch, query head).
-template <int kHeadDim, int kOwn, int kStream, int kWarps>
-__global__ void __launch_bounds__((DmmaBwdTraits<kHeadDim, kOwn, kStream, kWarps>::kThreads),
-                                  (DmmaBwdTraits<kHeadDim, kOwn, kStream, kWarps>::kMinBlocksPerSm))
+// dQ of kOwn query rows of one (batch, query head); T as for the dK/dV kernel.
+template <int kHeadDim, int kOwn, int kStream, int kWarps, typename T = double>
+__global__ void __launch_bounds__((DmmaBwdTraits<T, kHeadDim, kOwn, kStream, kWarps>::kThreads),
+                                  (DmmaBwdTraits<T, kHeadDim, kOwn, kStream, kWarps>::kMinBlocksPerSm))
 bwd_dmma_dq_kernel(const BwdParams params) {
-    using Tr = DmmaBwdTraits<kHeadDim, kOwn, kStream, kWarps>;
-    using Layout = typename Tr::Layout;
+    using Tr = DmmaBwdTraits<T, kHeadDim, kOwn, kStream, kWarps>;
+    using Out = acc_t<T>;
     const FwdParams& p = params.fwd;
 
     const TileIndex tile(p, kOwn, blockIdx.x);
-    const HeadSlice<double, double> head(p, tile.batch, tile.head);
-    const GradSlice<double, double> grad(params, tile.batch, tile.head);
+    const HeadSlice<T, Out> head(p, tile.batch, tile.head);
+    const GradSlice<T, Out> grad(params, tile.batch, tile.head);
     const WindowMask mask(p);
     const QueryBlock block(p, mask, tile.m_block * kOwn, kOwn);
     const double scale_log2 = p.scale_log2;
@@ -295,34 +336,31 @@ bwd_dmma_dq_kernel(const BwdParams params) {
     double* sQ = reinterpret_cast<double*>(dynamic_smem());
     double* sdO = sQ + Tr::kOwnTile;
     const DmmaStream<Tr> stream{sdO + Tr::kOwnTile};  // K, V
-    cp_async_tile_rows<Tr::kThreads, kOwn, kHeadDim>(sQ, Layout{}, head.q + block.m0 * p.q_row_stride,
-                                                     p.q_row_stride, block.rows, d);
-    cp_async_tile_rows<Tr::kThreads, kOwn, kHeadDim>(sdO, Layout{}, grad.dout + block.m0 * params.dout_row_stride,
-                                                     params.dout_row_stride, block.rows, d);
+    dmma_load_tile<Tr, kOwn>(sQ, head.q + block.m0 * p.q_row_stride, p.q_row_stride, block.rows, d);
+    dmma_load_tile<Tr, kOwn>(sdO, grad.dout + block.m0 * params.dout_row_stride, params.dout_row_stride,
+                             block.rows, d);
     double lse_log2[Tr::kMTiles], delta[Tr::kMTiles];
 #pragma unroll
     for (int mi = 0; mi < Tr::kMTiles; ++mi)
         load_query_stats(lse_log2[mi], delta[mi], head.lse, p.lse_row_stride, grad.delta, params.delta_row_stride,
                          block.m0 + row0 + 8 * mi + g, p.seqlen_q);
 
-    auto issue_keys = [&](int stage, int64_t n_block) {
+    auto load_keys = [&](int stage, int64_t n_block) {
         const int64_t n0 = n_block * kStream;
-        stream.issue(stage, head.k + n0 * p.k_row_stride, p.k_row_stride, head.v + n0 * p.v_row_stride,
-                     p.v_row_stride, QueryBlock::keys_in(p, n0, kStream), d);
+        stream.load(stage, head.k + n0 * p.k_row_stride, p.k_row_stride, head.v + n0 * p.v_row_stride,
+                    p.v_row_stride, QueryBlock::keys_in(p, n0, kStream), d);
     };
 
     double dq[Tr::kMTiles][Tr::kGCols] = {};
     const int64_t n_begin = block.n_begin(kStream), n_end = block.n_end(kStream);
-    if (n_begin < n_end) issue_keys(0, n_begin);
-    cp_async_commit();  // Q, dO and the first key block
+    if constexpr (Tr::kAsync) {
+        if (n_begin < n_end) load_keys(0, n_begin);
+        cp_async_commit();  // Q, dO and the first key block
+    }
     for (int64_t n_block = n_begin; n_block < n_end; ++n_block) {
-        const int stage = static_cast<int>((n_block - n_begin) & 1);
-        cp_async_wait<0>();
-        __syncthreads();  // this block landed; the other stage has been read
-        if (n_block + 1 < n_end) {
-            issue_keys(stage ^ 1, n_block + 1);
-            cp_async_commit();
-        }
+        const int stage = stream.stage(n_block - n_begin);
+        stream.advance(n_block - n_begin, n_end - n_begin, [&](int st) { load_keys(st, n_block + 1); },
+                       [&](int st) { load_keys(st, n_block); });
         const double* sK = stream.first(stage);
         const double* sV = stream.second(stage);
         const int64_t n0 = n_block * kStream;
@@ -352,7 +390,7 @@ bwd_dmma_dq_kernel(const BwdParams params) {
             for (int c = 0; c < Tr::kSCols; ++c) dp[mi][c] = s[mi][c] * (dp[mi][c] - delta[mi]);  // dS
         dmma_accumulate<Tr>(dq, dp, sK);           // dQ += dS K
     }
-    cp_async_wait<0>();  // Q and dO of a block that sees no key
+    if constexpr (Tr::kAsync) cp_async_wait<0>();  // Q and dO of a block that sees no key
 
     dmma_store_rows<Tr>(grad.dq + block.m0 * params.dq_row_stride, params.dq_row_stride, dq, p.scale, row0,
                         block.rows, d);

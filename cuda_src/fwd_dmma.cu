@@ -27,9 +27,14 @@
 // of S hit 16 chunks spread over all 32 banks (two wavefronts, the minimum for
 // 256 bytes); V's fragment is 4 rows x 8 columns, so V rows XOR their chunks
 // with 4 x (row % 4) (DmmaVRows) to the same effect.  The dispatcher
-// (cupyflash/_gpu.py) gives this kernel float64, d = dv up to 128, 16-byte
-// aligned rows and sm_80 / sm_90; columns past the run-time d are zero-filled
-// by cp.async.  Split-KV (FwdParams::num_splits > 1) as in fwd_simt: CTA (x, y)
+// (cupyflash/_gpu.py) gives this kernel float64 with d = dv up to 128 on
+// sm_80 / sm_90; columns past the run-time d are zero-filled by cp.async.
+//
+// float32 (T = float, opt-in): the tiles are widened to double on the way into
+// shared memory (fwd_tiles.cuh's converting path, one K/V buffer), so every
+// product of two float32 inputs is exact and every sum a double; out and lse
+// are rounded to float once, at the end -- closer to the exact result than
+// float32 arithmetic, at the FP64 tensor cores' rate.  Split-KV (FwdParams::num_splits > 1) as in fwd_simt: CTA (x, y)
 // visits the y-th run of its key blocks and writes its partial results.
 #pragma once
 
@@ -46,9 +51,9 @@ namespace cf {
 
 // Every compile-time quantity of one instantiation.  The (head dim -> tile)
 // table with the reason for each row is _DMMA_TILES in cupyflash/_kernels.py.
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_>
+template <typename T, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_>
 struct DmmaFwdTraits {
-    using Acc = double;
+    using Acc = double;  // the shared tiles and every product
     static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDim_;
     static constexpr int kBlockM = kBlockM_, kBlockN = kBlockN_, kWarps = kWarps_;
     static constexpr int kThreads = 32 * kWarps;
@@ -61,12 +66,14 @@ struct DmmaFwdTraits {
     static constexpr int kKSteps = kHeadDim / 4;        // k4 steps of S = Q K^T
     static constexpr int kKeySteps = kBlockN / 4;       // k4 steps of O += P V
 
-    // fwd_tiles.cuh's schedule: double needs no conversion, so cp.async.
-    static constexpr bool kAsync = true;
+    // fwd_tiles.cuh's schedule: double needs no conversion, so cp.async into
+    // separate K and V buffers; float is widened on the way in, one K/V buffer.
+    static constexpr bool kAsync = SameType<T, double>::value;
     using QLayout = SwizzledRows<double, kHeadDim>;
     using KLayout = SwizzledRows<double, kHeadDim>;
     __device__ static DmmaVRows<kHeadDim> v_layout() { return {}; }
-    static constexpr int kSmemQ = kBlockM * kHeadDim, kSmemK = kBlockN * kHeadDim, kSmemV = kBlockN * kHeadDim;
+    static constexpr int kSmemQ = kBlockM * kHeadDim, kSmemK = kBlockN * kHeadDim;
+    static constexpr int kSmemV = kAsync ? kBlockN * kHeadDim : 0;  // else V reuses the K buffer
     static constexpr int kSmemBytes = (kSmemQ + kSmemK + kSmemV) * static_cast<int>(sizeof(double));
     // __launch_bounds__ minimum CTAs per SM: 2 leaves every thread the 255-register maximum.
     static constexpr int kMinBlocksPerSm = 2;
@@ -155,11 +162,12 @@ __device__ __forceinline__ void dmma_pv(double (&o)[Tr::kMTiles][Tr::kOCols],
 }
 
 // The warp's rows of the normalised output (to out, rows out_row_stride apart)
-// and their lse (to lse_out unless null): the call's output or a split's partials.
-template <class Tr>
+// and their lse (to lse_out unless null): the call's output or a split's partials,
+// rounded to Out (float for float inputs).
+template <class Tr, typename Out>
 __device__ __forceinline__ void dmma_store(const double (&o)[Tr::kMTiles][Tr::kOCols],
-                                           const double (&lse)[Tr::kMTiles], double* out, int64_t out_row_stride,
-                                           double* lse_out, int64_t lse_row_stride, const QueryBlock& block,
+                                           const double (&lse)[Tr::kMTiles], Out* out, int64_t out_row_stride,
+                                           Out* lse_out, int64_t lse_row_stride, const QueryBlock& block,
                                            int row0, int dv) {
     const int g = lane_id() >> 2, t = lane_id() & 3;
 #pragma unroll
@@ -167,25 +175,29 @@ __device__ __forceinline__ void dmma_store(const double (&o)[Tr::kMTiles][Tr::kO
         const int row = row0 + 8 * mi + g;
         if (row >= block.rows) continue;
         const int64_t i = block.m0 + row;
-        double* out_row = out + i * out_row_stride;
+        Out* out_row = out + i * out_row_stride;
 #pragma unroll
         for (int nj = 0; nj < Tr::kOTiles; ++nj) {
             const int col = 8 * nj + 2 * t;
-            if (col < dv) out_row[col] = o[mi][2 * nj];
-            if (col + 1 < dv) out_row[col + 1] = o[mi][2 * nj + 1];
+            if (col < dv) out_row[col] = static_cast<Out>(o[mi][2 * nj]);
+            if (col + 1 < dv) out_row[col + 1] = static_cast<Out>(o[mi][2 * nj + 1]);
         }
-        if (lse_out != nullptr && t == 0) lse_out[i * lse_row_stride] = lse[mi];
+        if (lse_out != nullptr && t == 0) lse_out[i * lse_row_stride] = static_cast<Out>(lse[mi]);
     }
 }
 
-template <int kHeadDim, int kBlockM, int kBlockN, int kWarps>
-__global__ void __launch_bounds__((DmmaFwdTraits<kHeadDim, kBlockM, kBlockN, kWarps>::kThreads),
-                                  (DmmaFwdTraits<kHeadDim, kBlockM, kBlockN, kWarps>::kMinBlocksPerSm))
+// T: double, or float (opt-in: products exact, sums in double, the output and
+// lse rounded to float once at the end).
+template <int kHeadDim, int kBlockM, int kBlockN, int kWarps, typename T = double>
+__global__ void __launch_bounds__((DmmaFwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps>::kThreads),
+                                  (DmmaFwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps>::kMinBlocksPerSm))
 fwd_dmma_kernel(const FwdParams params) {
-    using Tr = DmmaFwdTraits<kHeadDim, kBlockM, kBlockN, kWarps>;
+    using Tr = DmmaFwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps>;
+    using Out = acc_t<T>;  // the type of out's partials and of lse: the call's accumulator type
 
     const TileIndex tile(params, kBlockM, blockIdx.x);
-    const HeadSlice<double, double> head(params, tile.batch, tile.head);
+    const HeadSlice<T, double> head(params, tile.batch, tile.head);  // q, k, v for the tiles
+    const HeadSlice<T, Out> io(params, tile.batch, tile.head);       // out, lse
     const WindowMask mask(params);
     const QueryBlock block(params, mask, tile.m_block * kBlockM, kBlockM);
     const double scale_log2 = params.scale_log2;
@@ -193,7 +205,7 @@ fwd_dmma_kernel(const FwdParams params) {
 
     int64_t n_begin = block.n_begin(kBlockN), n_end = block.n_end(kBlockN);
     split_key_blocks(params, blockIdx.y, n_begin, n_end);
-    const SimtTiles<Tr, double> tiles(params, head, block, n_begin, n_end);
+    const SimtTiles<Tr, T> tiles(params, head, block, n_begin, n_end);
 
     OnlineSoftmax<double, Tr::kMTiles, 4> softmax;
     double o[Tr::kMTiles][Tr::kOCols] = {};
@@ -214,11 +226,10 @@ fwd_dmma_kernel(const FwdParams params) {
     softmax.normalize(o, lse);
     const int dv = static_cast<int>(params.head_dim_v);
     if (params.num_splits > 1) {
-        const SplitSlice<double> part(params, tile.batch, tile.head, blockIdx.y);
+        const SplitSlice<Out> part(params, tile.batch, tile.head, blockIdx.y);
         dmma_store<Tr>(o, lse, part.o, dv, part.lse, 1, block, row0, dv);
     } else {
-        dmma_store<Tr>(o, lse, head.out, params.out_row_stride, head.lse, params.lse_row_stride, block, row0,
-                       dv);
+        dmma_store<Tr>(o, lse, io.out, params.out_row_stride, io.lse, params.lse_row_stride, block, row0, dv);
     }
 }
 

@@ -81,7 +81,9 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=F
     dtypes float16, bfloat16 (``ml_dtypes.bfloat16`` arrays), float32 and
     float64; the output has the input dtype, accumulation is float32
     (float64 for float64 inputs).  float32 is computed in IEEE float32 (never
-    TF32).  Memory beyond the output is O(Lq·d) per (batch, head).
+    TF32) -- or, opted into with ``CUPYFLASH_DMMA=float32`` on A100/H100-class
+    GPUs, in float64 on the FP64 tensor cores and rounded once.  Memory beyond
+    the output is O(Lq·d) per (batch, head).
 
     Examples
     --------

@@ -9,7 +9,8 @@ on the GPU
     field says which family ran, fwd_mma or fwd_simt, bwd_mma or bwd_simt),
     for backward cases ``cupyflash-atomic``
     (``attention_backward(..., deterministic=False)``: dQ by atomics), for float64
-    cases on compute capability 8.0/9.0 ``cupyflash-dmma`` (fwd_dmma, bwd_dmma; opt-in),
+    and float32 cases on compute capability 8.0/9.0 ``cupyflash-dmma`` (fwd_dmma,
+    bwd_dmma, float32 computed in double; opt-in),
     on an sm_90 GPU with float16/bfloat16 ``cupyflash-wgmma`` (the Hopper kernels, opt-in:
     fwd_wgmma, bwd_wgmma) and for backward cases ``cupyflash-wgmma-atomic``,
     ``cupyflash-v1`` (Algorithm 1, the fwd_v1 kernel, through
@@ -306,8 +307,9 @@ def implementations(device: str, case: Case) -> list[str]:
         names.append("cupyflash-wgmma")
         if case.backward:
             names.append("cupyflash-wgmma-atomic")
-    # fwd_dmma / bwd_dmma, float64 on the FP64 tensor cores (opt-in until measured)
-    if device == "gpu" and case.dtype == "float64" and _dmma_gpu():
+    # fwd_dmma / bwd_dmma, float64 on the FP64 tensor cores, and float32 computed there
+    # in double (opt-in until measured)
+    if device == "gpu" and case.dtype in ("float64", "float32") and _dmma_gpu():
         names.append("cupyflash-dmma")
     # the literal Algorithm 1 (O, l, m through global memory) is a teaching kernel:
     # timed up to 4096 x 4096 scores per head, where a call still takes milliseconds
@@ -367,13 +369,13 @@ def prepare(impl: str, case: Case, inputs, device: str):
             out, lse = cupyflash.attention(q, k, v, causal=causal, return_lse=True)
 
         def run_dmma():
-            _gpu.dmma_override = True
+            _gpu.dmma_override = _gpu.dmma_float32_override = True
             try:
                 if case.backward:
                     return cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
                 return cupyflash.attention(q, k, v, causal=causal)
             finally:
-                _gpu.dmma_override = None
+                _gpu.dmma_override = _gpu.dmma_float32_override = None
 
         return run_dmma, _cupyflash_kernel(case, q, k, v, dmma=True)
     if impl == "cupyflash-v1":

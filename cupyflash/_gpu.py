@@ -18,9 +18,10 @@ import os
 
 import numpy as np
 
-from ._kernels import (DMMA_ARCHS, DMMA_HEAD_DIMS, MMA_HEAD_DIMS, WGMMA_ARCH, WGMMA_HEAD_DIMS, Instantiation,
-                       by_name, combine_name_expression, dmma_name_expression, dmma_tiles, instantiations,
-                       mma_name_expression, mma_split_tiles, mma_tiles, wgmma_name_expression, wgmma_tiles)
+from ._kernels import (DMMA_ARCHS, DMMA_DTYPES, DMMA_HEAD_DIMS, MMA_HEAD_DIMS, WGMMA_ARCH, WGMMA_HEAD_DIMS,
+                       Instantiation, by_name, combine_name_expression, dmma_name_expression, dmma_tiles,
+                       instantiations, mma_name_expression, mma_split_tiles, mma_tiles, wgmma_name_expression,
+                       wgmma_tiles)
 from ._launch import launch_config, num_splits, v1_block_sizes
 from ._params import data_pointer, fwd_params
 
@@ -38,25 +39,37 @@ wgmma_override: bool | None = None
 # heuristic, cupyflash._launch.num_splits).
 split_override: int | None = None
 
-# fwd_dmma (float64 on the FP64 tensor cores) has not run on a GPU yet: opt-in
-# until the GPU tier has checked it and the benchmark has timed it against fwd_simt.
+# fwd_dmma and bwd_dmma (the FP64 tensor cores) have not run on a GPU yet: opt-in
+# until the GPU tier has checked them and the benchmark has timed them against the
+# SIMT kernels.  CUPYFLASH_DMMA=1 (or float64) turns them on for float64;
+# float32 (or "float64,float32", or all) runs the float32 forward on them too.
 DMMA_ENV = "CUPYFLASH_DMMA"
-# Set by the benchmarks to time fwd_dmma without touching the environment (None: use it).
+# Set by tests and benchmarks to switch the DMMA kernels without touching the
+# environment (None: use it): float64's switch, and float32's.
 dmma_override: bool | None = None
+dmma_float32_override: bool | None = None
 
 
-def dmma_enabled() -> bool:
-    """Whether the forward may pick fwd_dmma for float64 on :data:`~cupyflash._kernels.DMMA_ARCHS`:
-    ``CUPYFLASH_DMMA=1`` (read at each call). Off by default until checked on a GPU."""
-    if dmma_override is not None:
-        return dmma_override
-    return os.environ.get(DMMA_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+def dmma_enabled(dtype="float64") -> bool:
+    """Whether ``dtype`` (float64, or float32) may run on the FP64 tensor cores of
+    :data:`~cupyflash._kernels.DMMA_ARCHS`: ``CUPYFLASH_DMMA`` (read at each call) is
+    ``1`` or names the dtype (``float64``, ``float32``, ``float64,float32``, ``all``).
+    Off by default until checked on a GPU."""
+    name = _dtype_name(dtype)
+    override = {"float64": dmma_override, "float32": dmma_float32_override}.get(name, False)
+    if override is not None:
+        return override
+    words = {w.strip() for w in os.environ.get(DMMA_ENV, "").lower().split(",")}
+    if name == "float64":
+        return bool(words & {"1", "true", "yes", "on", "float64", "all"})
+    return bool(words & {"float32", "all"})
 
 
-def use_dmma(arch: int, dmma: bool | None = None) -> bool:
-    """Whether fwd_dmma replaces fwd_simt for float64 on ``arch``: a GPU of
-    :data:`~cupyflash._kernels.DMMA_ARCHS` and ``dmma`` true (default: :func:`dmma_enabled`)."""
-    return int(arch) in DMMA_ARCHS and (dmma_enabled() if dmma is None else dmma)
+def use_dmma(arch: int, dmma: bool | None = None, dtype="float64") -> bool:
+    """Whether the DMMA kernels replace the SIMT ones for ``dtype`` on ``arch``: a GPU of
+    :data:`~cupyflash._kernels.DMMA_ARCHS` and ``dmma`` true (default:
+    :func:`dmma_enabled` for ``dtype``)."""
+    return int(arch) in DMMA_ARCHS and (dmma_enabled(dtype) if dmma is None else dmma)
 
 
 def wgmma_enabled() -> bool:
@@ -104,9 +117,10 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
     holds both head dims.  ``aligned`` defaults to False: without knowing the
     arrays, only fwd_simt is safe.
 
-    ``fwd_dmma`` (``cuda_src/fwd_dmma.cu``, the FP64 tensor cores) for float64 with
-    ``head_dim == head_dim_v <= 128`` on :data:`~cupyflash._kernels.DMMA_ARCHS` where
-    ``dmma`` is true (default: :func:`dmma_enabled`), in the smallest of
+    ``fwd_dmma`` (``cuda_src/fwd_dmma.cu``, the FP64 tensor cores) for float64 -- and
+    float32, computed in double and rounded once -- with ``head_dim == head_dim_v <=
+    128`` on :data:`~cupyflash._kernels.DMMA_ARCHS` where ``dmma`` is true (default:
+    :func:`dmma_enabled` for the dtype), in the smallest of
     :data:`~cupyflash._kernels.DMMA_HEAD_DIMS` holding the head dim.
 
     ``split``: the instantiation a split-KV launch runs (``FwdParams::num_splits > 1``):
@@ -131,9 +145,9 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
             tiles = mma_split_tiles(arch) if split else mma_tiles(arch)
             wanted = mma_name_expression(name, bucket, *tiles[bucket], split=split)
         return by_name()[wanted]
-    if name == "float64" and d == dv and d <= DMMA_HEAD_DIMS[-1] and use_dmma(arch, dmma):
+    if name in DMMA_DTYPES and d == dv and d <= DMMA_HEAD_DIMS[-1] and use_dmma(arch, dmma, name):
         bucket = min(m for m in DMMA_HEAD_DIMS if m >= d)
-        return by_name()[dmma_name_expression(bucket, *dmma_tiles()[bucket])]
+        return by_name()[dmma_name_expression(bucket, *dmma_tiles()[bucket], name)]
     bucket = simt_bucket("fwd_simt", name, d, dv)
     return next(r for r in instantiations()
                 if r.family == "fwd_simt" and r.dtype == name and r.head_dim == bucket)

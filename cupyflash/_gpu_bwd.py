@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._gpu import _accumulator_dtype, _array_module, mma_head_dim, rows_aligned, simt_bucket, use_dmma, use_wgmma
-from ._kernels import (DMMA_HEAD_DIMS, WGMMA_BWD_HEAD_DIMS, Instantiation, bwd_dmma_name_expressions,
+from ._kernels import (DMMA_DTYPES, DMMA_HEAD_DIMS, WGMMA_BWD_HEAD_DIMS, Instantiation, bwd_dmma_name_expressions,
                        bwd_mma_name_expressions, bwd_wgmma_name_expressions, by_name, instantiations)
 from ._launch import backward_kernel, backward_launch_config
 from ._params_bwd import bwd_params
@@ -51,10 +51,11 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
     dq starts on an 8-byte boundary: its atomics add float pairs), the dK/dV
     kernel that adds dQ by atomics.
 
-    bwd_dmma (float64 on the FP64 tensor cores, ``cuda_src/bwd_dmma.cu``) for
-    float64 with ``head_dim == head_dim_v <= 128`` (any strides) on
-    :data:`~cupyflash._kernels.DMMA_ARCHS` where ``dmma`` is true (default:
-    :func:`cupyflash._gpu.dmma_enabled`, the forward's switch), in the smallest
+    bwd_dmma (the FP64 tensor cores, ``cuda_src/bwd_dmma.cu``) for float64 -- and
+    float32, computed in double -- with ``head_dim == head_dim_v <= 128`` (any
+    strides) on :data:`~cupyflash._kernels.DMMA_ARCHS` where ``dmma`` is true
+    (default: :func:`cupyflash._gpu.dmma_enabled` for the dtype, the forward's
+    switch), in the smallest
     of :data:`~cupyflash._kernels.DMMA_HEAD_DIMS` holding the head dim:
     bwd_simt's delta kernel, bwd_dmma's dK/dV and dQ kernels, whatever
     ``deterministic`` says (they have no atomic variant).  Otherwise:
@@ -88,8 +89,8 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
             if r.family == "bwd_simt" and r.dtype == name and r.head_dim == bucket]
     simt = {backward_kernel(r): r for r in rows if not r.name_expression.endswith(", true>")}
     atomic = [r for r in rows if r.name_expression.endswith(", true>")]
-    if name == "float64" and d == dv and d <= DMMA_HEAD_DIMS[-1] and use_dmma(arch, dmma):
-        names = bwd_dmma_name_expressions(min(m for m in DMMA_HEAD_DIMS if m >= d))
+    if name in DMMA_DTYPES and d == dv and d <= DMMA_HEAD_DIMS[-1] and use_dmma(arch, dmma, name):
+        names = bwd_dmma_name_expressions(min(m for m in DMMA_HEAD_DIMS if m >= d), name)
         return (simt["bwd_simt_dot_do_o_kernel"],) + tuple(by_name()[n] for n in names)
     mma_dim = mma_head_dim(name, d, dv, arch, aligned=aligned)
     if mma_dim is not None:

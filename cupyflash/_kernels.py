@@ -16,8 +16,9 @@ __all__ = ["Instantiation", "instantiations", "HEAD_DIM_BUCKETS", "MMA_HEAD_DIMS
            "mma_tiles", "mma_name_expression", "bwd_mma_name_expressions", "bwd_mma_shared_bytes",
            "launchable", "by_name", "WGMMA_HEAD_DIMS", "wgmma_tiles", "wgmma_name_expression",
            "compile_target", "WGMMA_BWD_HEAD_DIMS", "bwd_wgmma_tiles", "bwd_wgmma_name_expressions",
-           "bwd_wgmma_shared_bytes", "combine_name_expression", "COMBINE_THREADS", "mma_split_tiles", "DMMA_ARCHS", "DMMA_HEAD_DIMS",
-           "dmma_name_expression", "dmma_tiles", "bwd_dmma_name_expressions", "bwd_dmma_shared_bytes"]
+           "bwd_wgmma_shared_bytes", "combine_name_expression", "COMBINE_THREADS", "mma_split_tiles",
+           "DMMA_ARCHS", "DMMA_HEAD_DIMS", "DMMA_DTYPES", "dmma_name_expression", "dmma_tiles",
+           "bwd_dmma_name_expressions", "bwd_dmma_shared_bytes"]
 
 
 @dataclass(frozen=True)
@@ -377,9 +378,14 @@ _DMMA_TILES = {
 }
 
 
-def dmma_name_expression(head_dim: int, block_m: int, block_n: int, warps: int) -> str:
-    """``cf::fwd_dmma_kernel<head_dim, block_m, block_n, warps>`` (float64 only)."""
-    return f"cf::fwd_dmma_kernel<{head_dim}, {block_m}, {block_n}, {warps}>"
+DMMA_DTYPES = ("float64", "float32")
+
+
+def dmma_name_expression(head_dim: int, block_m: int, block_n: int, warps: int, dtype: str = "float64") -> str:
+    """``cf::fwd_dmma_kernel<head_dim, block_m, block_n, warps>`` for float64,
+    ``cf::fwd_dmma_kernel<head_dim, block_m, block_n, warps, float>`` for float32."""
+    suffix = "" if dtype == "float64" else f", {_CXX_TYPE[dtype]}"
+    return f"cf::fwd_dmma_kernel<{head_dim}, {block_m}, {block_n}, {warps}{suffix}>"
 
 
 def dmma_tiles() -> dict[int, tuple[int, int, int]]:
@@ -389,10 +395,10 @@ def dmma_tiles() -> dict[int, tuple[int, int, int]]:
 
 def _dmma_instantiations() -> list[Instantiation]:
     return [Instantiation(family="fwd_dmma", entry="fwd_dmma.cu",
-                          name_expression=dmma_name_expression(d, block_m, block_n, warps),
-                          dtype="float64", head_dim=d, head_dim_v=d, threads=32 * warps,
+                          name_expression=dmma_name_expression(d, block_m, block_n, warps, dtype),
+                          dtype=dtype, head_dim=d, head_dim_v=d, threads=32 * warps,
                           block_m=block_m, block_n=block_n)
-            for d, (block_m, block_n, warps) in _DMMA_TILES.items()]
+            for dtype in DMMA_DTYPES for d, (block_m, block_n, warps) in _DMMA_TILES.items()]
 
 # ---- backward ----------------------------------------------------------------------------------
 
@@ -639,47 +645,54 @@ def _bwd_wgmma_instantiations() -> list[Instantiation]:
 
 # ---- bwd_dmma: the float64 backward on the FP64 tensor cores (cuda_src/bwd_dmma.cu), sm_80 / sm_90 --
 
-# Head dims (d == dv) with bwd_dmma kernels: those of fwd_dmma, on DMMA_ARCHS.
-# Per head dim (own rows, streamed rows, warps) of both kernels -- dK/dV owns
-# keys and streams query rows, dQ owns query rows and streams keys.  Per lane:
-# the own rows' gradients (dK and dV, or dQ) 2 x d / 8 doubles per m8 tile, S
-# and dP streamed / 4 each.  Shared memory (2 own + 2 x 2 streamed tiles) x d x
-# 8 bytes.  Registers from the static report (NVRTC 13.5, sm_80 / sm_90), no
+# Head dims (d == dv) with bwd_dmma kernels: those of fwd_dmma, on DMMA_ARCHS,
+# for float64 and (computed in double) float32.  Per head dim (own rows,
+# streamed rows, warps) of both kernels -- dK/dV owns keys and streams query
+# rows, dQ owns query rows and streams keys.  Per lane: the own rows'
+# gradients (dK and dV, or dQ) 2 x d / 8 doubles per m8 tile, S and dP
+# streamed / 4 each.  Shared memory (2 own + 2 x stages streamed tiles) x d x 8
+# bytes, two stages for float64 and one for float32.  Registers from the static
+# report (NVRTC 13.5, float64 on sm_80 / sm_90; float32 within 10 of them), no
 # spills; not yet timed on a GPU.
 _BWD_DMMA_TILES = {
-    32: (64, 32, 4),    # dK/dV 236 / 246 regs, dQ 230 / 228; 64 KB
-    64: (64, 16, 4),    # dK/dV 240 / 244, dQ 230 / 242; 96 KB (32 streamed rows: 128 KB; fully unrolled
-                        # score products: the dK/dV kernel spills 28-36 B)
-    128: (32, 8, 4),    # dK/dV 254 / 252, dQ 200 / 208; 96 KB: one m8 tile per warp (two would be 128
-                        # doubles of dK and dV per lane)
+    32: (64, 32, 4),    # dK/dV 236 / 246 regs, dQ 232 / 230; 64 KB (float32 48 KB)
+    64: (64, 16, 4),    # dK/dV 240 / 244, dQ 228 / 242; 96 KB (float32 80 KB; 32 streamed rows: 128 KB;
+                        # fully unrolled score products: the dK/dV kernel spills 28-36 B)
+    128: (32, 8, 4),    # dK/dV 254 / 252, dQ 238 / 234; 96 KB (float32 80 KB): one m8 tile per warp (two
+                        # would be 128 doubles of dK and dV per lane)
 }
 
 
-def bwd_dmma_name_expressions(head_dim: int) -> list[str]:
-    """bwd_dmma's kernels for compile-time ``head_dim`` (one of :data:`DMMA_HEAD_DIMS`), in
-    launch order: dK/dV, then dQ (there is no atomic variant)."""
+def bwd_dmma_name_expressions(head_dim: int, dtype: str = "float64") -> list[str]:
+    """bwd_dmma's kernels for compile-time ``head_dim`` (one of :data:`DMMA_HEAD_DIMS`) and
+    ``dtype`` (float64; float32, computed in double), in launch order: dK/dV, then dQ
+    (there is no atomic variant)."""
     if head_dim not in _BWD_DMMA_TILES:
         raise ValueError(f"bwd_dmma has no kernel for head_dim={head_dim}")
     own, streamed, warps = _BWD_DMMA_TILES[head_dim]
-    return [f"cf::bwd_dmma_dkdv_kernel<{head_dim}, {own}, {streamed}, {warps}>",
-            f"cf::bwd_dmma_dq_kernel<{head_dim}, {own}, {streamed}, {warps}>"]
+    suffix = "" if dtype == "float64" else f", {_CXX_TYPE[dtype]}"
+    return [f"cf::bwd_dmma_dkdv_kernel<{head_dim}, {own}, {streamed}, {warps}{suffix}>",
+            f"cf::bwd_dmma_dq_kernel<{head_dim}, {own}, {streamed}, {warps}{suffix}>"]
 
 
-def bwd_dmma_shared_bytes(head_dim: int, own: int, streamed: int) -> int:
-    """``DmmaBwdTraits::kSmemBytes`` (bwd_dmma.cu): two own tiles and two stages of two
-    streamed tiles of doubles."""
-    return (2 * own + 4 * streamed) * head_dim * 8
+def bwd_dmma_shared_bytes(head_dim: int, own: int, streamed: int, dtype: str = "float64") -> int:
+    """``DmmaBwdTraits::kSmemBytes`` (bwd_dmma.cu): two own tiles and, per stage, two
+    streamed tiles of doubles -- two stages for float64 (cp.async), one for float32
+    (widened on the way in)."""
+    stages = 2 if dtype == "float64" else 1
+    return (2 * own + 2 * stages * streamed) * head_dim * 8
 
 
 def _bwd_dmma_instantiations() -> list[Instantiation]:
     rows = []
-    for d, (own, streamed, warps) in _BWD_DMMA_TILES.items():
-        for name in bwd_dmma_name_expressions(d):
-            dkdv = "dkdv" in name
-            rows.append(Instantiation(
-                family="bwd_dmma", entry="bwd_dmma.cu", name_expression=name, dtype="float64", head_dim=d,
-                head_dim_v=d, threads=32 * warps, block_m=streamed if dkdv else own,
-                block_n=own if dkdv else streamed, kv_stages=2))
+    for dtype in DMMA_DTYPES:
+        for d, (own, streamed, warps) in _BWD_DMMA_TILES.items():
+            for name in bwd_dmma_name_expressions(d, dtype):
+                dkdv = "dkdv" in name
+                rows.append(Instantiation(
+                    family="bwd_dmma", entry="bwd_dmma.cu", name_expression=name, dtype=dtype, head_dim=d,
+                    head_dim_v=d, threads=32 * warps, block_m=streamed if dkdv else own,
+                    block_n=own if dkdv else streamed, kv_stages=2 if dtype == "float64" else 1))
     return rows
 
 

@@ -66,8 +66,9 @@ def _wgmma_shared_bytes(inst: Instantiation) -> int:
 
 
 def _dmma_shared_bytes(inst: Instantiation) -> int:
-    # DmmaFwdTraits::kSmemBytes: Q, K and V tiles of doubles.
-    return (inst.block_m + 2 * inst.block_n) * inst.head_dim * 8
+    # DmmaFwdTraits::kSmemBytes: Q, K and V tiles of doubles (float32 inputs, widened
+    # on the way in: Q and one K/V buffer).
+    return (inst.block_m + (2 if inst.dtype == "float64" else 1) * inst.block_n) * inst.head_dim * 8
 
 
 def _v1_shared_bytes(inst: Instantiation, block_m: int, block_n: int, head_dim: int,
@@ -279,7 +280,7 @@ def _bwd_shared_bytes(inst: Instantiation) -> int:
         # DmmaBwdTraits::kSmemBytes: the same shape for both kernels
         dkdv = kernel == "bwd_dmma_dkdv_kernel"
         own, streamed = (inst.block_n, inst.block_m) if dkdv else (inst.block_m, inst.block_n)
-        return bwd_dmma_shared_bytes(inst.head_dim, own, streamed)
+        return bwd_dmma_shared_bytes(inst.head_dim, own, streamed, inst.dtype)
     if kernel.startswith("bwd_wgmma_"):
         # WgmmaBwdTraits::kSmemBytes; the dK/dV kernel's last template argument is
         # kGrads (V only for dK; bit 4: atomic dQ and its dS tile)

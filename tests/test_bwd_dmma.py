@@ -1,18 +1,19 @@
-"""bwd_dmma, the float64 backward on the FP64 tensor cores (cuda_src/bwd_dmma.cu), without a GPU.
+"""bwd_dmma, the backward on the FP64 tensor cores (cuda_src/bwd_dmma.cu), without a GPU.
 
-Dispatch: bwd_dmma follows the forward's switch (``CUPYFLASH_DMMA=1``) for
-float64 with d = dv up to 128 on compute capability 8.0 and 9.0, with or
-without ``deterministic`` (it has no atomic variant); everything else keeps
-bwd_simt.  bwd_simt's delta kernel runs first.
+Dispatch: bwd_dmma follows the forward's switch (``CUPYFLASH_DMMA=1`` for
+float64, ``float32`` for float32, computed in double) with d = dv up to 128 on
+compute capability 8.0 and 9.0, with or without ``deterministic`` (it has no
+atomic variant); everything else keeps bwd_simt.  bwd_simt's delta kernel
+runs first.
 
 Static tier: every row compiled offline by NVRTC for sm_80, sm_86, sm_89 and
 sm_90 -- no spills, no stack, no local memory; the SASS holds the DMMA of one
-unrolled copy of each product, cp.async, shuffles and no HMMA, ldmatrix or
-atomics.
+unrolled copy of each product, shuffles, cp.async (float64) or widening
+conversions (float32), and no HMMA, ldmatrix or atomics.
 
 Emulated tier: the kernels through :func:`cupyflash._gpu_bwd.backward` on the
 CPU emulator (shuffled threads, race check), gradients NaN-poisoned first,
-against the float64 oracle to rounding: partial query and key blocks, causal
+against the float64 oracle to the dtype's rounding: partial query and key blocks, causal
 and window masks with Lq < Lk and Lq > Lk, rows that see no key and keys no row
 sees, GQA groups, padded head dims (d = 3 .. 100, rows not 16-byte aligned),
 transposed, reversed and broadcast strides; agreement with bwd_simt; runs with
@@ -25,7 +26,7 @@ import numpy as np
 import pytest
 
 from cupyflash import _gpu, _gpu_bwd, _report
-from cupyflash._kernels import DMMA_ARCHS, DMMA_HEAD_DIMS, instantiations, launchable
+from cupyflash._kernels import DMMA_ARCHS, DMMA_DTYPES, DMMA_HEAD_DIMS, instantiations, launchable
 from cupyflash._launch import backward_kernel, backward_launch_config
 from cupyflash.emulator import EmulatorExecutor, emulator_available
 
@@ -48,30 +49,34 @@ def _kernels(d, dv=None, arch=90, dtype="float64", **kw):
 def test_select_picks_bwd_dmma_for_float64_on_a100_and_h100_class_gpus_when_enabled(monkeypatch):
     monkeypatch.delenv(_gpu.DMMA_ENV, raising=False)
     dmma = ["bwd_simt_dot_do_o_kernel", "bwd_dmma_dkdv_kernel", "bwd_dmma_dq_kernel"]
-    for arch in (80, 86, 89, 90):
-        for d in (1, 3, 32, 40, 64, 100, 128):
-            for deterministic in (True, False):
-                for aligned in (True, False):
-                    rows = _gpu_bwd.select("float64", d, d, arch, aligned=aligned, deterministic=deterministic,
-                                           dmma=True)
-                    if arch in DMMA_ARCHS:
-                        assert [backward_kernel(r) for r in rows] == dmma
-                        assert {r.head_dim for r in rows} == {min(b for b in DMMA_HEAD_DIMS if b >= d)}
-                    else:
-                        assert {r.family for r in rows} == {"bwd_simt"}
-            assert "bwd_dmma_dkdv_kernel" not in _kernels(d, arch=arch)   # default: off
-    # not for other dtypes, dv != d, or head dims above 128
-    for dtype in ("float16", "bfloat16", "float32"):
+    for dtype in DMMA_DTYPES:
+        for arch in (80, 86, 89, 90):
+            for d in (1, 3, 32, 40, 64, 100, 128):
+                for deterministic in (True, False):
+                    for aligned in (True, False):
+                        rows = _gpu_bwd.select(dtype, d, d, arch, aligned=aligned, deterministic=deterministic,
+                                               dmma=True)
+                        if arch in DMMA_ARCHS:
+                            assert [backward_kernel(r) for r in rows] == dmma
+                            assert {r.head_dim for r in rows} == {min(b for b in DMMA_HEAD_DIMS if b >= d)}
+                            assert {r.dtype for r in rows} == {dtype}
+                        else:
+                            assert {r.family for r in rows} == {"bwd_simt"}
+                assert "bwd_dmma_dkdv_kernel" not in _kernels(d, arch=arch, dtype=dtype)   # default: off
+        # not for dv != d, or head dims above 128
+        assert "bwd_dmma_dkdv_kernel" not in _kernels(64, 32, dtype=dtype, dmma=True)
+        assert "bwd_dmma_dkdv_kernel" not in _kernels(129, dtype=dtype, dmma=True)
+    for dtype in ("float16", "bfloat16"):
         assert "bwd_dmma_dkdv_kernel" not in _kernels(64, dtype=dtype, aligned=True, dmma=True)
-    assert "bwd_dmma_dkdv_kernel" not in _kernels(64, 32, dmma=True)
-    assert "bwd_dmma_dkdv_kernel" not in _kernels(129, dmma=True)
     monkeypatch.setenv(_gpu.DMMA_ENV, "1")
-    assert _kernels(64) == dmma
+    assert _kernels(64) == dmma and "bwd_dmma_dkdv_kernel" not in _kernels(64, dtype="float32")
+    monkeypatch.setenv(_gpu.DMMA_ENV, "float32")
+    assert _kernels(64, dtype="float32") == dmma and "bwd_dmma_dkdv_kernel" not in _kernels(64)
 
 
 def test_launchable_only_where_the_fp64_tensor_cores_are_fast():
     names = {r.name_expression for r in ROWS}
-    assert len(ROWS) == 2 * len(DMMA_HEAD_DIMS) == len(names)   # dK/dV and dQ per head dim
+    assert len(ROWS) == 2 * len(DMMA_HEAD_DIMS) * len(DMMA_DTYPES) == len(names)   # dK/dV, dQ per head dim
     for arch in (75, 80, 86, 89, 90, 100):
         assert (names <= launchable(arch)) == (arch in DMMA_ARCHS)
         assert (not names & launchable(arch)) == (arch not in DMMA_ARCHS)
@@ -81,15 +86,17 @@ def test_launch_config_and_shared_memory():
     sizes = dict(batch=2, heads_q=6, heads_kv=3, seqlen_q=1000, seqlen_k=333)
     for r in ROWS:
         grid, block, shared = backward_launch_config(r, **sizes)
-        assert block == (r.threads, 1, 1) and r.dtype == "float64" and r.head_dim == r.head_dim_v
+        assert block == (r.threads, 1, 1) and r.dtype in DMMA_DTYPES and r.head_dim == r.head_dim_v
         if backward_kernel(r) == "bwd_dmma_dkdv_kernel":
             own, streamed = r.block_n, r.block_m
             assert grid == (2 * 3 * -(-333 // own), 1, 1)
         else:
             own, streamed = r.block_m, r.block_n
             assert grid == (2 * 6 * -(-1000 // own), 1, 1)
-        # K and V (Q and dO), then two stages of the two streamed tiles, in doubles
-        assert shared == (2 * own + 2 * 2 * streamed) * r.head_dim * 8 <= 99 * 1024
+        # K and V (Q and dO), then two stages (float64) or one (float32) of the two
+        # streamed tiles, in doubles
+        stages = 2 if r.dtype == "float64" else 1
+        assert shared == (2 * own + 2 * stages * streamed) * r.head_dim * 8 <= 99 * 1024
 
 
 # ---- static: NVRTC for sm_80, sm_86, sm_89, sm_90 ---------------------------------------------
@@ -121,7 +128,11 @@ def test_sass_issues_the_dmma_of_each_product_and_no_atomics(report):
         scores = 2 * min(8, inst.head_dim // 4) * m_tiles * (streamed // 8)
         gradients = (2 if dkdv else 1) * (streamed // 4) * (inst.head_dim // 8) * m_tiles
         assert sass.get("DMMA") == scores + gradients, (r["arch"], r["name"], sass.get("DMMA"))
-        assert sass.get("LDGSTS", 0) > 0 and sass.get("SHFL", 0) > 0, (r["arch"], r["name"])
+        assert sass.get("SHFL", 0) > 0, (r["arch"], r["name"])
+        if inst.dtype == "float64":   # cp.async straight into the tiles
+            assert sass.get("LDGSTS", 0) > 0, (r["arch"], r["name"])
+        else:                         # float32 widened on the way in
+            assert sass.get("F2F", 0) > 0 and not sass.get("LDGSTS"), (r["arch"], r["name"])
         assert not any(op.startswith(("HMMA", "LDSM", "ATOM", "RED")) for op in sass), (r["arch"], r["name"])
 
 
@@ -134,8 +145,9 @@ def executor():
 
 @pytest.fixture
 def spy(executor, monkeypatch):
-    """bwd_dmma on, and a record of the launches on the emulator."""
+    """bwd_dmma on (both dtypes), and a record of the launches on the emulator."""
     monkeypatch.setattr(_gpu, "dmma_override", True)
+    monkeypatch.setattr(_gpu, "dmma_float32_override", True)
     return LaunchSpy(executor)
 
 
@@ -155,18 +167,20 @@ def _bucket(d):
 @needs_emulator
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", DMMA_HEAD_DIMS, ids=lambda d: f"d{d}")
-def test_every_instantiation_matches_the_oracle_with_tails_gqa_and_masks(spy, head_dim, causal):
+@pytest.mark.parametrize("dtype", DMMA_DTYPES)
+def test_every_instantiation_matches_the_oracle_with_tails_gqa_and_masks(spy, dtype, head_dim, causal):
     own_keys = next(r.block_n for r in ROWS if r.head_dim == head_dim and "dkdv" in r.name_expression)
     rng = np.random.default_rng(head_dim + causal)
     # Partial query and key blocks in both kernels; Lk > Lq so that, causal, key
     # blocks are fully visible, cut by the diagonal and unseen; two query heads per kv head.
     seqlen_q, seqlen_k = 2 * own_keys + 13, 3 * own_keys + 5
-    q, k, v = qkv(rng, np.float64, heads_kv=2, gqa_ratio=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+    q, k, v = qkv(rng, np.dtype(dtype), heads_kv=2, gqa_ratio=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                   head_dim=head_dim)
     case = Case(rng, q, k, v, gqa_ratio=2, window=(None, 0) if causal else (None, None))
     case.check(_run(case, spy))
-    assert spy.launched == [f"cf::bwd_simt_dot_do_o_kernel<double, {head_dim}>"] + [
-        r.name_expression for r in ROWS if r.head_dim == head_dim]
+    cxx = "double" if dtype == "float64" else "float"
+    assert spy.launched == [f"cf::bwd_simt_dot_do_o_kernel<{cxx}, {head_dim}>"] + [
+        r.name_expression for r in ROWS if r.head_dim == head_dim and r.dtype == dtype]
 
 
 @needs_emulator
@@ -199,15 +213,17 @@ def test_rows_with_no_key_get_zero_dq_and_unseen_keys_zero_dk_dv(spy):
 
 
 @needs_emulator
+@pytest.mark.parametrize("dtype", DMMA_DTYPES)
 @pytest.mark.parametrize("head_dim", [3, 17, 40, 100], ids=["d3", "d17", "d40", "d100"])
-def test_padded_and_unaligned_head_dims(spy, head_dim):
-    # d = 3 and 17: rows of 24 and 136 bytes, not 16-byte aligned (4-byte cp.async)
+def test_padded_and_unaligned_head_dims(spy, head_dim, dtype):
+    # d = 3 and 17: rows of 24 and 136 bytes (float32: 12 and 68), not 16-byte
+    # aligned (4-byte cp.async; element-wise converting loads)
     rng = np.random.default_rng(head_dim)
-    q, k, v = qkv(rng, np.float64, batch=2, seqlen_q=70, seqlen_k=90, head_dim=head_dim)
+    q, k, v = qkv(rng, np.dtype(dtype), batch=2, seqlen_q=70, seqlen_k=90, head_dim=head_dim)
     case = Case(rng, q, k, v, window=(None, 0))
     case.check(_run(case, spy))
-    assert spy.launched[1] == next(r.name_expression for r in ROWS
-                                   if r.head_dim == _bucket(head_dim) and "dkdv" in r.name_expression)
+    assert spy.launched[1] == next(r.name_expression for r in ROWS if r.head_dim == _bucket(head_dim)
+                                   and r.dtype == dtype and "dkdv" in r.name_expression)
 
 
 @needs_emulator

@@ -1,4 +1,4 @@
-"""Tier 1: fwd_dmma and bwd_dmma, float64 on the FP64 tensor cores, on a real GPU.
+"""Tier 1: fwd_dmma and bwd_dmma, float64 (and the float32 forward) on the FP64 tensor cores, on a real GPU.
 
 The matrices of tests/test_fwd_dmma.py and tests/test_bwd_dmma.py on the device
 through ``cupyflash.attention`` and ``cupyflash.attention_backward`` with the
@@ -47,6 +47,7 @@ def dmma_gpu():
 def spy(monkeypatch):
     """fwd_dmma on, and a record of what cupyflash.attention launches in this test."""
     monkeypatch.setattr(_gpu, "dmma_override", True)
+    monkeypatch.setattr(_gpu, "dmma_float32_override", True)
     recorder = LaunchSpy(_dispatch.executor_for("cuda"))
     monkeypatch.setattr(_dispatch, "executor_for", lambda backend: recorder)
     return recorder
@@ -119,6 +120,29 @@ def test_a_split_decoding_step_and_a_long_sequence_agree_with_fwd_simt(spy, monk
     np.testing.assert_allclose(cp.asnumpy(dmma), cp.asnumpy(simt), rtol=1e-12, atol=1e-13)
 
 
+# ---- fwd_dmma in float32: computed in double, rounded once ---------------------------------------
+
+@pytest.mark.parametrize("head_dim", DMMA_HEAD_DIMS + (40,), ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("window", [(None, None), (None, 0), (30, 5)], ids=["full", "causal", "w30-5"])
+def test_float32_within_one_ulp_of_the_exact_result(spy, head_dim, window):
+    rng = np.random.default_rng(head_dim)
+    q, k, v = (x.astype(np.float32) for x in qkv(rng, seqlen_q=300, seqlen_k=437, head_dim=head_dim,
+                                                 heads_kv=2, gqa_ratio=2))
+    outs = []
+    for _ in range(2):
+        out = cp.full(q.shape, cp.nan, dtype=cp.float32)
+        cupyflash.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), out=out, window=window,
+                            enable_gqa=True, backend="cuda")
+        outs.append(cp.asnumpy(out))
+    np.testing.assert_array_equal(outs[1], outs[0])
+    ref = naive_attention(*(x.astype(np.float64) for x in (q, k, v)), scale=1 / math.sqrt(head_dim),
+                          window=window, enable_gqa=True)
+    ulp = np.spacing(np.abs(ref).astype(np.float32)).astype(np.float64)
+    assert (np.abs(outs[0].astype(np.float64) - ref) <= ulp).all()
+    bucket = min(b for b in DMMA_HEAD_DIMS if b >= head_dim)
+    assert spy.launched[0].startswith(f"cf::fwd_dmma_kernel<{bucket},") and spy.launched[0].endswith(", float>")
+
+
 # ---- bwd_dmma ---------------------------------------------------------------------------------
 
 def backward_check(q, k, v, *, seed, repeat=2, **kw):
@@ -167,6 +191,25 @@ def test_backward_padded_and_unaligned_head_dims(spy, head_dim):
     backward_check(*qkv(rng, seqlen_q=300, seqlen_k=500, head_dim=head_dim), seed=head_dim, causal=True)
     bucket = min(b for b in DMMA_HEAD_DIMS if b >= head_dim)
     assert any(n.startswith(f"cf::bwd_dmma_dkdv_kernel<{bucket},") for n in spy.launched)
+
+
+@pytest.mark.parametrize("head_dim", DMMA_HEAD_DIMS, ids=lambda d: f"d{d}")
+def test_backward_float32_computed_in_double(spy, head_dim):
+    rng = np.random.default_rng(head_dim + 1)
+    q, k, v = (cp.asarray(x.astype(np.float32)) for x in qkv(rng, seqlen_q=333, seqlen_k=517, head_dim=head_dim,
+                                                            heads_kv=2, gqa_ratio=2))
+    out, lse = cupyflash.attention(q, k, v, causal=True, enable_gqa=True, return_lse=True, backend="cuda")
+    dout = random_array(rng, out.shape, np.float32)
+    runs = [[cp.asnumpy(g) for g in cupyflash.attention_backward(cp.asarray(dout), q, k, v, out, lse, causal=True,
+                                                                  enable_gqa=True, backend="cuda")]
+            for _ in range(2)]
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
+    check_gradients(runs[0], dout, cp.asnumpy(q), cp.asnumpy(k), cp.asnumpy(v), cp.asnumpy(out), np.float32,
+                    causal=True, enable_gqa=True)
+    bucket = min(b for b in DMMA_HEAD_DIMS if b >= head_dim)
+    assert f"cf::bwd_dmma_dq_kernel<{bucket}, " in " ".join(spy.launched)
+    assert all(n.endswith(", float>") for n in spy.launched if "dmma" in n)
 
 
 def test_backward_long_sequence_agrees_with_bwd_simt_and_ignores_deterministic(spy, monkeypatch):

@@ -373,8 +373,9 @@ def test_launchable_is_what_the_dispatchers_pick_on_each_architecture():
                 if d <= 128:   # fwd_dmma, opt-in
                     picked.add(_gpu.select(dtype, d, d, arch, aligned=True, dmma=True).name_expression)
                 for deterministic in (True, False):
-                    picked.update(r.name_expression for r in _gpu_bwd.select(
-                        dtype, d, d, arch, aligned=True, deterministic=deterministic))
+                    for dmma in (False, True):   # bwd_dmma, opt-in
+                        picked.update(r.name_expression for r in _gpu_bwd.select(
+                            dtype, d, d, arch, aligned=True, deterministic=deterministic, dmma=dmma))
         assert picked <= keep, (arch, sorted(picked - keep)[:3])
         mma = {n for n in keep if "_mma_" in n}
         assert mma == {n for n in picked if "_mma_" in n}, arch   # no other class's tiles

@@ -85,11 +85,12 @@ INTENDED_SASS = {
     "fwd_wgmma": {"float": ("HGMMA", "LDGSTS", "MUFU")},
     "bwd_wgmma": {"float": ("HGMMA", "LDGSTS", "MUFU")},
     "fwd_combine": {"float": ("LDG", "MUFU", "FFMA", "STG"), "double": ("LDG", "DFMA", "STG")},
-    "fwd_dmma": {"double": ("DMMA", "LDGSTS", "LDS", "SHFL")},
-    "bwd_dmma": {"double": ("DMMA", "LDGSTS", "LDS", "SHFL")},
+    "fwd_dmma": {"double": ("DMMA", "LDGSTS", "LDS", "SHFL"), "float": ("DMMA", "F2F", "LDS", "SHFL")},
+    "bwd_dmma": {"double": ("DMMA", "LDGSTS", "LDS", "SHFL"), "float": ("DMMA", "F2F", "LDS", "SHFL")},
 }
 ABSENT_SASS = {"fwd_simt": ("HMMA",), "fwd_v1": ("HMMA",), "bwd_simt": ("HMMA",),
-               "fwd_combine": ("HMMA", "LDS", "STS", "BAR"), "fwd_dmma": ("HMMA", "LDSM"), "bwd_dmma": ("HMMA", "LDSM", "ATOM", "RED"),
+               "fwd_combine": ("HMMA", "LDS", "STS", "BAR"), "fwd_dmma": ("HMMA", "LDSM"),
+               "bwd_dmma": ("HMMA", "LDSM", "ATOM", "RED"),
                "fwd_wgmma": ("HMMA", "LDSM"), "bwd_wgmma": ("HMMA", "LDSM")}
 
 
