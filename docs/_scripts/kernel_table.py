@@ -29,12 +29,13 @@ FAMILIES = (
     ("fwd_mma", "Tensor-core forward (`fwd_mma`, float16/bfloat16, the tile each GPU class gets)"),
     ("fwd_wgmma", "Hopper forward (`fwd_wgmma`, float16/bfloat16, sm_90a only; opt-in with `CUPYFLASH_WGMMA=1`)"),
     ("fwd_simt", "SIMT forward (`fwd_simt`)"),
-    ("fwd_dmma", "float64 forward on the FP64 tensor cores (`fwd_dmma`, sm_80/sm_90; opt-in with `CUPYFLASH_DMMA=1`)"),
+    ("fwd_dmma", "float64 (and float32, computed in float64) forward on the FP64 tensor cores (`fwd_dmma`, "
+                 "sm_80/sm_90; opt-in with `CUPYFLASH_DMMA=1`, `=float32`)"),
     ("bwd_mma", "Tensor-core backward (`bwd_mma`, float16/bfloat16, the kernels each GPU class launches; "
                 "tile: owned × streamed rows)"),
     ("bwd_simt", "SIMT backward (`bwd_simt`: delta, dK/dV and dQ kernels)"),
-    ("bwd_dmma", "float64 backward on the FP64 tensor cores (`bwd_dmma`, sm_80/sm_90; opt-in with "
-                 "`CUPYFLASH_DMMA=1`; tile: owned × streamed rows)"),
+    ("bwd_dmma", "float64 (and float32, computed in float64) backward on the FP64 tensor cores (`bwd_dmma`, "
+                 "sm_80/sm_90; opt-in with `CUPYFLASH_DMMA=1`, `=float32`; tile: owned × streamed rows)"),
     ("bwd_wgmma", "Hopper backward (`bwd_wgmma`, float16/bfloat16, sm_90a only; opt-in with `CUPYFLASH_WGMMA=1`; "
                   "tile: owned × streamed rows)"),
     ("fwd_v1", "Algorithm 1 (`fwd_v1`; shared memory at d = 64, M = 8192 elements)"),
@@ -43,8 +44,8 @@ FAMILIES = (
 DTYPE_ORDER = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
 SHORT_KERNEL = {"bwd_simt_dot_do_o_kernel": "delta", "bwd_simt_dkdv_kernel": "dK/dV",
                 "bwd_simt_dq_kernel": "dQ", "bwd_wgmma_dkdv_kernel": "dK/dV", "bwd_wgmma_dq_kernel": "dQ",
-                "bwd_mma_dq_kernel": "dQ"}
-WITH_KERNEL_COLUMN = ("bwd_simt", "bwd_wgmma", "bwd_mma")
+                "bwd_mma_dq_kernel": "dQ", "bwd_dmma_dkdv_kernel": "dK/dV", "bwd_dmma_dq_kernel": "dQ"}
+WITH_KERNEL_COLUMN = ("bwd_simt", "bwd_wgmma", "bwd_mma", "bwd_dmma")
 # Families whose tile depends on the GPU class: only the rows each arch launches, tile per arch.
 PER_ARCH_TILE = ("fwd_mma", "bwd_mma")
 GRADS = {1: "dV", 2: "dK", 3: "dK/dV", 6: "dK + atomic dQ", 7: "dK/dV + atomic dQ"}   # kGrads
@@ -111,9 +112,7 @@ def _tile(row: dict) -> str:
         return f"{args[2]}×{args[3]}, {args[4]} warps, {args[-1]} stage{'s' * (args[-1] != '1')}"
     if row["family"] == "bwd_wgmma":      # <T, d, own, streamed, warpgroups, kGrads>
         return f"{args[2]}×{args[3]}, {args[4]} warpgroups"
-    if row["family"] == "fwd_dmma":       # <d, block_m, block_n, warps>
-        return f"{args[1]}×{args[2]}, {args[3]} warps"
-    if row["family"] == "bwd_dmma":       # <d, own, streamed, warps>
+    if row["family"] in ("fwd_dmma", "bwd_dmma"):   # <d, block_m, block_n, warps[, float]>
         return f"{args[1]}×{args[2]}, {args[3]} warps"
     if row["family"] == "fwd_simt":       # <T, d, dv, block_m, block_n>
         return f"{args[3]}×{args[4]}"
