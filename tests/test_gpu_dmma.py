@@ -143,6 +143,17 @@ def test_float32_within_one_ulp_of_the_exact_result(spy, head_dim, window):
     assert spy.launched[0].startswith(f"cf::fwd_dmma_kernel<{bucket},") and spy.launched[0].endswith(", float>")
 
 
+def test_float32_split_decoding_step(spy):
+    # Lq = 1 over 20000 keys: the keys are split, the float32 partials merged by fwd_combine
+    rng = np.random.default_rng(8)
+    q, k, v = (x.astype(np.float32) for x in qkv(rng, seqlen_q=1, seqlen_k=20000, head_dim=64, heads_kv=4))
+    out, lse = cupyflash.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), return_lse=True, backend="cuda")
+    ref, ref_lse = naive_attention(*(x.astype(np.float64) for x in (q, k, v)), scale=1 / 8, return_lse=True)
+    assert_close(cp.asnumpy(out), ref, np.float32)
+    assert_lse_close(cp.asnumpy(lse), ref_lse, np.float32)
+    assert spy.launched == ["cf::fwd_dmma_kernel<64, 64, 32, 4, float>", "cf::fwd_combine_kernel<float, float>"]
+
+
 # ---- bwd_dmma ---------------------------------------------------------------------------------
 
 def backward_check(q, k, v, *, seed, repeat=2, **kw):
