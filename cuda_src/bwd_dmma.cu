@@ -142,9 +142,6 @@ __device__ __forceinline__ void dmma_accumulate(double (&grad)[Tr::kMTiles][Tr::
     }
 }
 
-// The streamed column c of lane (g, t) in an n8-tiled accumulator row.
-__device__ __forceinline__ int dmma_col(int c) { return 8 * (c >> 1) + 2 * (lane_id() & 3) + (c & 1); }
-
 // Write factor * grad, rounded to Out, for the warp's rows below rows_valid
 // (from row0 of a tile whose first row is dst) and columns below cols_valid.
 template <class Tr, typename Out>
@@ -159,7 +156,7 @@ __device__ __forceinline__ void dmma_store_rows(Out* dst, int64_t row_stride,
         Out* out = dst + row * row_stride;
 #pragma unroll
         for (int c = 0; c < Tr::kGCols; ++c)
-            if (dmma_col(c) < cols_valid) out[dmma_col(c)] = static_cast<Out>(factor * grad[mi][c]);
+            if (fragment_col(c) < cols_valid) out[fragment_col(c)] = static_cast<Out>(factor * grad[mi][c]);
     }
 }
 
@@ -275,7 +272,7 @@ bwd_dmma_dkdv_kernel(const BwdParams params) {
 #pragma unroll
         for (int c = 0; c < Tr::kSCols; ++c)
             load_query_stats(lse_log2[c], delta[c], qo.lse, p.lse_row_stride, grad.delta, params.delta_row_stride,
-                             m0 + dmma_col(c), p.seqlen_q);
+                             m0 + fragment_col(c), p.seqlen_q);
 #pragma unroll
         for (int mi = 0; mi < Tr::kMTiles; ++mi)
 #pragma unroll
@@ -285,7 +282,7 @@ bwd_dmma_dkdv_kernel(const BwdParams params) {
             // whatever the padded scores held never reaches the gradients).
 #pragma unroll
             for (int c = 0; c < Tr::kSCols; ++c) {
-                const int64_t i = m0 + dmma_col(c);
+                const int64_t i = m0 + fragment_col(c);
                 int lo, hi;
                 mask.row_range(i, block.n0, kOwn, lo, hi);
 #pragma unroll
@@ -380,7 +377,7 @@ bwd_dmma_dq_kernel(const BwdParams params) {
                 mask.row_range(block.m0 + row0 + 8 * mi + g, n0, kStream, lo, hi);
 #pragma unroll
                 for (int c = 0; c < Tr::kSCols; ++c)
-                    if (dmma_col(c) < lo || dmma_col(c) >= hi) s[mi][c] = 0.0;
+                    if (fragment_col(c) < lo || fragment_col(c) >= hi) s[mi][c] = 0.0;
             }
         }
         dmma_row_products<Tr>(dp, sdO, sV, row0);  // dP = dO V^T

@@ -13,6 +13,8 @@
 // Either reads 256 bytes, two wavefronts at best.
 #pragma once
 
+// fragment_col: the accumulators' n8 columns are those of mma.sync's register tiles
+#include "mma_tile.cuh"
 #include "ptx.cuh"
 
 namespace cf {

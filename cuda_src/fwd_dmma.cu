@@ -119,36 +119,29 @@ __device__ __forceinline__ void dmma_qk(double (&s)[Tr::kMTiles][Tr::kSCols], co
 template <class Tr>
 __device__ __forceinline__ void dmma_mask(double (&s)[Tr::kMTiles][Tr::kSCols], const WindowMask& mask,
                                           int64_t m0, int64_t n0) {
-    const int g = lane_id() >> 2, t = lane_id() & 3;
+    const int g = lane_id() >> 2;
 #pragma unroll
     for (int mi = 0; mi < Tr::kMTiles; ++mi) {
         int lo, hi;
         mask.row_range(m0 + 8 * mi + g, n0, Tr::kBlockN, lo, hi);
 #pragma unroll
-        for (int c = 0; c < Tr::kSCols; ++c) {
-            const int key = 8 * (c >> 1) + 2 * t + (c & 1);
-            if (key < lo || key >= hi) s[mi][c] = neg_inf<double>();
-        }
+        for (int c = 0; c < Tr::kSCols; ++c)
+            if (fragment_col(c) < lo || fragment_col(c) >= hi) s[mi][c] = neg_inf<double>();
     }
 }
 
 // o += P V, P the (unnormalised) probabilities in the score accumulators.  Key
-// step kk takes keys 4 kk .. 4 kk + 3: lane (g, t) needs P[g][4 kk + t], which
-// lane (g, 2 (kk % 2) + t / 2) holds as its element t % 2 of n8 tile kk / 2.
+// step kk takes keys 4 kk .. 4 kk + 3: P's A fragment comes from the
+// accumulators by gather_a (dmma_tile.cuh).
 template <class Tr>
 __device__ __forceinline__ void dmma_pv(double (&o)[Tr::kMTiles][Tr::kOCols],
                                         const double (&p)[Tr::kMTiles][Tr::kSCols], const double* sV) {
-    const int lane = lane_id(), g = lane >> 2, t = lane & 3;
+    const int g = lane_id() >> 2, t = lane_id() & 3;
 #pragma unroll
     for (int kk = 0; kk < Tr::kKeySteps; ++kk) {
-        const int ni = kk >> 1;
-        const int src = (lane & ~3) | (2 * (kk & 1) + (t >> 1));
         double a[Tr::kMTiles];
 #pragma unroll
-        for (int mi = 0; mi < Tr::kMTiles; ++mi) {
-            const double even = shfl(p[mi][2 * ni], src), odd = shfl(p[mi][2 * ni + 1], src);
-            a[mi] = (t & 1) ? odd : even;
-        }
+        for (int mi = 0; mi < Tr::kMTiles; ++mi) a[mi] = gather_a(p[mi], kk);
 #pragma unroll
         for (int nj = 0; nj < Tr::kOTiles; ++nj) {
             const double b = sV[DmmaVRows<Tr::kHeadDim>::offset(4 * kk + t, 8 * nj + g)];

@@ -17,6 +17,11 @@
 
 namespace cf {
 
+// Column, within the warp's tile, of accumulator element [r][c] of this lane:
+// column 2t + c % 2 of n8 tile c / 2 -- for mma.sync m8n8k4's double
+// accumulators (dmma_tile.cuh) as for these m16n8 ones.
+__device__ __forceinline__ int fragment_col(int c) { return 8 * (c >> 1) + 2 * (lane_id() & 3) + (c & 1); }
+
 // ---- the element type's mma and packing ------------------------------------------------------
 
 template <typename T> struct MmaElement;
