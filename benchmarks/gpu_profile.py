@@ -9,7 +9,8 @@ hardware counters), or by hand::
 Each case calls the public API once (the forward, or the forward and the
 backward), so every kernel it launches is profiled once: on sm_90 fwd_wgmma and
 bwd_wgmma (deterministic and with atomic dQ) at d = 128, then fwd_mma at d = 128
-and 64, fwd_simt in float32, fwd_dmma in float64 and float32 (where the GPU has it), bwd_mma
+and 64, fwd_simt in float32, fwd_dmma in float64 and float32 (where the GPU has it), fwd_tf32
+(float32 with precision="tf32x3"), bwd_tf32 (likewise), bwd_mma
 deterministic and with atomic dQ, bwd_simt in float32, bwd_dmma in float64.  Shapes are large enough to fill an H100-class GPU for a few
 milliseconds (the counters then describe the steady state, not the tail), small
 enough that ncu's replay of every kernel stays within seconds.  Without
@@ -37,10 +38,12 @@ CASES = {
     "fwd_simt_f32": ("forward", "float32", 1, 16, 2048, 64, True),
     "fwd_dmma_f64": ("forward", "float64", 1, 16, 2048, 64, True),
     "fwd_dmma_f32": ("forward", "float32", 1, 16, 2048, 64, True),
+    "fwd_tf32_x3": ("forward", "float32", 1, 16, 2048, 64, True),
     "bwd_mma_d128": ("backward", "bfloat16", 1, 16, 4096, 128, True),
     "bwd_mma_atomic_d128": ("backward", "bfloat16", 1, 16, 4096, 128, False),
     "bwd_simt_f32": ("backward", "float32", 1, 8, 2048, 64, True),
     "bwd_dmma_f64": ("backward", "float64", 1, 8, 2048, 64, True),
+    "bwd_tf32_x3": ("backward", "float32", 1, 8, 2048, 64, True),
 }
 
 
@@ -73,10 +76,11 @@ def run(name: str) -> None:
     rng = np.random.default_rng(0)
     q, k, v = (cupy.asarray(rng.standard_normal((b, h, length, d), dtype=np.float32).astype(dt))
                for _ in range(3))
-    out, lse = cupyflash.attention(q, k, v, return_lse=True)
+    precision = "tf32x3" if name.endswith("_x3") else "ieee"   # fwd_tf32 runs where TF32 is allowed
+    out, lse = cupyflash.attention(q, k, v, return_lse=True, precision=precision)
     if kind == "backward":
         dout = cupy.asarray(rng.standard_normal(out.shape, dtype=np.float32).astype(dt))
-        cupyflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic)
+        cupyflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, precision=precision)
     cupy.cuda.Device().synchronize()
     print(f"gpu_profile: {name} done", file=sys.stderr, flush=True)
 

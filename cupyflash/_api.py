@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 
 from ._dispatch import run_backward, run_forward
-from ._validation import check_backward, check_forward, check_output
+from ._validation import check_backward, check_forward, check_output, check_precision
 
 __all__ = ["attention", "attention_backward"]
 
 
 def attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=False,
-              return_lse=False, out=None, backend="auto"):
+              return_lse=False, out=None, precision="ieee", backend="auto"):
     """Exact scaled dot-product attention, ``softmax(q kᵀ · scale) v``, without the score matrix.
 
     Computes FlashAttention-style: the ``(..., Lq, Lk)`` scores and
@@ -47,6 +47,15 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=F
     out : array, optional
         Preallocated output of shape ``(..., Lq, dv)`` and the input dtype;
         any strides.  Filled and returned.
+    precision : {'ieee', 'tf32', 'tf32x3'}, default 'ieee'
+        float32 inputs only.  'ieee' computes in IEEE float32.  'tf32' and
+        'tf32x3' allow the GPU to use the TF32 tensor cores (sm_80 and newer,
+        ``d == dv <= 128``, ``scale > 0``): 'tf32' rounds q, k, v and the
+        probabilities to TF32 (10 mantissa bits; outputs good to about 1e-3
+        relative), 'tf32x3' splits each into two TF32 parts and sums three
+        products (errors of the order of float32 arithmetic's).  Where the
+        tensor-core kernel does not apply, and on NumPy arrays, the result is
+        computed in IEEE float32 as with 'ieee'.
     backend : {'auto', 'numpy', 'cuda', 'emulator'}, default 'auto'
         'auto' picks 'numpy' for NumPy arrays and 'cuda' for CUDA arrays.
         'emulator' runs the CUDA kernels on the CPU emulator (NumPy arrays;
@@ -69,7 +78,8 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=F
     ValueError
         Shapes that do not fit together or broadcast, GQA head counts that do
         not divide, non-finite ``scale``, a malformed ``window``, an ``out`` of
-        the wrong shape or dtype, an unknown ``backend``.
+        the wrong shape or dtype, an unknown ``backend`` or ``precision``, a
+        ``precision`` other than 'ieee' for inputs that are not float32.
 
     See Also
     --------
@@ -80,9 +90,10 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=F
     -----
     dtypes float16, bfloat16 (``ml_dtypes.bfloat16`` arrays), float32 and
     float64; the output has the input dtype, accumulation is float32
-    (float64 for float64 inputs).  float32 is computed in IEEE float32 (never
-    TF32) -- or, opted into with ``CUPYFLASH_DMMA=float32`` on A100/H100-class
-    GPUs, in float64 on the FP64 tensor cores and rounded once.  Memory beyond
+    (float64 for float64 inputs).  float32 is computed in IEEE float32 -- or,
+    opted into with ``CUPYFLASH_DMMA=float32`` on A100/H100-class GPUs, in
+    float64 on the FP64 tensor cores and rounded once -- and with TF32 only
+    where ``precision`` allows it.  Memory beyond
     the output is O(Lq·d) per (batch, head).
 
     Examples
@@ -99,6 +110,7 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=F
     """
     problem, _ = check_forward(q, k, v, scale=scale, causal=causal, window=window,
                                enable_gqa=enable_gqa, backend=backend)
+    problem.precision = check_precision(precision, problem.dtype)
     if out is not None:
         check_output(out, "out", problem.out_shape, problem.dtype, problem.kind,
                      (problem.q, problem.k, problem.v))
@@ -106,7 +118,7 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=F
 
 
 def attention_backward(dout, q, k, v, out, lse, /, *, scale=None, causal=False, window=None,
-                       enable_gqa=False, deterministic=True, backend="auto"):
+                       enable_gqa=False, deterministic=True, precision="ieee", backend="auto"):
     """Gradients of :func:`attention` with respect to q, k and v.
 
     Recomputes the probabilities block by block from ``lse`` (as returned by
@@ -129,6 +141,10 @@ def attention_backward(dout, q, k, v, out, lse, /, *, scale=None, causal=False, 
         Require results that are bit-identical from run to run (same inputs,
         same device).  ``False`` allows an algorithm whose summation order may
         vary between runs when one is faster (see Notes).
+    precision : {'ieee', 'tf32', 'tf32x3'}, default 'ieee'
+        As for :func:`attention` (float32 only): 'tf32' and 'tf32x3' allow the
+        GPU to compute the block products on the TF32 tensor cores (sm_80+,
+        ``d == dv <= 128``), with one or three TF32 products per product.
     backend : {'auto', 'numpy', 'cuda', 'emulator'}, default 'auto'
         As for :func:`attention`.
 
@@ -180,4 +196,5 @@ def attention_backward(dout, q, k, v, out, lse, /, *, scale=None, causal=False, 
         dout, q, k, v, out, lse, scale=scale, causal=causal, window=window,
         enable_gqa=enable_gqa, backend=backend,
     )
+    problem.precision = check_precision(precision, problem.dtype)
     return run_backward(problem, dout, out, lse, deterministic=bool(deterministic))

@@ -10,7 +10,9 @@ on the GPU
     for backward cases ``cupyflash-atomic``
     (``attention_backward(..., deterministic=False)``: dQ by atomics), for float64
     and float32 cases on compute capability 8.0/9.0 ``cupyflash-dmma`` (fwd_dmma,
-    bwd_dmma, float32 computed in double; opt-in),
+    bwd_dmma, float32 computed in double; opt-in), for float32 cases on compute
+    capability 8.0+ ``cupyflash-tf32`` and ``cupyflash-tf32x3``
+    (``precision="tf32"`` / ``"tf32x3"``: fwd_tf32, bwd_tf32),
     on an sm_90 GPU with float16/bfloat16 ``cupyflash-wgmma`` (the Hopper kernels, opt-in:
     fwd_wgmma, bwd_wgmma) and for backward cases ``cupyflash-wgmma-atomic``,
     ``cupyflash-v1`` (Algorithm 1, the fwd_v1 kernel, through
@@ -311,6 +313,9 @@ def implementations(device: str, case: Case) -> list[str]:
     # in double (opt-in until measured)
     if device == "gpu" and case.dtype in ("float64", "float32") and _dmma_gpu():
         names.append("cupyflash-dmma")
+    # fwd_tf32 / bwd_tf32, where the caller allows TF32 (precision="tf32" / "tf32x3")
+    if device == "gpu" and case.dtype == "float32" and _tensor_core_gpu():
+        names += ["cupyflash-tf32", "cupyflash-tf32x3"]
     # the literal Algorithm 1 (O, l, m through global memory) is a teaching kernel:
     # timed up to 4096 x 4096 scores per head, where a call still takes milliseconds
     if device == "gpu" and not case.backward and case.seqlen_q * case.seqlen_k <= 4096 * 4096:
@@ -378,6 +383,14 @@ def prepare(impl: str, case: Case, inputs, device: str):
                 _gpu.dmma_override = _gpu.dmma_float32_override = None
 
         return run_dmma, _cupyflash_kernel(case, q, k, v, dmma=True)
+    if impl in ("cupyflash-tf32", "cupyflash-tf32x3"):
+        precision = impl.split("-")[1]
+        kernel = _cupyflash_kernel(case, q, k, v, precision=precision)
+        if not case.backward:
+            return (lambda: cupyflash.attention(q, k, v, causal=causal, precision=precision)), kernel
+        out, lse = cupyflash.attention(q, k, v, causal=causal, return_lse=True, precision=precision)
+        return (lambda: cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                                     precision=precision)), kernel
     if impl == "cupyflash-v1":
         from .reference import flash_attention_v1
 
@@ -404,6 +417,16 @@ def _dmma_gpu() -> bool:
         return False
 
 
+def _tensor_core_gpu() -> bool:
+    """Whether the current device has mma.sync's tensor cores (compute capability 8.0 or newer)."""
+    try:
+        import cupy
+
+        return int(cupy.cuda.Device().compute_capability) >= 80
+    except Exception:  # noqa: BLE001 - no CuPy or no device
+        return False
+
+
 def _is_sm90() -> bool:
     try:
         import cupy
@@ -414,7 +437,7 @@ def _is_sm90() -> bool:
 
 
 def _cupyflash_kernel(case: Case, q, k, v, deterministic: bool = True, wgmma: bool | None = None,
-                      dmma: bool | None = None) -> str:
+                      dmma: bool | None = None, precision: str = "ieee") -> str:
     """The kernel family :func:`cupyflash.attention` dispatches to for these CuPy arrays
     (backward: ``attention_backward`` with ``deterministic``; ", atomic dQ" where no dQ
     kernel runs; forward: ", N splits" where the keys are split over N CTAs)."""
@@ -430,10 +453,11 @@ def _cupyflash_kernel(case: Case, q, k, v, deterministic: bool = True, wgmma: bo
     if case.backward:
         # the delta pre-pass is always bwd_simt's; the family is that of the last launch
         rows = _gpu_bwd.select(q.dtype, case.head_dim, case.head_dim, arch, aligned=aligned,
-                               deterministic=deterministic, wgmma=wgmma, dmma=dmma)
+                               deterministic=deterministic, wgmma=wgmma, dmma=dmma, precision=precision)
         atomic = not any(r.name_expression.split("<")[0].endswith("_dq_kernel") for r in rows)
         return rows[-1].family + (", atomic dQ" if atomic else "")
-    inst = select(q.dtype, case.head_dim, case.head_dim, arch, aligned=aligned, wgmma=wgmma, dmma=dmma)
+    inst = select(q.dtype, case.head_dim, case.head_dim, arch, aligned=aligned, wgmma=wgmma, dmma=dmma,
+                  precision=precision)
     sms = int(cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())["multiProcessorCount"])
     splits = num_splits(inst, batch=case.batch, heads=case.heads, seqlen_q=case.seqlen_q,
                         seqlen_k=case.seqlen_k, arch=arch, multiprocessors=sms)

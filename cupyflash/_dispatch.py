@@ -172,7 +172,7 @@ def _run_kernel(problem: Problem, out, lse, *, sram_size):
         common = dict(scale=problem.scale, window_left=problem.window_left,
                       window_right=problem.window_right, gqa_ratio=g, executor=executor)
         if sram_size is None:
-            _gpu.forward(qv, kv, vv, ov, lv, **common)
+            _gpu.forward(qv, kv, vv, ov, lv, precision=problem.precision, **common)
         else:
             _gpu.forward_v1(qv, kv, vv, ov, lv, sram_size=sram_size, **common)
     if target is not out:
@@ -216,6 +216,7 @@ def _run_backward_kernels(problem: Problem, dout, out, lse, deterministic: bool)
             problem, [q, k, v, out, dout, lse, dq, dk, dv]):
         _gpu_bwd.backward(dov, qv, kv, vv, ov, lv, dqv, dkv, dvv, scale=problem.scale,
                           window_left=problem.window_left, window_right=problem.window_right,
-                          gqa_ratio=g, deterministic=deterministic, executor=executor)
+                          gqa_ratio=g, deterministic=deterministic, executor=executor,
+                          precision=problem.precision)
     return tuple(_sum_to_shape(grad, x.shape).astype(problem.dtype, copy=False)
                  for grad, x in ((dq, problem.q), (dk, problem.k), (dv, problem.v)))

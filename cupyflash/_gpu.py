@@ -18,10 +18,10 @@ import os
 
 import numpy as np
 
-from ._kernels import (DMMA_ARCHS, DMMA_DTYPES, DMMA_HEAD_DIMS, MMA_HEAD_DIMS, WGMMA_ARCH, WGMMA_HEAD_DIMS,
-                       Instantiation, by_name, combine_name_expression, dmma_name_expression, dmma_tiles,
-                       instantiations, mma_name_expression, mma_split_tiles, mma_tiles, wgmma_name_expression,
-                       wgmma_tiles)
+from ._kernels import (DMMA_ARCHS, DMMA_DTYPES, DMMA_HEAD_DIMS, MMA_HEAD_DIMS, TF32_HEAD_DIMS, TF32_PASSES,
+                       WGMMA_ARCH, WGMMA_HEAD_DIMS, Instantiation, by_name, combine_name_expression,
+                       dmma_name_expression, dmma_tiles, instantiations, mma_name_expression, mma_split_tiles,
+                       mma_tiles, tf32_name_expression, tf32_tiles, wgmma_name_expression, wgmma_tiles)
 from ._launch import launch_config, num_splits, v1_block_sizes
 from ._params import data_pointer, fwd_params
 
@@ -92,7 +92,7 @@ def _dtype_name(dtype) -> str:
 
 def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = False,
            scale: float = 1.0, wgmma: bool | None = None, split: bool = False,
-           dmma: bool | None = None) -> Instantiation:
+           dmma: bool | None = None, precision: str = "ieee") -> Instantiation:
     """The instantiation :func:`forward` runs for these arguments.
 
     ``fwd_wgmma`` (Hopper's wgmma, ``cuda_src/fwd_wgmma.cu``) where fwd_mma would
@@ -123,6 +123,13 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
     :func:`dmma_enabled` for the dtype), in the smallest of
     :data:`~cupyflash._kernels.DMMA_HEAD_DIMS` holding the head dim.
 
+    ``fwd_tf32`` (``cuda_src/fwd_tf32.cu``, the TF32 tensor cores) for float32 when
+    ``precision`` is ``"tf32"`` or ``"tf32x3"`` (one or three TF32 products per
+    product), with ``head_dim == head_dim_v <= 128`` and ``scale > 0`` on ``arch >= 80``,
+    in the smallest of :data:`~cupyflash._kernels.TF32_HEAD_DIMS` holding the head dim
+    (any strides: it copies rows that are not 16-byte aligned word by word).  It takes
+    precedence over fwd_dmma; ``precision="ieee"`` (the default) never runs it.
+
     ``split``: the instantiation a split-KV launch runs (``FwdParams::num_splits > 1``):
     fwd_mma's and fwd_wgmma's ``kSplit`` rows (fwd_mma's tiles:
     :func:`~cupyflash._kernels.mma_split_tiles`); fwd_simt splits at run time, so the
@@ -145,6 +152,10 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
             tiles = mma_split_tiles(arch) if split else mma_tiles(arch)
             wanted = mma_name_expression(name, bucket, *tiles[bucket], split=split)
         return by_name()[wanted]
+    if (precision in TF32_PASSES and name == "float32" and arch >= 80 and scale > 0 and d == dv
+            and d <= TF32_HEAD_DIMS[-1]):
+        bucket = min(m for m in TF32_HEAD_DIMS if m >= d)
+        return by_name()[tf32_name_expression(bucket, *tf32_tiles()[bucket], TF32_PASSES[precision])]
     if name in DMMA_DTYPES and d == dv and d <= DMMA_HEAD_DIMS[-1] and use_dmma(arch, dmma, name):
         bucket = min(m for m in DMMA_HEAD_DIMS if m >= d)
         return by_name()[dmma_name_expression(bucket, *dmma_tiles()[bucket], name)]
@@ -219,12 +230,14 @@ def _accumulator_dtype(dtype):
     return np.float64 if np.dtype(dtype) == np.float64 else np.float32
 
 
-def forward(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio, executor) -> None:
+def forward(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio, executor,
+            precision: str = "ieee") -> None:
     """out (and lse) = attention(q, k, v) with fwd_mma or fwd_simt (FlashAttention-2 order).
 
     :func:`select` picks the kernel: fwd_mma for float16/bfloat16 on sm_80+
     with ``d == dv <= 256``, 16-byte aligned rows and ``scale > 0`` (fwd_wgmma
-    instead on sm_90 where enabled), fwd_simt otherwise.
+    instead on sm_90 where enabled), fwd_tf32 for float32 where ``precision`` allows
+    TF32, fwd_dmma where enabled, fwd_simt otherwise.
 
     Rows that see no key (including every row when Lk = 0) get zeros and
     lse = -inf.  Nothing is launched when there are no query rows.  Where the
@@ -237,7 +250,7 @@ def forward(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio, e
         return
     seqlen_k, head_dim_v = k.shape[2], v.shape[3]
     inst = select(q.dtype, head_dim, head_dim_v, executor.arch, aligned=rows_aligned(q, k, v, out),
-                  scale=scale)
+                  scale=scale, precision=precision)
     splits = split_override
     if splits is None:
         sms = getattr(executor, "multiprocessors", None)

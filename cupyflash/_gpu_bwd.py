@@ -26,8 +26,9 @@ from __future__ import annotations
 import numpy as np
 
 from ._gpu import _accumulator_dtype, _array_module, mma_head_dim, rows_aligned, simt_bucket, use_dmma, use_wgmma
-from ._kernels import (DMMA_DTYPES, DMMA_HEAD_DIMS, WGMMA_BWD_HEAD_DIMS, Instantiation, bwd_dmma_name_expressions,
-                       bwd_mma_name_expressions, bwd_wgmma_name_expressions, by_name, instantiations)
+from ._kernels import (DMMA_DTYPES, DMMA_HEAD_DIMS, TF32_HEAD_DIMS, TF32_PASSES, WGMMA_BWD_HEAD_DIMS, Instantiation,
+                       bwd_dmma_name_expressions, bwd_mma_name_expressions, bwd_tf32_name_expressions,
+                       bwd_wgmma_name_expressions, by_name, instantiations)
 from ._launch import backward_kernel, backward_launch_config
 from ._params_bwd import bwd_params
 
@@ -39,7 +40,8 @@ _SIMT_KERNELS = ("bwd_simt_dot_do_o_kernel", "bwd_simt_dkdv_kernel", "bwd_simt_d
 
 def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = False,
            deterministic: bool = True, wgmma: bool | None = None,
-           dq_aligned: bool = True, dmma: bool | None = None) -> tuple[Instantiation, ...]:
+           dq_aligned: bool = True, dmma: bool | None = None,
+           precision: str = "ieee") -> tuple[Instantiation, ...]:
     """The instantiations :func:`backward` launches for these arguments, in launch order.
 
     bwd_wgmma (Hopper's wgmma, ``cuda_src/bwd_wgmma.cu``) where bwd_mma would run
@@ -50,6 +52,13 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
     ``deterministic``, up to head dim 128 and with ``dq_aligned`` (every row of
     dq starts on an 8-byte boundary: its atomics add float pairs), the dK/dV
     kernel that adds dQ by atomics.
+
+    bwd_tf32 (the TF32 tensor cores, ``cuda_src/bwd_tf32.cu``) for float32 when
+    ``precision`` is ``"tf32"`` or ``"tf32x3"``, with ``head_dim == head_dim_v <= 128``
+    (any strides) on ``arch >= 80``, in the smallest of
+    :data:`~cupyflash._kernels.TF32_HEAD_DIMS` holding the head dim: bwd_simt's delta
+    kernel, bwd_tf32's dK/dV and dQ kernels, whatever ``deterministic`` says.  It takes
+    precedence over bwd_dmma.
 
     bwd_dmma (the FP64 tensor cores, ``cuda_src/bwd_dmma.cu``) for float64 -- and
     float32, computed in double -- with ``head_dim == head_dim_v <= 128`` (any
@@ -89,6 +98,9 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
             if r.family == "bwd_simt" and r.dtype == name and r.head_dim == bucket]
     simt = {backward_kernel(r): r for r in rows if not r.name_expression.endswith(", true>")}
     atomic = [r for r in rows if r.name_expression.endswith(", true>")]
+    if precision in TF32_PASSES and name == "float32" and arch >= 80 and d == dv and d <= TF32_HEAD_DIMS[-1]:
+        names = bwd_tf32_name_expressions(min(m for m in TF32_HEAD_DIMS if m >= d), TF32_PASSES[precision])
+        return (simt["bwd_simt_dot_do_o_kernel"],) + tuple(by_name()[n] for n in names)
     if name in DMMA_DTYPES and d == dv and d <= DMMA_HEAD_DIMS[-1] and use_dmma(arch, dmma, name):
         names = bwd_dmma_name_expressions(min(m for m in DMMA_HEAD_DIMS if m >= d), name)
         return (simt["bwd_simt_dot_do_o_kernel"],) + tuple(by_name()[n] for n in names)
@@ -105,7 +117,7 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
 
 
 def backward(dout, q, k, v, out, lse, dq, dk, dv, *, scale, window_left, window_right, gqa_ratio,
-             deterministic=True, executor) -> None:
+             deterministic=True, executor, precision="ieee") -> None:
     """dq, dk, dv = gradients of attention(q, k, v) with bwd_mma or bwd_simt (:func:`select`).
 
     Parameters
@@ -122,6 +134,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, *, scale, window_left, window_
     executor
         :class:`cupyflash._loader.CudaExecutor` or
         :class:`cupyflash.emulator.EmulatorExecutor`.
+    precision : {"ieee", "tf32", "tf32x3"}, default "ieee"
+        float32: whether the TF32 tensor cores may run the products (:func:`select`).
 
     Rows that see no key (lse = -inf) contribute nothing: their dq rows are
     zero.  Keys no query row sees get zero dk and dv rows; with Lq = 0 every
@@ -146,7 +160,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, *, scale, window_left, window_
                  seqlen_k=seqlen_k)
     # dq_aligned: always so for attention_backward's own dq
     kernels = select(q.dtype, head_dim, head_dim_v, executor.arch, aligned=rows_aligned(q, k, v, dout),
-                     deterministic=deterministic, dq_aligned=rows_aligned(dq, boundary=8))
+                     deterministic=deterministic, dq_aligned=rows_aligned(dq, boundary=8), precision=precision)
     if not any(backward_kernel(r).endswith("_dq_kernel") for r in kernels):
         dq.fill(0)   # the dK/dV kernel adds dQ into it (float atomics)
     # delta first (the others read it); a dK/dV launch needs keys, the others query rows.

@@ -18,7 +18,8 @@ __all__ = ["Instantiation", "instantiations", "HEAD_DIM_BUCKETS", "MMA_HEAD_DIMS
            "compile_target", "WGMMA_BWD_HEAD_DIMS", "bwd_wgmma_tiles", "bwd_wgmma_name_expressions",
            "bwd_wgmma_shared_bytes", "combine_name_expression", "COMBINE_THREADS", "mma_split_tiles",
            "DMMA_ARCHS", "DMMA_HEAD_DIMS", "DMMA_DTYPES", "dmma_name_expression", "dmma_tiles",
-           "bwd_dmma_name_expressions", "bwd_dmma_shared_bytes"]
+           "bwd_dmma_name_expressions", "bwd_dmma_shared_bytes", "TF32_HEAD_DIMS", "TF32_PASSES",
+           "tf32_name_expression", "tf32_tiles", "bwd_tf32_name_expressions", "bwd_tf32_shared_bytes"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class Instantiation:
     kv_stages: int = 0     # fwd_mma/fwd_wgmma: K/V buffer pairs, bwd_mma: streamed tile buffers (1 or 2)
     lazy_rescale: bool = False  # fwd_mma/fwd_wgmma: rescale the output only when a row max moves far
     split: bool = False    # fwd_mma/fwd_wgmma: the split-KV instantiation (kSplit; fwd_simt splits at run time)
+    passes: int = 0        # fwd_tf32: TF32 MMAs per product (1: precision "tf32", 3: "tf32x3")
 
 
 # C++ spelling of each dtype in name expressions.
@@ -133,6 +135,7 @@ def _catalogue() -> tuple[Instantiation, ...]:
     rows.extend(_mma_instantiations())
     rows.extend(_wgmma_instantiations())
     rows.extend(_dmma_instantiations())
+    rows.extend(_tf32_instantiations())
     rows.extend(_backward_instantiations())
     return tuple(rows)
 
@@ -259,13 +262,15 @@ def launchable(arch: int) -> frozenset[str]:
     exactly the fwd_wgmma and bwd_wgmma rows -- what
     :func:`cupyflash.precompile` compiles for a device."""
     names = {r.name_expression for r in instantiations()
-             if r.family not in ("fwd_mma", "bwd_mma", "fwd_wgmma", "bwd_wgmma", "fwd_dmma", "bwd_dmma")}
+             if r.family not in ("fwd_mma", "bwd_mma", "fwd_wgmma", "bwd_wgmma", "fwd_dmma", "bwd_dmma",
+                                 "fwd_tf32", "bwd_tf32")}
     if int(arch) in DMMA_ARCHS:
         names.update(r.name_expression for r in instantiations() if r.family in ("fwd_dmma", "bwd_dmma"))
     if int(arch) == WGMMA_ARCH:
         names.update(r.name_expression for r in instantiations() if r.family in ("fwd_wgmma", "bwd_wgmma"))
     tiles = mma_tiles(arch)
     if tiles is not None:
+        names.update(r.name_expression for r in instantiations() if r.family in ("fwd_tf32", "bwd_tf32"))
         for dtype in _MMA_DTYPES:
             for d in MMA_HEAD_DIMS:
                 names.add(mma_name_expression(dtype, d, *tiles[d]))
@@ -399,6 +404,42 @@ def _dmma_instantiations() -> list[Instantiation]:
                           dtype=dtype, head_dim=d, head_dim_v=d, threads=32 * warps,
                           block_m=block_m, block_n=block_n)
             for dtype in DMMA_DTYPES for d, (block_m, block_n, warps) in _DMMA_TILES.items()]
+
+# ---- fwd_tf32: float32 on the TF32 tensor cores (mma.sync m16n8k8 .tf32), sm_80+, opt-in ---------
+
+# attention(..., precision=...) -> TF32 MMAs per product: "tf32" rounds every
+# operand to TF32 once, "tf32x3" splits it into two TF32 parts and sums three
+# products (cuda_src/fwd_tf32.cu).  precision="ieee" (the default) never runs them.
+TF32_PASSES = {"tf32": 1, "tf32x3": 3}
+TF32_HEAD_DIMS = (32, 64, 128)
+# (block_m, block_n, warps) per head dim, both precisions: 4 warps of 16 query
+# rows (one m16 tile each); shared memory (Q + K + V) x 4 bytes.  Registers from
+# the static report (NVRTC 13.5, sm_80 / sm_90, tf32 / tf32x3), no spills; two
+# CTAs per SM on sm_80 and sm_90 (one on sm_86/89 at d = 128: 100 KB).
+# Not yet timed on a GPU.
+_TF32_TILES = {
+    32: (64, 64, 4),    # 24 KB
+    64: (64, 64, 4),    # 48 KB
+    128: (64, 32, 4),   # 64 KB (64 keys: 96 KB, one CTA per SM on sm_80)
+}
+
+
+def tf32_name_expression(head_dim: int, block_m: int, block_n: int, warps: int, passes: int) -> str:
+    """``cf::fwd_tf32_kernel<head_dim, block_m, block_n, warps, passes>``."""
+    return f"cf::fwd_tf32_kernel<{head_dim}, {block_m}, {block_n}, {warps}, {passes}>"
+
+
+def tf32_tiles() -> dict[int, tuple[int, int, int]]:
+    """``{head_dim: (block_m, block_n, warps)}`` of fwd_tf32."""
+    return dict(_TF32_TILES)
+
+
+def _tf32_instantiations() -> list[Instantiation]:
+    return [Instantiation(family="fwd_tf32", entry="fwd_tf32.cu",
+                          name_expression=tf32_name_expression(d, block_m, block_n, warps, passes),
+                          dtype="float32", head_dim=d, head_dim_v=d, threads=32 * warps,
+                          block_m=block_m, block_n=block_n, passes=passes)
+            for passes in sorted(set(TF32_PASSES.values())) for d, (block_m, block_n, warps) in _TF32_TILES.items()]
 
 # ---- backward ----------------------------------------------------------------------------------
 
@@ -549,7 +590,8 @@ def _backward_instantiations() -> list[Instantiation]:
                     for name in bwd_mma_name_expressions(dtype, d, arch, deterministic):
                         if name not in mma:
                             mma[name] = _bwd_mma_row(dtype, d, name)
-    return rows + list(mma.values()) + _bwd_wgmma_instantiations() + _bwd_dmma_instantiations()
+    return (rows + list(mma.values()) + _bwd_wgmma_instantiations() + _bwd_dmma_instantiations()
+            + _bwd_tf32_instantiations())
 
 
 # ---- bwd_wgmma: the backward on Hopper's wgmma (cuda_src/bwd_wgmma.cu), sm_90a --------------------
@@ -693,6 +735,54 @@ def _bwd_dmma_instantiations() -> list[Instantiation]:
                     family="bwd_dmma", entry="bwd_dmma.cu", name_expression=name, dtype=dtype, head_dim=d,
                     head_dim_v=d, threads=32 * warps, block_m=streamed if dkdv else own,
                     block_n=own if dkdv else streamed, kv_stages=2 if dtype == "float64" else 1))
+    return rows
+
+
+# ---- bwd_tf32: the float32 backward on the TF32 tensor cores (cuda_src/bwd_tf32.cu), sm_80+, opt-in --
+
+# Head dims (d == dv) with bwd_tf32 kernels: those of fwd_tf32, run where the
+# caller allows TF32 (attention_backward(..., precision="tf32" / "tf32x3")).
+# Per head dim (own rows, streamed rows, warps) of both kernels -- dK/dV owns
+# keys and streams query rows, dQ owns query rows and streams keys; 4 warps of
+# one m16 tile each.  Per lane: the own rows' gradients (dK and dV, or dQ) 2 x
+# d / 4 floats, S and dP streamed / 4 each.  Shared memory (2 own + 2 x 2
+# streamed tiles) x d x 4 bytes (cp.async, two stages).  Registers from the
+# static report (NVRTC 13.5, sm_80 / sm_90, tf32 / tf32x3), no spills (nor under
+# NVRTC 13.0 and 12.0); not yet timed on a GPU.
+_BWD_TF32_TILES = {
+    32: (64, 64, 4),    # 48 KB
+    64: (64, 32, 4),    # 64 KB
+    128: (64, 16, 4),   # 96 KB: two CTAs per SM on sm_90, one on sm_80 (32 streamed rows: 128 KB)
+}
+
+
+def bwd_tf32_name_expressions(head_dim: int, passes: int) -> list[str]:
+    """bwd_tf32's kernels for compile-time ``head_dim`` (one of :data:`TF32_HEAD_DIMS`) and
+    ``passes`` TF32 MMAs per product (1 or 3), in launch order: dK/dV, then dQ (there is
+    no atomic variant)."""
+    if head_dim not in _BWD_TF32_TILES:
+        raise ValueError(f"bwd_tf32 has no kernel for head_dim={head_dim}")
+    own, streamed, warps = _BWD_TF32_TILES[head_dim]
+    return [f"cf::bwd_tf32_dkdv_kernel<{head_dim}, {own}, {streamed}, {warps}, {passes}>",
+            f"cf::bwd_tf32_dq_kernel<{head_dim}, {own}, {streamed}, {warps}, {passes}>"]
+
+
+def bwd_tf32_shared_bytes(head_dim: int, own: int, streamed: int) -> int:
+    """``Tf32BwdTraits::kSmemBytes`` (bwd_tf32.cu): two own tiles and two stages of two
+    streamed tiles of floats."""
+    return (2 * own + 4 * streamed) * head_dim * 4
+
+
+def _bwd_tf32_instantiations() -> list[Instantiation]:
+    rows = []
+    for passes in sorted(set(TF32_PASSES.values())):
+        for d, (own, streamed, warps) in _BWD_TF32_TILES.items():
+            for name in bwd_tf32_name_expressions(d, passes):
+                dkdv = "dkdv" in name
+                rows.append(Instantiation(
+                    family="bwd_tf32", entry="bwd_tf32.cu", name_expression=name, dtype="float32", head_dim=d,
+                    head_dim_v=d, threads=32 * warps, block_m=streamed if dkdv else own,
+                    block_n=own if dkdv else streamed, kv_stages=2, passes=passes))
     return rows
 
 

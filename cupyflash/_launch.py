@@ -5,7 +5,8 @@ alike, so both run a kernel with the same geometry.  The shared-memory sizes
 mirror the kernels' own arithmetic (``SimtFwdTraits::kSmemBytes`` in
 ``cuda_src/fwd_simt.cu``, ``MmaFwdTraits::kSmemBytes`` in ``cuda_src/fwd_mma.cu``,
 ``WgmmaFwdTraits::kSmemBytes`` in ``cuda_src/fwd_wgmma.cu``,
-``DmmaFwdTraits::kSmemBytes`` in ``cuda_src/fwd_dmma.cu``;
+``DmmaFwdTraits::kSmemBytes`` in ``cuda_src/fwd_dmma.cu``,
+``Tf32FwdTraits::kSmemBytes`` in ``cuda_src/fwd_tf32.cu``;
 the buffer list at the top of ``fwd_v1_kernel``).
 """
 
@@ -14,7 +15,8 @@ from __future__ import annotations
 import functools
 import math
 
-from ._kernels import Instantiation, bwd_dmma_shared_bytes, bwd_mma_shared_bytes, bwd_wgmma_shared_bytes
+from ._kernels import (Instantiation, bwd_dmma_shared_bytes, bwd_mma_shared_bytes, bwd_tf32_shared_bytes,
+                       bwd_wgmma_shared_bytes)
 
 __all__ = ["launch_config", "v1_block_sizes", "representative_shared_bytes", "backward_launch_config",
            "backward_kernel", "num_splits", "ctas_per_sm", "SPLIT_FAMILIES"]
@@ -71,6 +73,11 @@ def _dmma_shared_bytes(inst: Instantiation) -> int:
     return (inst.block_m + (2 if inst.dtype == "float64" else 1) * inst.block_n) * inst.head_dim * 8
 
 
+def _tf32_shared_bytes(inst: Instantiation) -> int:
+    # Tf32FwdTraits::kSmemBytes: Q, K and V tiles of floats.
+    return (inst.block_m + 2 * inst.block_n) * inst.head_dim * 4
+
+
 def _v1_shared_bytes(inst: Instantiation, block_m: int, block_n: int, head_dim: int,
                      head_dim_v: int) -> int:
     elements = (block_n * (head_dim + head_dim_v) + block_m * (head_dim + head_dim_v)
@@ -96,7 +103,7 @@ def launch_config(inst: Instantiation, *, batch: int, heads: int, seqlen_q: int,
     sram_size : int, optional
         fwd_v1 only (required there): Algorithm 1's SRAM size ``M`` in elements.
     num_splits : int, optional
-        Split-KV (fwd_simt, fwd_mma, fwd_wgmma): the grid's y extent, one CTA
+        Split-KV (:data:`SPLIT_FAMILIES`): the grid's y extent, one CTA
         per query block and split (see :func:`num_splits`).
 
     Returns
@@ -132,6 +139,9 @@ def launch_config(inst: Instantiation, *, batch: int, heads: int, seqlen_q: int,
     elif inst.family == "fwd_dmma":
         ctas = -(-seqlen_q // inst.block_m) * heads * batch
         shared = _dmma_shared_bytes(inst)
+    elif inst.family == "fwd_tf32":
+        ctas = -(-seqlen_q // inst.block_m) * heads * batch
+        shared = _tf32_shared_bytes(inst)
     elif inst.family == "fwd_v1":
         if sram_size is None:
             raise ValueError("fwd_v1 needs `sram_size` (Algorithm 1's M, in elements)")
@@ -149,7 +159,7 @@ def launch_config(inst: Instantiation, *, batch: int, heads: int, seqlen_q: int,
 
 # ---- split-KV ------------------------------------------------------------------------------------
 
-SPLIT_FAMILIES = ("fwd_simt", "fwd_mma", "fwd_wgmma", "fwd_dmma")
+SPLIT_FAMILIES = ("fwd_simt", "fwd_mma", "fwd_wgmma", "fwd_dmma", "fwd_tf32")
 _MAX_SPLITS = 64
 # Keys a split visits at least: below that, reading its Q tile again and
 # writing its partial rows (then fwd_combine reading them) stops being small
@@ -184,6 +194,9 @@ def ctas_per_sm(inst: Instantiation, arch: int) -> int:
     elif inst.family == "fwd_dmma":
         shared = _dmma_shared_bytes(inst)
         target = 2                                                          # DmmaFwdTraits
+    elif inst.family == "fwd_tf32":
+        shared = _tf32_shared_bytes(inst)
+        target = 2                                                          # Tf32FwdTraits
     else:
         raise ValueError(f"no split-KV for kernel family {inst.family!r}")
     sm_shared = _SM_SHARED.get(int(arch), min(_SM_SHARED.values()))
@@ -251,8 +264,8 @@ def backward_kernel(inst: Instantiation) -> str:
 
     ``"bwd_simt_dot_do_o_kernel"`` (delta), ``"bwd_simt_dkdv_kernel"``,
     ``"bwd_simt_dq_kernel"``, ``"bwd_mma_dkdv_kernel"``, ``"bwd_mma_dq_kernel"``,
-    ``"bwd_wgmma_dkdv_kernel"``, ``"bwd_wgmma_dq_kernel"``, ``"bwd_dmma_dkdv_kernel"`` or
-    ``"bwd_dmma_dq_kernel"``.
+    ``"bwd_wgmma_dkdv_kernel"``, ``"bwd_wgmma_dq_kernel"``, ``"bwd_dmma_dkdv_kernel"``,
+    ``"bwd_dmma_dq_kernel"``, ``"bwd_tf32_dkdv_kernel"`` or ``"bwd_tf32_dq_kernel"``.
     """
     return inst.name_expression.split("<", 1)[0].removeprefix("cf::")
 
@@ -281,6 +294,11 @@ def _bwd_shared_bytes(inst: Instantiation) -> int:
         dkdv = kernel == "bwd_dmma_dkdv_kernel"
         own, streamed = (inst.block_n, inst.block_m) if dkdv else (inst.block_m, inst.block_n)
         return bwd_dmma_shared_bytes(inst.head_dim, own, streamed, inst.dtype)
+    if kernel.startswith("bwd_tf32_"):
+        # Tf32BwdTraits::kSmemBytes: the same shape for both kernels
+        dkdv = kernel == "bwd_tf32_dkdv_kernel"
+        own, streamed = (inst.block_n, inst.block_m) if dkdv else (inst.block_m, inst.block_n)
+        return bwd_tf32_shared_bytes(inst.head_dim, own, streamed)
     if kernel.startswith("bwd_wgmma_"):
         # WgmmaBwdTraits::kSmemBytes; the dK/dV kernel's last template argument is
         # kGrads (V only for dK; bit 4: atomic dQ and its dS tile)
@@ -329,9 +347,10 @@ def backward_launch_config(inst: Instantiation, *, batch: int, heads_q: int, hea
     """
     kernel = backward_kernel(inst)
     if kernel in ("bwd_simt_dot_do_o_kernel", "bwd_simt_dq_kernel", "bwd_mma_dq_kernel", "bwd_wgmma_dq_kernel",
-                  "bwd_dmma_dq_kernel"):
+                  "bwd_dmma_dq_kernel", "bwd_tf32_dq_kernel"):
         heads, rows, block_rows = heads_q, seqlen_q, inst.block_m
-    elif kernel in ("bwd_simt_dkdv_kernel", "bwd_mma_dkdv_kernel", "bwd_wgmma_dkdv_kernel", "bwd_dmma_dkdv_kernel"):
+    elif kernel in ("bwd_simt_dkdv_kernel", "bwd_mma_dkdv_kernel", "bwd_wgmma_dkdv_kernel", "bwd_dmma_dkdv_kernel",
+                    "bwd_tf32_dkdv_kernel"):
         heads, rows, block_rows = heads_kv, seqlen_k, inst.block_n
     else:
         raise ValueError(f"no backward launch configuration for {inst.name_expression!r}")

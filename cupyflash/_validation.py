@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Problem", "check_forward", "check_backward", "SUPPORTED_DTYPES"]
+__all__ = ["Problem", "check_forward", "check_backward", "check_precision", "SUPPORTED_DTYPES"]
 
 BACKENDS = ("auto", "numpy", "cuda", "emulator")
+PRECISIONS = ("ieee", "tf32", "tf32x3")
 _FLOAT_KINDS = {"float16", "bfloat16", "float32", "float64"}
 SUPPORTED_DTYPES = "float16, bfloat16, float32 or float64"
 
@@ -48,6 +49,7 @@ class Problem:
     head_dim: int
     head_dim_v: int
     backend: str
+    precision: str = "ieee"  # float32 only: "tf32"/"tf32x3" allow the TF32 tensor cores
 
     @property
     def out_shape(self) -> tuple:
@@ -273,6 +275,16 @@ def check_forward(q, k, v, *, scale, causal, window, enable_gqa, backend, extra=
         batch_shape=batch_shape, seqlen_q=q.shape[-2], seqlen_k=k.shape[-2],
         head_dim=head_dim, head_dim_v=head_dim_v, backend=resolved,
     ), converted[3:]
+
+
+def check_precision(precision, dtype: np.dtype) -> str:
+    """Check ``attention``'s ``precision`` against the inputs' dtype."""
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(f"`precision` must be one of {', '.join(map(repr, PRECISIONS))}; got {precision!r}")
+    if precision != "ieee" and np.dtype(dtype) != np.float32:
+        raise ValueError(f"`precision`={precision!r} applies to float32 inputs only; got {_describe(dtype)} "
+                         "inputs (use precision='ieee', the default)")
+    return precision
 
 
 def check_output(out, name: str, shape: tuple, dtype: np.dtype, kind: str, inputs) -> None:

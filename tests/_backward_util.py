@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from _util import visible
+from _util import to_tf32, visible
 
 
 def naive_half_backward(dout, q, k, v, out, *, scale, window=(None, None), gqa_ratio=1):
@@ -62,6 +62,40 @@ def naive_half_backward(dout, q, k, v, out, *, scale, window=(None, None), gqa_r
             sum_to_shape(group_sum(dv), np.shape(v)).astype(dtype))
 
 
+def naive_tf32_backward(dout, q, k, v, out, lse, *, scale, window=(None, None), gqa_ratio=1):
+    """(dq, dk, dv) in float32 as the TF32 tensor cores compute them naively: the
+    operands of every product rounded to TF32 (q, k, v, dout, P for dV, dS for dQ and
+    dK), products summed in float32; P = exp(S - lse) from the float32 scores and the
+    forward's lse, as every flash backward recomputes it (so the scores' TF32 error
+    reaches P unnormalised), delta = rowsum(dO o O) in float32.  The yardstick of
+    ``precision="tf32"`` (shapes as naive_half_backward, lse of q's leading shape)."""
+    g = gqa_ratio
+    q32, do, o = (np.asarray(x, dtype=np.float32) for x in (q, dout, out))
+    heads_kv = q32.shape[-3] // g
+
+    def per_query_head(x):
+        x = np.broadcast_to(np.asarray(x, dtype=np.float32), x.shape[:-3] + (heads_kv,) + x.shape[-2:])
+        return np.repeat(x, g, axis=-3)
+
+    qt, kt, vt, dot = to_tf32(q32), to_tf32(per_query_head(k)), to_tf32(per_query_head(v)), to_tf32(do)
+    s = (qt @ np.swapaxes(kt, -1, -2)) * np.float32(scale)
+    s = np.where(visible(q32.shape[-2], kt.shape[-2], window), s, -np.inf)
+    lse = np.asarray(lse, dtype=np.float32)[..., None]
+    p = np.where(np.isfinite(lse), np.exp(s - np.where(np.isfinite(lse), lse, 0)), 0).astype(np.float32)
+    dv = np.swapaxes(to_tf32(p), -1, -2) @ dot
+    dp = dot @ np.swapaxes(vt, -1, -2)
+    ds = (p * (dp - np.sum(do * o, axis=-1, keepdims=True))).astype(np.float32)
+    dq = to_tf32(ds) @ kt * np.float32(scale)
+    dk = np.swapaxes(to_tf32(ds), -1, -2) @ qt * np.float32(scale)
+
+    def group_sum(x):
+        return x.reshape(x.shape[:-3] + (x.shape[-3] // g, g) + x.shape[-2:]).sum(axis=-3)
+
+    return (sum_to_shape(dq, np.shape(q)).astype(np.float32),
+            sum_to_shape(group_sum(dk), np.shape(k)).astype(np.float32),
+            sum_to_shape(group_sum(dv), np.shape(v)).astype(np.float32))
+
+
 def sum_to_shape(x, shape):
     """Sum a broadcast gradient back to ``shape``."""
     lead = x.ndim - len(shape)
@@ -71,7 +105,8 @@ def sum_to_shape(x, shape):
 
 
 def assert_within_twice_naive_half_error(actual, expected, naive, *, what="gradient"):
-    """max |actual - oracle| <= 2 max |naive - oracle| (plus a float32 rounding floor)."""
+    """max |actual - oracle| <= 2 max |naive - oracle| (plus a float32 rounding floor);
+    ``naive`` a naive half-precision (or TF32) backward's."""
     actual = np.asarray(actual).astype(np.float64)
     naive = np.asarray(naive).astype(np.float64)
     assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
@@ -107,3 +142,23 @@ def backward_term_sizes(dout, q, k, v, **kw):
         dv = dv.reshape(dv.shape[:-3] + (dv.shape[-3] // g, g) + dv.shape[-2:]).sum(axis=-3)
     return (_sum_to_shape(dq, np.shape(q)), _sum_to_shape(dk, np.shape(k)),
             _sum_to_shape(dv, np.shape(v)))
+
+
+def assert_within_term_bound(actual, expected, size, *, eps, head_dim, floor=0.0, what="gradient"):
+    """|actual - oracle| <= 32 eps x (the size of the terms the element sums, from
+    :func:`backward_term_sizes`), widened by sqrt(head_dim) / 4 past 16: the float32
+    and float64 gradient bound of the GPU tier.  Relative to the terms, not to the
+    result: where dP - delta cancels (one key: P = 1, dP = delta) the exact gradient
+    is ~0 and the rounding of dP and delta, each a sum over the head dim in its own
+    order, is all that is left.  ``floor``: an absolute allowance (the float32
+    kernels' exp2 flushes probabilities below float32's smallest normal to zero)."""
+    import math
+
+    widen = max(1.0, math.sqrt(head_dim) / 4)
+    err = np.abs(np.asarray(actual).astype(np.float64) - expected)
+    bound = widen * 32 * eps * size + floor   # CPU path and emulator: <= 0.1 of this
+    bound[size == 0] = 0.0                    # nothing summed: exactly zero
+    worst = np.unravel_index(np.argmax(err - bound), err.shape) if err.size else ()
+    assert (err <= bound).all(), (
+        f"{what}: error {err[worst]:.3g} > {bound[worst]:.3g} at {worst} "
+        f"(got {np.asarray(actual)[worst]!r}, exact {expected[worst]!r}, term size {size[worst]:.3g})")

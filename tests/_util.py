@@ -67,6 +67,34 @@ def assert_lse_close(actual, expected, dtype, *, what="lse"):
     assert_close(actual[finite], expected[finite], accum_dtype(dtype), what=what)
 
 
+def to_tf32(x):
+    """float32 ``x`` rounded to TF32 as ``cvt.rna.tf32.f32`` does: 10 explicit mantissa
+    bits, ties away from zero, the low 13 bits zero (returned as float32)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    finite = (u & np.uint32(0x7F800000)) != np.uint32(0x7F800000)
+    rounded = np.where(finite, (u + np.uint32(0x1000)) & np.uint32(0xFFFFE000), u)
+    return rounded.astype(np.uint32).view(np.float32)
+
+
+def naive_tf32_attention(q, k, v, *, scale, window=(None, None), enable_gqa=False):
+    """The yardstick of ``precision="tf32"``: naive attention of q, k, v rounded to TF32,
+    scores and sums in float32, the unnormalised probabilities rounded to TF32 before
+    they multiply v -- what the TF32 tensor cores do, in the plainest order."""
+    q, k, v = (to_tf32(x) for x in (q, k, v))
+    if enable_gqa:
+        g = q.shape[-3] // k.shape[-3]
+        k, v = np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3)
+    s = np.matmul(q, np.swapaxes(k, -1, -2)) * np.float32(scale)
+    ok = visible(q.shape[-2], k.shape[-2], window)
+    s = np.where(ok, s, -np.inf).astype(np.float32)
+    m = s.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, np.float32(0))
+    p = np.exp(s - m).astype(np.float32)
+    l = p.sum(axis=-1, keepdims=True, dtype=np.float32)
+    o = np.matmul(to_tf32(p), v)
+    return np.where(l > 0, o / np.where(l > 0, l, 1), 0).astype(np.float32)
+
+
 def poisoned(shape, dtype):
     """An output buffer full of NaN, so that an element the code under test forgets shows."""
     return np.full(shape, np.nan, dtype=dtype)
@@ -138,11 +166,15 @@ class LaunchSpy:
 
 
 def forward_against_oracle(executor, q, k, v, *, window=(None, None), gqa_ratio=1, out=None,
-                           with_lse=True):
+                           with_lse=True, precision="ieee"):
     """:func:`cupyflash._gpu.forward` of q, k, v on ``executor`` into a NaN-poisoned ``out``
     (unless given) against the float64 oracle: every element written, out and lse to the
     dtype's tolerance, rows that see no key zero with lse = -inf.  Returns the
-    :class:`LaunchSpy` that ran it and ``out``."""
+    :class:`LaunchSpy` that ran it and ``out``.
+
+    ``precision="tf32"`` (float32): out no further from the oracle than twice
+    :func:`naive_tf32_attention` is, element-wise maximum, and lse within the error
+    its TF32 scores allow.  ``"tf32x3"`` must meet float32's own tolerance."""
     import math
 
     from cupyflash import _gpu
@@ -155,12 +187,27 @@ def forward_against_oracle(executor, q, k, v, *, window=(None, None), gqa_ratio=
     spy = LaunchSpy(executor)
     scale = 1.0 / math.sqrt(q.shape[-1])
     _gpu.forward(q, k, v, out, lse, scale=scale, window_left=window[0], window_right=window[1],
-                 gqa_ratio=gqa_ratio, executor=spy)
+                 gqa_ratio=gqa_ratio, executor=spy, precision=precision)
     ref, ref_lse = naive_attention(q, k, v, scale=scale, window=window, enable_gqa=gqa_ratio > 1,
                                    return_lse=True)
     assert not np.isnan(out.astype(np.float64)).any(), "output element left unwritten (NaN)"
-    assert_close(out, ref, dtype)
-    if with_lse:
+    if precision == "tf32":
+        yardstick = naive_tf32_attention(q, k, v, scale=scale, window=window, enable_gqa=gqa_ratio > 1)
+        err = np.abs(out.astype(np.float64) - ref).max(initial=0.0)
+        assert err <= 2 * np.abs(yardstick.astype(np.float64) - ref).max(initial=0.0), err
+    else:
+        assert_close(out, ref, dtype)
+    if with_lse and precision == "tf32":
+        # a score's TF32 error is below 2^-10 sum |q_i k_i| scale (two roundings of
+        # 2^-11 each, products and sums exact enough beside them); lse moves by at most
+        # the largest score error of its row
+        bound = 2.0 ** -10 * scale * np.matmul(np.abs(q.astype(np.float64)),
+                                               np.swapaxes(np.abs(np.repeat(k, gqa_ratio, axis=1)
+                                                                  .astype(np.float64)), -1, -2)).max(axis=-1)
+        finite = np.isfinite(ref_lse)
+        np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+        assert (np.abs(lse[finite] - ref_lse[finite]) <= bound[finite] + 1e-5).all()
+    elif with_lse:
         assert_lse_close(lse, ref_lse, dtype)
         no_key = np.isneginf(ref_lse)
         assert (np.isneginf(lse) == no_key).all()

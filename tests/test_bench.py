@@ -263,10 +263,12 @@ def test_gpu_profile_cases_run_the_kernels_they_name():
         np_dtype = np.float16 if dtype == "bfloat16" else np.dtype(dtype)   # same dispatch as bfloat16
         wgmma = "wgmma" in name   # gpu_profile.py turns the opt-in wgmma kernels on for these
         dmma = "dmma" in name     # and fwd_dmma, bwd_dmma
+        precision = "tf32x3" if name.endswith("_x3") else "ieee"   # and fwd_tf32
         if kind == "forward":
-            assert _gpu.select(np_dtype, d, d, 90, aligned=True, wgmma=wgmma, dmma=dmma).family == family, name
+            assert _gpu.select(np_dtype, d, d, 90, aligned=True, wgmma=wgmma, dmma=dmma,
+                               precision=precision).family == family, name
         else:
             rows = _gpu_bwd.select(np_dtype, d, d, 90, aligned=True, deterministic=deterministic, wgmma=wgmma,
-                                   dmma=dmma)
+                                   dmma=dmma, precision=precision)
             assert {r.family for r in rows[1:]} == {family}, name
             assert any("_dq_kernel" in r.name_expression for r in rows) == deterministic, name

@@ -354,6 +354,25 @@ def test_backward_kernels_use_64_bit_offsets(dtype):
             assert_grad_close(g, e, dtype, what=name)
 
 
+@needs_emulator
+def test_tf32_kernels_use_64_bit_offsets():
+    # fwd_tf32 and bwd_tf32 (precision="tf32x3": float32's tolerance applies)
+    dtype = np.dtype(np.float32)
+    (q, k, v), (qs, ks, vs) = huge_problem(dtype, 5)
+    out = sparse_zeros((2, 2, 70, 64), dtype, HUGE_STRIDES)
+    out[...] = np.nan
+    _, lse = cupyflash.attention(qs, ks, vs, out=out, causal=True, return_lse=True, precision="tf32x3",
+                                 backend="emulator")
+    ref, ref_lse = naive_attention(q, k, v, causal=True, return_lse=True)
+    assert_close(out, ref, dtype)
+    assert_lse_close(lse, ref_lse, dtype)
+    dout = np.random.default_rng(6).standard_normal(out.shape).astype(dtype)
+    grads = cupyflash.attention_backward(strided_copy(dout), qs, ks, vs, out, lse, causal=True,
+                                         precision="tf32x3", backend="emulator")
+    for name, g, e in zip(("dq", "dk", "dv"), grads, naive_attention_backward(dout, q, k, v, causal=True)):
+        assert_grad_close(g, e, dtype, what=name)
+
+
 PLANTED_32_BIT_OFFSET = """
 import numpy as np, cupyflash, sys
 sys.path.insert(0, {tests!r})

@@ -370,12 +370,17 @@ def test_launchable_is_what_the_dispatchers_pick_on_each_architecture():
             for d in MMA_HEAD_DIMS:
                 for split in (False, True):   # the split-KV rows too
                     picked.add(_gpu.select(dtype, d, d, arch, aligned=True, split=split).name_expression)
-                if d <= 128:   # fwd_dmma, opt-in
+                if d <= 128:   # fwd_dmma, opt-in; fwd_tf32 where precision allows TF32
                     picked.add(_gpu.select(dtype, d, d, arch, aligned=True, dmma=True).name_expression)
+                    for precision in ("tf32", "tf32x3"):
+                        picked.add(_gpu.select(dtype, d, d, arch, aligned=True, precision=precision).name_expression)
                 for deterministic in (True, False):
                     for dmma in (False, True):   # bwd_dmma, opt-in
                         picked.update(r.name_expression for r in _gpu_bwd.select(
                             dtype, d, d, arch, aligned=True, deterministic=deterministic, dmma=dmma))
+                    for precision in ("tf32", "tf32x3"):   # bwd_tf32
+                        picked.update(r.name_expression for r in _gpu_bwd.select(
+                            dtype, d, d, arch, aligned=True, deterministic=deterministic, precision=precision))
         assert picked <= keep, (arch, sorted(picked - keep)[:3])
         mma = {n for n in keep if "_mma_" in n}
         assert mma == {n for n in picked if "_mma_" in n}, arch   # no other class's tiles

@@ -31,6 +31,10 @@ FAMILIES = (
     ("fwd_simt", "SIMT forward (`fwd_simt`)"),
     ("fwd_dmma", "float64 (and float32, computed in float64) forward on the FP64 tensor cores (`fwd_dmma`, "
                  "sm_80/sm_90; opt-in with `CUPYFLASH_DMMA=1`, `=float32`)"),
+    ("fwd_tf32", "float32 forward on the TF32 tensor cores (`fwd_tf32`, sm_80+; only with "
+                 "`precision=\"tf32\"` (1 pass) or `\"tf32x3\"` (3 passes))"),
+    ("bwd_tf32", "float32 backward on the TF32 tensor cores (`bwd_tf32`, sm_80+; only with "
+                 "`precision=\"tf32\"` or `\"tf32x3\"`; tile: owned × streamed rows)"),
     ("bwd_mma", "Tensor-core backward (`bwd_mma`, float16/bfloat16, the kernels each GPU class launches; "
                 "tile: owned × streamed rows)"),
     ("bwd_simt", "SIMT backward (`bwd_simt`: delta, dK/dV and dQ kernels)"),
@@ -44,8 +48,9 @@ FAMILIES = (
 DTYPE_ORDER = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
 SHORT_KERNEL = {"bwd_simt_dot_do_o_kernel": "delta", "bwd_simt_dkdv_kernel": "dK/dV",
                 "bwd_simt_dq_kernel": "dQ", "bwd_wgmma_dkdv_kernel": "dK/dV", "bwd_wgmma_dq_kernel": "dQ",
-                "bwd_mma_dq_kernel": "dQ", "bwd_dmma_dkdv_kernel": "dK/dV", "bwd_dmma_dq_kernel": "dQ"}
-WITH_KERNEL_COLUMN = ("bwd_simt", "bwd_wgmma", "bwd_mma", "bwd_dmma")
+                "bwd_mma_dq_kernel": "dQ", "bwd_dmma_dkdv_kernel": "dK/dV", "bwd_dmma_dq_kernel": "dQ",
+                "bwd_tf32_dkdv_kernel": "dK/dV", "bwd_tf32_dq_kernel": "dQ"}
+WITH_KERNEL_COLUMN = ("bwd_simt", "bwd_wgmma", "bwd_mma", "bwd_dmma", "bwd_tf32")
 # Families whose tile depends on the GPU class: only the rows each arch launches, tile per arch.
 PER_ARCH_TILE = ("fwd_mma", "bwd_mma")
 GRADS = {1: "dV", 2: "dK", 3: "dK/dV", 6: "dK + atomic dQ", 7: "dK/dV + atomic dQ"}   # kGrads
@@ -114,6 +119,8 @@ def _tile(row: dict) -> str:
         return f"{args[2]}×{args[3]}, {args[4]} warpgroups"
     if row["family"] in ("fwd_dmma", "bwd_dmma"):   # <d, block_m, block_n, warps[, float]>
         return f"{args[1]}×{args[2]}, {args[3]} warps"
+    if row["family"] in ("fwd_tf32", "bwd_tf32"):   # <d, block_m | own, block_n | streamed, warps, passes>
+        return f"{args[1]}×{args[2]}, {args[3]} warps, {args[4]} pass{'es' * (args[4] != '1')}"
     if row["family"] == "fwd_simt":       # <T, d, dv, block_m, block_n>
         return f"{args[3]}×{args[4]}"
     if row["family"] == "bwd_simt" and len(args) >= 5:   # <T, d, dv, own, streamed[, atomic dQ]>
@@ -136,6 +143,10 @@ def _family_table(rows: list[dict], family: str, archs: list[str], picked: set) 
     for r in rows:
         if family in ("fwd_mma", "fwd_wgmma"):
             key = (DTYPE_ORDER[r["dtype"]], r["head_dim"], "split" if _split(r) else "", r["dtype"])
+        elif family == "fwd_tf32":   # one line per pass count (the tile says which)
+            key = (DTYPE_ORDER[r["dtype"]], r["head_dim"], _tile(r), r["dtype"])
+        elif family == "bwd_tf32":   # one line per kernel and pass count
+            key = (DTYPE_ORDER[r["dtype"]], r["head_dim"], _kernel(r), r["dtype"], _tile(r))
         else:
             key = (DTYPE_ORDER[r["dtype"]], r["head_dim"], _kernel(r), r["dtype"])
         keys.setdefault(key, {})[r["arch"]] = r

@@ -1,0 +1,134 @@
+// fwd_tf32.cu -- the float32 forward on tensor cores, when the caller allows
+// TF32 (attention(..., precision="tf32" or "tf32x3")): FlashAttention-2 with
+// mma.sync m16n8k8 .tf32 and float32 accumulation, sm_80 and later.
+//
+// kPasses = 1 ("tf32"): every operand rounded to TF32 once, one MMA per
+// product -- scores and output good to about 2^-11 relative.  kPasses = 3
+// ("tf32x3"): every operand split into two TF32 parts, three MMAs per
+// product -- errors of the order of float32 arithmetic's (tf32_tile.cuh).
+//
+// A CTA owns kBlockM query rows of one (batch, head); each of its kWarps warps
+// owns kWarpRows of them (kMTiles m16 tiles), as in fwd_mma.  Q, K and V move
+// through shared memory as float tiles on fwd_simt's schedule (fwd_tiles.cuh:
+// Q once, K and V in their own buffers by cp.async, V(n) landing during
+// S = Q K(n)^T, K(n + 1) during O += P V(n)).  Per key block every warp computes
+//     S = Q K^T        tf32_abt: Q and K fragments by 16-byte loads ("row" reads)
+//     mask             only on blocks that cross a mask boundary (fwd_blocks.cuh)
+//     online softmax   OnlineSoftmax<float, kRows, 4>, the scale folded into exp2
+//     O += P V         tf32_accumulate: P's A fragments straight from the score
+//                      accumulators, V's by 16-byte loads ("column" reads)
+// and divides O by l once, at the end; O's columns are in tf32_accumulate's
+// order, which store_row_tf32 undoes.  Q and K use Tf32Rows, V Tf32VRows:
+// every fragment load is free of bank conflicts.  The dispatcher
+// (cupyflash/_gpu.py) gives this kernel float32 with d = dv up to 128 and
+// scale > 0 on sm_80+; columns past the run-time d are zero-filled by
+// cp.async and never stored.  Split-KV (FwdParams::num_splits > 1) as in
+// fwd_simt: CTA (x, y) visits the y-th run of its key blocks and writes its
+// partial results.
+#pragma once
+
+#include "block_info.cuh"
+#include "fwd_blocks.cuh"
+#include "fwd_tiles.cuh"
+#include "params.cuh"
+#include "ptx.cuh"
+#include "softmax.cuh"
+#include "tf32_tile.cuh"
+#include "tile_io.cuh"
+
+namespace cf {
+
+// Every compile-time quantity of one instantiation.  The (head dim -> tile)
+// table with the reason for each row is _TF32_TILES in cupyflash/_kernels.py.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kPasses_>
+struct Tf32FwdTraits {
+    using Acc = float;
+    static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDim_;
+    static constexpr int kBlockM = kBlockM_, kBlockN = kBlockN_, kWarps = kWarps_, kPasses = kPasses_;
+    static constexpr int kThreads = 32 * kWarps;
+    static constexpr int kWarpRows = kBlockM / kWarps;  // query rows per warp
+    static constexpr int kMTiles = kWarpRows / 16;      // m16 tiles per warp
+    static constexpr int kRows = 2 * kMTiles;           // accumulator rows per lane
+    static constexpr int kNTiles = kBlockN / 8;         // n8 tiles of S = k8 steps of P V
+    static constexpr int kSCols = 2 * kNTiles;          // score columns per lane and row
+    static constexpr int kOCols = 2 * (kHeadDim / 8);   // output columns per lane and row
+
+    // fwd_tiles.cuh's schedule, float tiles by cp.async into their own buffers.
+    static constexpr bool kAsync = true;
+    using QLayout = Tf32Rows<kHeadDim>;
+    using KLayout = Tf32Rows<kHeadDim>;
+    __device__ static Tf32VRows<kHeadDim> v_layout() { return {}; }
+    static constexpr int kSmemQ = kBlockM * kHeadDim, kSmemK = kBlockN * kHeadDim, kSmemV = kBlockN * kHeadDim;
+    static constexpr int kSmemBytes = (kSmemQ + kSmemK + kSmemV) * static_cast<int>(sizeof(float));
+    // __launch_bounds__ minimum CTAs per SM: 2 leaves every thread the 255-register maximum.
+    static constexpr int kMinBlocksPerSm = 2;
+
+    static_assert(kPasses == 1 || kPasses == 3, "kPasses: 1 (tf32) or 3 (tf32x3)");
+    static_assert(kBlockM % (16 * kWarps) == 0, "block_m: whole m16 tiles per warp");
+    static_assert(kBlockN % 8 == 0, "block_n: whole n8 tiles");
+    static_assert(kHeadDim % 32 == 0 && kHeadDim <= 128, "head dim bucket: 32, 64 or 128");
+    static_assert(kSmemBytes <= 99 * 1024, "within the opt-in shared memory of every sm_80+ GPU");
+};
+
+// The warp's rows of the normalised output (to out, rows out_row_stride apart)
+// and their lse (to lse_out unless null): the call's output or a split's partials.
+template <class Tr>
+__device__ __forceinline__ void tf32_store(const float (&o)[Tr::kRows][Tr::kOCols], const float (&lse)[Tr::kRows],
+                                           float* out, int64_t out_row_stride, float* lse_out,
+                                           int64_t lse_row_stride, const QueryBlock& block, int row0, int dv) {
+    const int g = lane_id() >> 2, t = lane_id() & 3;
+#pragma unroll
+    for (int r = 0; r < Tr::kRows; ++r) {
+        const int row = row0 + 16 * (r >> 1) + 8 * (r & 1) + g;
+        if (row >= block.rows) continue;
+        const int64_t i = block.m0 + row;
+        store_row_tf32(out + i * out_row_stride, o[r], 1.0f, dv);
+        if (lse_out != nullptr && t == 0) lse_out[i * lse_row_stride] = lse[r];
+    }
+}
+
+template <int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kPasses>
+__global__ void __launch_bounds__((Tf32FwdTraits<kHeadDim, kBlockM, kBlockN, kWarps, kPasses>::kThreads),
+                                  (Tf32FwdTraits<kHeadDim, kBlockM, kBlockN, kWarps, kPasses>::kMinBlocksPerSm))
+fwd_tf32_kernel(const FwdParams params) {
+    using Tr = Tf32FwdTraits<kHeadDim, kBlockM, kBlockN, kWarps, kPasses>;
+
+    const TileIndex tile(params, kBlockM, blockIdx.x);
+    const HeadSlice<float, float> head(params, tile.batch, tile.head);
+    const WindowMask mask(params);
+    const QueryBlock block(params, mask, tile.m_block * kBlockM, kBlockM);
+    const float scale_log2 = static_cast<float>(params.scale_log2);
+    const int row0 = warp_id() * Tr::kWarpRows;  // the warp's first row in the Q tile
+
+    int64_t n_begin = block.n_begin(kBlockN), n_end = block.n_end(kBlockN);
+    split_key_blocks(params, blockIdx.y, n_begin, n_end);
+    const SimtTiles<Tr, float> tiles(params, head, block, n_begin, n_end);
+
+    OnlineSoftmax<float, Tr::kRows, 4> softmax;
+    float o[Tr::kRows][Tr::kOCols] = {};
+    for (int64_t n_block = n_begin; n_block < n_end; ++n_block) {
+        const int64_t n0 = n_block * kBlockN;
+        float s[Tr::kRows][Tr::kSCols];
+        tiles.keys(n_block);
+        tf32_abt<kPasses, Tr::kMTiles, Tr::kNTiles, kHeadDim, typename Tr::QLayout, typename Tr::KLayout>(
+            s, tiles.sQ, tiles.sK, row0);  // S = Q K^T
+        if (block.needs_mask(mask, n0, kBlockN)) apply_mask<Tr>(s, BlockMask(params, block.m0 + row0, n0, kBlockN));
+        softmax.template update_unscaled<false>(s, o, scale_log2);
+        tiles.values(n_block);
+        tf32_accumulate<kPasses, Tr::kMTiles, Tr::kNTiles, kHeadDim, Tf32VRows<kHeadDim>>(o, s, tiles.sV);  // O += P V
+        tiles.done();
+    }
+    tiles.finish();
+
+    float lse[Tr::kRows];
+    softmax.normalize(o, lse);
+    const int dv = static_cast<int>(params.head_dim_v);
+    if (params.num_splits > 1) {
+        const SplitSlice<float> part(params, tile.batch, tile.head, blockIdx.y);
+        tf32_store<Tr>(o, lse, part.o, dv, part.lse, 1, block, row0, dv);
+    } else {
+        tf32_store<Tr>(o, lse, head.out, params.out_row_stride, head.lse, params.lse_row_stride, block, row0, dv);
+    }
+}
+
+}  // namespace cf

@@ -1,0 +1,308 @@
+"""fwd_tf32, the float32 forward on the TF32 tensor cores (cuda_src/fwd_tf32.cu), without a GPU.
+
+Dispatch: only where the caller allows TF32 -- ``attention(..., precision="tf32")``
+(one TF32 product per product) or ``"tf32x3"`` (three, on operands split into
+two TF32 parts) -- for float32 with d = dv up to 128 and scale > 0 on sm_80 and
+newer; precision="ieee" (the default) never runs it, and other dtypes reject
+the option.
+
+Static tier: every row compiled offline by NVRTC for sm_80, sm_86, sm_89 and
+sm_90 -- no spills, no stack, no local memory; the SASS issues exactly one
+unrolled main loop of HMMA (passes x kMTiles x (block_n/8 x d/8 for S + d/8 x
+block_n/8 for O)) and copies the tiles with cp.async.
+
+Emulated tier: each instantiation through :func:`cupyflash._gpu.forward` on the
+CPU emulator (shuffled threads, race check) against the float64 oracle:
+"tf32x3" within float32's own tolerance, "tf32" no further than twice the
+naive TF32 attention of the same inputs; partial query and key blocks, causal
+and window masks with Lq < Lk and Lq > Lk (rows that see no key), GQA, padded
+head dims (d = 3 .. 100), rows that are not 16-byte aligned, transposed
+strides, split-KV; outputs NaN-poisoned first.  The instruction itself is
+checked against the fragment table in tests/test_emulator.py (fid_mma_tf32).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupyflash
+from cupyflash import _gpu, _report
+from cupyflash._kernels import TF32_HEAD_DIMS, TF32_PASSES, instantiations, launchable
+from cupyflash._launch import launch_config
+from cupyflash.emulator import EmulatorExecutor, emulator_available
+from cupyflash.reference import naive_attention
+
+from _util import TOLERANCE, forward_against_oracle, naive_tf32_attention, poisoned, random_array
+
+TF32_ROWS = [r for r in instantiations() if r.family == "fwd_tf32"]
+ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
+PRECISIONS = tuple(TF32_PASSES)
+
+_OK, _WHY = emulator_available()
+needs_emulator = pytest.mark.skipif(not _OK, reason=f"CPU emulator unavailable: {_WHY}")
+
+
+def bucket(d):
+    return min(b for b in TF32_HEAD_DIMS if b >= d)
+
+
+# ---- the catalogue and the dispatcher -----------------------------------------------------------
+
+def test_select_picks_fwd_tf32_only_where_tf32_is_allowed():
+    for precision, passes in TF32_PASSES.items():
+        for arch in (80, 86, 89, 90, 100, 120):
+            for d in (1, 3, 32, 40, 64, 100, 128):
+                inst = _gpu.select("float32", d, d, arch, precision=precision)
+                assert (inst.family, inst.head_dim, inst.passes) == ("fwd_tf32", bucket(d), passes)
+                # the default, and precision="ieee", keep IEEE float32
+                assert _gpu.select("float32", d, d, arch).family == "fwd_simt"
+                assert _gpu.select("float32", d, d, arch, precision="ieee").family == "fwd_simt"
+        # where the kernel does not apply, IEEE float32
+        assert _gpu.select("float32", 64, 64, 75, precision=precision).family == "fwd_simt"
+        assert _gpu.select("float32", 64, 32, 80, precision=precision).family == "fwd_simt"
+        assert _gpu.select("float32", 129, 129, 90, precision=precision).family == "fwd_simt"
+        assert _gpu.select("float32", 64, 64, 80, precision=precision, scale=0.0).family == "fwd_simt"
+        assert _gpu.select("float32", 64, 64, 80, precision=precision, scale=-1.0).family == "fwd_simt"
+        # asked for explicitly, TF32 wins over the opt-in float32 DMMA path
+        assert _gpu.select("float32", 64, 64, 90, precision=precision, dmma=True).family == "fwd_tf32"
+    assert _gpu.select("float32", 64, 64, 90, dmma=True).family == "fwd_dmma"
+
+
+def test_launchable_on_every_tensor_core_gpu():
+    names = {r.name_expression for r in TF32_ROWS}
+    assert len(TF32_ROWS) == len(TF32_HEAD_DIMS) * len(TF32_PASSES) == len(names)
+    assert all(r.dtype == "float32" and r.passes in (1, 3) for r in TF32_ROWS)
+    for arch in (75, 80, 86, 89, 90, 100):
+        assert (names <= launchable(arch)) == (arch >= 80)
+        assert (not names & launchable(arch)) == (arch < 80)
+
+
+def test_launch_config_and_shared_memory():
+    for inst in TF32_ROWS:
+        grid, block, shared = launch_config(inst, batch=2, heads=3, seqlen_q=1000, seqlen_k=77, num_splits=2)
+        assert block == (inst.threads, 1, 1) and grid == (2 * 3 * -(-1000 // inst.block_m), 2, 1)
+        assert shared == (inst.block_m + 2 * inst.block_n) * inst.head_dim * 4 <= 99 * 1024
+
+
+def test_precision_is_checked_before_any_work():
+    rng = np.random.default_rng(0)
+    q, k, v = (random_array(rng, (1, 2, 8, 16), np.float32) for _ in range(3))
+    for bad in ("TF32", "fp16", "", None, 3, "highest"):
+        with pytest.raises(ValueError, match="`precision` must be one of 'ieee', 'tf32', 'tf32x3'"):
+            cupyflash.attention(q, k, v, precision=bad)
+    for dtype in (np.float64, np.float16):
+        with pytest.raises(ValueError, match=r"`precision`='tf32x3' applies to float32 inputs only; got float"):
+            cupyflash.attention(*(x.astype(dtype) for x in (q, k, v)), precision="tf32x3")
+    assert cupyflash.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+                               precision="ieee").dtype == np.float64
+
+
+def test_numpy_path_stays_ieee_whatever_precision_allows():
+    # precision allows TF32; the CPU path has no tensor cores and computes exactly as with "ieee"
+    rng = np.random.default_rng(1)
+    q, k, v = (random_array(rng, (2, 3, 20, 24), np.float32) for _ in range(3))
+    ieee, ieee_lse = cupyflash.attention(q, k, v, causal=True, return_lse=True)
+    for precision in PRECISIONS:
+        out, lse = cupyflash.attention(q, k, v, causal=True, return_lse=True, precision=precision)
+        np.testing.assert_array_equal(out, ieee)
+        np.testing.assert_array_equal(lse, ieee_lse)
+
+
+# ---- the shared layouts: whole chunks, and the fragment loads free of bank conflicts -----------
+
+LAYOUT_PROBE = r"""
+#include "tf32_tile.cuh"
+struct ProbeParams { int* rows; int* vrows; int* both; };
+// Tf32Rows / Tf32VRows / Tf32BothRows offsets of every element of a kRows x kCols tile.
+template <int kRows, int kCols>
+__global__ void tf32_layout_probe(const ProbeParams p) {
+    if (threadIdx.x != 0) return;
+    for (int r = 0; r < kRows; ++r)
+        for (int c = 0; c < kCols; ++c) {
+            p.rows[r * kCols + c] = cf::Tf32Rows<kCols>::offset(r, c);
+            p.vrows[r * kCols + c] = cf::Tf32VRows<kCols>::offset(r, c);
+            p.both[r * kCols + c] = cf::Tf32BothRows<kCols>::offset(r, c);
+        }
+}
+"""
+
+
+@needs_emulator
+@pytest.mark.parametrize("cols", TF32_HEAD_DIMS)
+def test_layouts_are_chunk_permutations_and_fragment_loads_hit_distinct_banks(executor, tmp_path, cols):
+    rows = 64
+    probe = tmp_path / "tf32_layout_probe.cu"
+    probe.write_text(LAYOUT_PROBE)
+    names = ("rows", "vrows", "both")
+    offsets = {name: np.full((rows, cols), -1, np.int32) for name in names}
+    params = np.array(tuple(offsets[n].ctypes.data for n in names),
+                      dtype=np.dtype([(n, np.uint64) for n in names], align=True))[()]
+    executor.launch(str(probe), f"tf32_layout_probe<{rows}, {cols}>", 1, 32, 0, params)
+    for off in offsets.values():
+        # a permutation of the tile that keeps each 16-byte chunk whole and in its row
+        np.testing.assert_array_equal(np.sort(off.ravel()), np.arange(rows * cols))
+        assert (off[:, ::4] % 4 == 0).all() and (off[:, 1::4] == off[:, ::4] + 1).all()
+        assert (off // cols == np.arange(rows)[:, None]).all()
+
+    def conflict_free(off, addresses):
+        # one 16-byte load per lane: each quarter-warp's 8 chunks in 8 different bank groups
+        groups = [(off[r, c] // 4) % 8 for r, c in addresses]
+        return all(len(set(groups[8 * i:8 * i + 8])) == 8 for i in range(4))
+
+    lanes = [(lane // 4, lane % 4) for lane in range(32)]   # (g, t)
+    for name in ("rows", "both"):                # row reads (X Y^T): row g (+ 8 m), column 16 j + 4 t
+        for j in range(cols // 16):
+            for r0 in range(0, rows, 8):
+                assert conflict_free(offsets[name], [(r0 + g, 16 * j + 4 * t) for g, t in lanes]), name
+    for name in ("vrows", "both"):               # column reads (P Z): row 8 kk + 2 t (+ 1), column 32 J + 4 g
+        for kk in range(rows // 8):
+            for jg in range(cols // 32):
+                for e in (0, 1):
+                    assert conflict_free(offsets[name],
+                                         [(8 * kk + 2 * t + e, 32 * jg + 4 * g) for g, t in lanes]), name
+
+
+# ---- static: NVRTC for sm_80, sm_86, sm_89, sm_90 ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def report():
+    return _report.kernel_report(ARCHS, TF32_ROWS)
+
+
+def test_every_kernel_compiles_without_spills_stack_or_local_memory(report):
+    assert {(r["arch"], r["name"]) for r in report} == {(a, i.name_expression) for a in ARCHS for i in TF32_ROWS}
+    for r in report:
+        assert not (r["spill_stores"] or r["spill_loads"] or r["stack_bytes"]), (r["arch"], r["name"])
+        assert not (r["sass"].get("LDL") or r["sass"].get("STL")), (r["arch"], r["name"])
+        assert r["occupancy"] >= 1 and r["registers"] <= 255
+
+
+def test_sass_issues_one_unrolled_loop_of_tf32_mma(report):
+    # per key block a warp issues passes x kMTiles x (block_n/8 x d/8) MMAs for S and
+    # as many for O (k8 steps: d/8 for S, block_n/8 for O): exactly these, one loop
+    insts = {i.name_expression: i for i in TF32_ROWS}
+    for r in report:
+        inst, sass = insts[r["name"]], r["sass"]
+        m_tiles = inst.block_m // (inst.threads // 32) // 16
+        expected = 2 * inst.passes * m_tiles * (inst.block_n // 8) * (inst.head_dim // 8)
+        assert sass.get("HMMA") == expected, (r["arch"], r["name"], sass.get("HMMA"), expected)
+        assert not sass.get("DMMA"), (r["arch"], r["name"])
+        assert sass.get("LDGSTS", 0) > 0, (r["arch"], r["name"])
+
+
+# ---- emulated ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def executor():
+    return EmulatorExecutor(arch=80, seed=32, shuffle=True, race_check=True)
+
+
+def run_tf32(executor, monkeypatch, *, head_dim, seqlen_q, seqlen_k, precision="tf32x3", window=(None, None),
+             gqa_ratio=1, batch=1, heads_kv=1, splits=1, q=None, k=None, v=None, out=None, with_lse=True,
+             seed=0):
+    """One forward through _gpu.forward with TF32 allowed, checked against the oracle
+    (forward_against_oracle's rule for ``precision``); returns the names launched and the output."""
+    monkeypatch.setattr(_gpu, "split_override", splits)
+    rng = np.random.default_rng(seed)
+    heads = heads_kv * gqa_ratio
+    q = random_array(rng, (batch, heads, seqlen_q, head_dim), np.float32) if q is None else q
+    k = random_array(rng, (batch, heads_kv, seqlen_k, head_dim), np.float32) if k is None else k
+    v = random_array(rng, (batch, heads_kv, seqlen_k, head_dim), np.float32) if v is None else v
+    spy, out = forward_against_oracle(executor, q, k, v, window=window, gqa_ratio=gqa_ratio, out=out,
+                                      with_lse=with_lse, precision=precision)
+    return spy.launched, out
+
+
+@needs_emulator
+@pytest.mark.parametrize("inst", TF32_ROWS, ids=lambda r: f"x{r.passes}-d{r.head_dim}")
+def test_every_instantiation_matches_the_oracle_with_tails_and_masks(executor, monkeypatch, inst):
+    # Two query blocks (the second partial), Lk > Lq: key blocks fully visible, cut by
+    # the diagonal, skipped, and a partial last one; then the same non-causal.
+    precision = next(p for p, n in TF32_PASSES.items() if n == inst.passes)
+    seqlen_q, seqlen_k = inst.block_m + 21, inst.block_m + 2 * inst.block_n + 5
+    for window in ((None, 0), (None, None)):
+        launched, _ = run_tf32(executor, monkeypatch, head_dim=inst.head_dim, seqlen_q=seqlen_q,
+                               seqlen_k=seqlen_k, precision=precision, window=window, seed=inst.head_dim)
+        assert launched == [inst.name_expression]
+
+
+@needs_emulator
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(150, 100), (70, 200)], ids=["lq>lk", "lq<lk"])
+@pytest.mark.parametrize("window", [(None, 0), (16, 0), (0, 0), (5, 40), (70, None)],
+                         ids=["causal", "w16-0", "w0-0", "w5-40", "w70-N"])
+def test_masks_match_the_oracle(executor, monkeypatch, seqlen_q, seqlen_k, window):
+    run_tf32(executor, monkeypatch, head_dim=64, seqlen_q=seqlen_q, seqlen_k=seqlen_k, window=window,
+             seed=seqlen_q + seqlen_k)
+
+
+@needs_emulator
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("head_dim", [3, 17, 40, 100], ids=["d3", "d17", "d40", "d100"])
+def test_padded_and_unaligned_head_dims(executor, monkeypatch, head_dim, precision):
+    # d = 3 and 17: rows of 12 and 68 bytes, not 16-byte aligned (4-byte cp.async)
+    launched, _ = run_tf32(executor, monkeypatch, head_dim=head_dim, seqlen_q=70, seqlen_k=90, batch=2,
+                           precision=precision, seed=head_dim)
+    assert launched[0].startswith(f"cf::fwd_tf32_kernel<{bucket(head_dim)},")
+
+
+@needs_emulator
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_gqa_strides_without_lse_and_split_kv(executor, monkeypatch, precision):
+    rng = np.random.default_rng(5)
+    # q and out as (B, L, H, d) buffers viewed as (B, H, L, d); 3 splits of the keys
+    q = random_array(rng, (2, 90, 4, 64), np.float32).transpose(0, 2, 1, 3)
+    out = poisoned((2, 90, 4, 64), np.float32).transpose(0, 2, 1, 3)
+    k = random_array(rng, (2, 2, 400, 64), np.float32)
+    v = random_array(rng, (2, 2, 400, 64), np.float32)
+    launched, _ = run_tf32(executor, monkeypatch, head_dim=64, seqlen_q=90, seqlen_k=400, window=(None, 0),
+                           gqa_ratio=2, q=q, k=k, v=v, out=out, with_lse=False, splits=3, precision=precision)
+    assert launched == [f"cf::fwd_tf32_kernel<64, 64, 64, 4, {TF32_PASSES[precision]}>",
+                        "cf::fwd_combine_kernel<float, float>"]
+
+
+@needs_emulator
+def test_split_kv_with_lse_and_rows_that_see_no_key(executor, monkeypatch):
+    # Lq > Lk under a causal mask: the first rows see no key (zeros, lse = -inf)
+    launched, _ = run_tf32(executor, monkeypatch, head_dim=32, seqlen_q=200, seqlen_k=130, window=(None, 0),
+                           splits=2, precision="tf32")
+    assert launched == ["cf::fwd_tf32_kernel<32, 64, 64, 4, 1>", "cf::fwd_combine_kernel<float, float>"]
+
+
+@needs_emulator
+def test_three_passes_recover_float32_accuracy_and_one_does_not(executor, monkeypatch):
+    # The same inputs through both kernels and fwd_simt (IEEE float32): tf32x3 within
+    # float32's tolerance of the oracle and within a few times fwd_simt's own error;
+    # tf32 about 2^-11 relative (TF32's rounding), far outside it.
+    rng = np.random.default_rng(12)
+    q, k, v = (random_array(rng, (2, 2, 150, 64), np.float32) for _ in range(3))
+    ref = naive_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), scale=1 / 8)
+    errors = {}
+    for precision in ("ieee",) + PRECISIONS:
+        out = poisoned(q.shape, np.float32)
+        _gpu.forward(q, k, v, out, None, scale=1 / 8, window_left=None, window_right=None, gqa_ratio=1,
+                     executor=executor, precision=precision)
+        errors[precision] = np.abs(out.astype(np.float64) - ref).max()
+    tol = TOLERANCE[np.dtype(np.float32)]
+    assert errors["tf32x3"] <= tol["atol"] and errors["ieee"] <= tol["atol"], errors
+    assert errors["tf32x3"] <= 4 * errors["ieee"], errors
+    assert errors["tf32"] > 100 * errors["tf32x3"], errors
+    yardstick = naive_tf32_attention(q, k, v, scale=1 / 8)
+    assert errors["tf32"] <= 2 * np.abs(yardstick.astype(np.float64) - ref).max(), errors
+
+
+@needs_emulator
+def test_attention_routes_precision_to_the_kernel(monkeypatch):
+    # the public call on backend="emulator": fwd_tf32 for float32 with TF32 allowed
+    from cupyflash import _dispatch
+    from _util import LaunchSpy
+
+    spy = LaunchSpy(_dispatch.executor_for("emulator"))
+    monkeypatch.setattr(_dispatch, "executor_for", lambda backend: spy)
+    rng = np.random.default_rng(3)
+    q, k, v = (random_array(rng, (1, 2, 40, 48), np.float32) for _ in range(3))
+    ref = naive_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), causal=True)
+    out = cupyflash.attention(q, k, v, causal=True, precision="tf32x3", backend="emulator")
+    np.testing.assert_allclose(out, ref, **TOLERANCE[np.dtype(np.float32)])
+    cupyflash.attention(q, k, v, causal=True, backend="emulator")
+    assert [name.split("<")[0] for name in spy.launched] == ["cf::fwd_tf32_kernel", "cf::fwd_simt_kernel"]
