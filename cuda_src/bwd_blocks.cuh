@@ -25,10 +25,6 @@ constexpr int kGradDK = 2;
 // atomics (deterministic=False), so that no dQ kernel recomputes S and dP.
 constexpr int kGradDQAtomic = 4;
 
-// Row, within the warp's tile, of accumulator element [r][c] of this lane
-// (mma_tile.cuh's register-tile layout); its column is mma_tile.cuh's fragment_col(c).
-__device__ __forceinline__ int fragment_row(int r) { return 16 * (r >> 1) + 8 * (r & 1) + (lane_id() >> 2); }
-
 // A query row's statistics come from `stat(r, c)`, a callable giving the value
 // for accumulator element [r][c]: indexed by the row in the dQ kernel (one
 // register per accumulator row), by the column in the dK/dV kernel (staged in

@@ -76,10 +76,10 @@ template <class Tr>
 __device__ __forceinline__ void tf32_store(const float (&o)[Tr::kRows][Tr::kOCols], const float (&lse)[Tr::kRows],
                                            float* out, int64_t out_row_stride, float* lse_out,
                                            int64_t lse_row_stride, const QueryBlock& block, int row0, int dv) {
-    const int g = lane_id() >> 2, t = lane_id() & 3;
+    const int t = lane_id() & 3;
 #pragma unroll
     for (int r = 0; r < Tr::kRows; ++r) {
-        const int row = row0 + 16 * (r >> 1) + 8 * (r & 1) + g;
+        const int row = row0 + fragment_row(r);
         if (row >= block.rows) continue;
         const int64_t i = block.m0 + row;
         store_row_tf32(out + i * out_row_stride, o[r], 1.0f, dv);

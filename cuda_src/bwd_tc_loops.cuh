@@ -1,0 +1,255 @@
+// bwd_tc_loops.cuh -- the dK/dV and dQ kernels of the tensor-core backward
+// families that keep whole tiles in shared memory and multiply warp-level
+// fragments into register accumulators: bwd_dmma.cu (DMMA, double tiles) and
+// bwd_tf32.cu (TF32 mma.sync, float tiles).  The algorithm, the launch order
+// and the determinism are described in those files; only the products and
+// the accumulator layout differ, and the traits Tr hand them in:
+//   T, Acc, Out        the inputs' type, the tiles' and products' type, and
+//                      the type of lse, delta and the gradients
+//   kThreads, kWarpRows, kOwnRows, kStreamRows, kOwnTile, kStreamTile,
+//   kRows, kSCols, kGCols, kAsync  (shapes; kAsync: cp.async and two stages of
+//                      the streamed tiles, else converting loads and one)
+//   row(r)             the warp-tile row of the lane's accumulator row r (the
+//                      column of element [r][c] is mma_tile.cuh's fragment_col(c))
+//   row_products(x, sX, sY, row0)   x = X Y^T: the warp's own rows by every streamed row
+//   accumulate(g, x, sZ)            g += X Z: x in row_products' shape, Z streamed
+//   store_rows(dst, stride, g, factor, row0, rows_valid, cols_valid)
+//   load_tile<kRows>(dst, src, stride, rows_valid, d)   by cp.async (kAsync; the
+//                      caller commits and waits) or converting loads
+#pragma once
+
+#include "block_info.cuh"
+#include "block_info_bwd.cuh"
+#include "mask.cuh"
+#include "mma_tile.cuh"
+#include "params_bwd.cuh"
+#include "ptx.cuh"
+#include "softmax.cuh"
+
+namespace cf {
+
+// P = exp2(s * scale_log2 - lse_log2): the accurate exp2 in double, ex2.approx in float.
+__device__ __forceinline__ double recompute_p(double s, double scale_log2, double lse_log2) {
+    return exp2(s * scale_log2 - lse_log2);
+}
+__device__ __forceinline__ float recompute_p(float s, float scale_log2, float lse_log2) {
+    return exp2_approx(s * scale_log2 - lse_log2);
+}
+
+// The stages of the streamed tiles (Q, dO in dK/dV; K, V in dQ) after the own
+// tiles; load() fills one stage with one block (Tr::load_tile's protocol).
+template <class Tr>
+struct TileStream {
+    using Acc = typename Tr::Acc;
+    Acc* base;
+    __device__ Acc* first(int stage) const { return base + 2 * stage * Tr::kStreamTile; }
+    __device__ Acc* second(int stage) const { return first(stage) + Tr::kStreamTile; }
+    template <typename T>
+    __device__ void load(int stage, const T* src1, int64_t stride1, const T* src2, int64_t stride2, int rows,
+                         int d) const {
+        Tr::template load_tile<Tr::kStreamRows>(first(stage), src1, stride1, rows, d);
+        Tr::template load_tile<Tr::kStreamRows>(second(stage), src2, stride2, rows, d);
+    }
+    // Make block `it` of the loop readable in stage(it), and (kAsync) start
+    // copying block it + 1 into the other stage: load_next(stage) loads the next
+    // block, load_this(stage) this one (one stage, loaded in turn).
+    __device__ static int stage(int64_t it) { return Tr::kAsync ? static_cast<int>(it & 1) : 0; }
+    template <class LoadNext, class LoadThis>
+    __device__ void advance(int64_t it, int64_t count, LoadNext load_next, LoadThis load_this) const {
+        if constexpr (Tr::kAsync) {
+            cp_async_wait<0>();
+            __syncthreads();  // this block landed; the other stage has been read
+            if (it + 1 < count) {
+                load_next(stage(it) ^ 1);
+                cp_async_commit();
+            }
+        } else {
+            __syncthreads();  // the previous block has been read
+            load_this(0);
+            __syncthreads();
+        }
+    }
+};
+
+// dK, dV of Tr::kOwnRows keys of one (batch, kv head): the body of a dK/dV kernel.
+template <class Tr>
+__device__ __forceinline__ void bwd_dkdv_loop(const BwdParams& params) {
+    using T = typename Tr::T;
+    using Acc = typename Tr::Acc;
+    using Out = typename Tr::Out;
+    constexpr int kOwn = Tr::kOwnRows, kStream = Tr::kStreamRows;
+    const FwdParams& p = params.fwd;
+
+    const KeyTileIndex tile(p, kOwn, blockIdx.x);
+    const WindowMask mask(p);
+    const KeyBlock block(p, mask, tile.n_block * kOwn, kOwn);
+    const Acc scale_log2 = static_cast<Acc>(p.scale_log2);
+    const int d = static_cast<int>(p.head_dim);
+    const int row0 = warp_id() * Tr::kWarpRows;  // the warp's first key in the block
+    const int64_t first_head = tile.head_kv * p.gqa_ratio;  // the kv head's query group
+
+    Acc* sK = reinterpret_cast<Acc*>(dynamic_smem());
+    Acc* sV = sK + Tr::kOwnTile;
+    const TileStream<Tr> stream{sV + Tr::kOwnTile};  // Q, dO
+    const HeadSlice<T, Out> kv(p, tile.batch, first_head);
+    Tr::template load_tile<kOwn>(sK, kv.k + block.n0 * p.k_row_stride, p.k_row_stride, block.keys, d);
+    Tr::template load_tile<kOwn>(sV, kv.v + block.n0 * p.v_row_stride, p.v_row_stride, block.keys, d);
+
+    // (head, m_block) walks heads first_head.. and, within each, the query
+    // blocks m_begin..m_end that see these keys.
+    const int64_t m_begin = block.m_begin(kStream), m_end = block.m_end(kStream);
+    const int64_t num_blocks = (m_end - m_begin) * p.gqa_ratio;
+    auto load_queries = [&](int stage, int64_t head, int64_t m_block) {
+        const int64_t m0 = m_block * kStream;
+        const HeadSlice<T, Out> qo(p, tile.batch, head);
+        const GradSlice<T, Out> grad(params, tile.batch, head);
+        stream.load(stage, qo.q + m0 * p.q_row_stride, p.q_row_stride, grad.dout + m0 * params.dout_row_stride,
+                    params.dout_row_stride, static_cast<int>(min64(kStream, p.seqlen_q - m0)), d);
+    };
+
+    Acc dk[Tr::kRows][Tr::kGCols] = {};
+    Acc dv[Tr::kRows][Tr::kGCols] = {};
+    int64_t head = first_head, m_block = m_begin;
+    if constexpr (Tr::kAsync) {
+        if (num_blocks > 0) load_queries(0, head, m_block);
+        cp_async_commit();  // K, V and the first query block
+    }
+    for (int64_t it = 0; it < num_blocks; ++it) {
+        const int stage = stream.stage(it);
+        const int64_t next_head = m_block + 1 == m_end ? head + 1 : head;
+        const int64_t next_m_block = m_block + 1 == m_end ? m_begin : m_block + 1;
+        stream.advance(it, num_blocks, [&](int st) { load_queries(st, next_head, next_m_block); },
+                       [&](int st) { load_queries(st, head, m_block); });
+        const Acc* sQ = stream.first(stage);
+        const Acc* sdO = stream.second(stage);
+        const int64_t m0 = m_block * kStream;
+        const HeadSlice<T, Out> qo(p, tile.batch, head);
+        const GradSlice<T, Out> grad(params, tile.batch, head);
+
+        Acc s[Tr::kRows][Tr::kSCols], dp[Tr::kRows][Tr::kSCols];
+        Tr::row_products(s, sK, sQ, row0);  // S^T = K Q^T
+        Acc lse_log2[Tr::kSCols], delta[Tr::kSCols];
+#pragma unroll
+        for (int c = 0; c < Tr::kSCols; ++c)
+            load_query_stats(lse_log2[c], delta[c], qo.lse, p.lse_row_stride, grad.delta, params.delta_row_stride,
+                             m0 + fragment_col(c), p.seqlen_q);
+#pragma unroll
+        for (int r = 0; r < Tr::kRows; ++r)
+#pragma unroll
+            for (int c = 0; c < Tr::kSCols; ++c) s[r][c] = recompute_p(s[r][c], scale_log2, lse_log2[c]);  // P^T
+        if (block.needs_mask(p, mask, m0, kStream, kOwn)) {
+            // P of pairs (query i, key j) the mask hides, or past Lq or Lk -> 0 (a select:
+            // whatever the padded scores held never reaches the gradients).
+#pragma unroll
+            for (int c = 0; c < Tr::kSCols; ++c) {
+                const int64_t i = m0 + fragment_col(c);
+                int lo, hi;
+                mask.row_range(i, block.n0, kOwn, lo, hi);
+#pragma unroll
+                for (int r = 0; r < Tr::kRows; ++r) {
+                    const int key = row0 + Tr::row(r);
+                    if (i >= p.seqlen_q || key < lo || key >= hi) s[r][c] = Acc(0);
+                }
+            }
+        }
+        Tr::row_products(dp, sV, sdO, row0);  // dP^T = V dO^T
+        Tr::accumulate(dv, s, sdO);           // dV += P^T dO
+#pragma unroll
+        for (int r = 0; r < Tr::kRows; ++r)
+#pragma unroll
+            for (int c = 0; c < Tr::kSCols; ++c) dp[r][c] = s[r][c] * (dp[r][c] - delta[c]);  // dS^T
+        Tr::accumulate(dk, dp, sQ);           // dK += dS^T Q
+        head = next_head;
+        m_block = next_m_block;
+    }
+    if constexpr (Tr::kAsync) cp_async_wait<0>();  // K and V of a block no query row sees
+
+    const GradSlice<T, Out> kv_grad(params, tile.batch, first_head);
+    Tr::store_rows(kv_grad.dk + block.n0 * params.dk_row_stride, params.dk_row_stride, dk,
+                   static_cast<Acc>(p.scale), row0, block.keys, d);
+    Tr::store_rows(kv_grad.dv + block.n0 * params.dv_row_stride, params.dv_row_stride, dv, Acc(1), row0,
+                   block.keys, d);
+}
+
+// dQ of Tr::kOwnRows query rows of one (batch, query head): the body of a dQ kernel.
+template <class Tr>
+__device__ __forceinline__ void bwd_dq_loop(const BwdParams& params) {
+    using T = typename Tr::T;
+    using Acc = typename Tr::Acc;
+    using Out = typename Tr::Out;
+    constexpr int kOwn = Tr::kOwnRows, kStream = Tr::kStreamRows;
+    const FwdParams& p = params.fwd;
+
+    const TileIndex tile(p, kOwn, blockIdx.x);
+    const HeadSlice<T, Out> head(p, tile.batch, tile.head);
+    const GradSlice<T, Out> grad(params, tile.batch, tile.head);
+    const WindowMask mask(p);
+    const QueryBlock block(p, mask, tile.m_block * kOwn, kOwn);
+    const Acc scale_log2 = static_cast<Acc>(p.scale_log2);
+    const int d = static_cast<int>(p.head_dim);
+    const int row0 = warp_id() * Tr::kWarpRows;  // the warp's first query row in the block
+
+    Acc* sQ = reinterpret_cast<Acc*>(dynamic_smem());
+    Acc* sdO = sQ + Tr::kOwnTile;
+    const TileStream<Tr> stream{sdO + Tr::kOwnTile};  // K, V
+    Tr::template load_tile<kOwn>(sQ, head.q + block.m0 * p.q_row_stride, p.q_row_stride, block.rows, d);
+    Tr::template load_tile<kOwn>(sdO, grad.dout + block.m0 * params.dout_row_stride, params.dout_row_stride,
+                                 block.rows, d);
+    Acc lse_log2[Tr::kRows], delta[Tr::kRows];
+#pragma unroll
+    for (int r = 0; r < Tr::kRows; ++r)
+        load_query_stats(lse_log2[r], delta[r], head.lse, p.lse_row_stride, grad.delta, params.delta_row_stride,
+                         block.m0 + row0 + Tr::row(r), p.seqlen_q);
+
+    auto load_keys = [&](int stage, int64_t n_block) {
+        const int64_t n0 = n_block * kStream;
+        stream.load(stage, head.k + n0 * p.k_row_stride, p.k_row_stride, head.v + n0 * p.v_row_stride,
+                    p.v_row_stride, QueryBlock::keys_in(p, n0, kStream), d);
+    };
+
+    Acc dq[Tr::kRows][Tr::kGCols] = {};
+    const int64_t n_begin = block.n_begin(kStream), n_end = block.n_end(kStream);
+    if constexpr (Tr::kAsync) {
+        if (n_begin < n_end) load_keys(0, n_begin);
+        cp_async_commit();  // Q, dO and the first key block
+    }
+    for (int64_t n_block = n_begin; n_block < n_end; ++n_block) {
+        const int stage = stream.stage(n_block - n_begin);
+        stream.advance(n_block - n_begin, n_end - n_begin, [&](int st) { load_keys(st, n_block + 1); },
+                       [&](int st) { load_keys(st, n_block); });
+        const Acc* sK = stream.first(stage);
+        const Acc* sV = stream.second(stage);
+        const int64_t n0 = n_block * kStream;
+
+        Acc s[Tr::kRows][Tr::kSCols], dp[Tr::kRows][Tr::kSCols];
+        Tr::row_products(s, sQ, sK, row0);  // S = Q K^T
+#pragma unroll
+        for (int r = 0; r < Tr::kRows; ++r)
+#pragma unroll
+            for (int c = 0; c < Tr::kSCols; ++c) s[r][c] = recompute_p(s[r][c], scale_log2, lse_log2[r]);  // P
+        if (block.needs_mask(mask, n0, kStream)) {
+            // Keys the mask hides from a row, and keys past Lk -> P = 0 (rows past Lq
+            // already have P = 0: their lse_log2 is +inf).
+#pragma unroll
+            for (int r = 0; r < Tr::kRows; ++r) {
+                int lo, hi;
+                mask.row_range(block.m0 + row0 + Tr::row(r), n0, kStream, lo, hi);
+#pragma unroll
+                for (int c = 0; c < Tr::kSCols; ++c)
+                    if (fragment_col(c) < lo || fragment_col(c) >= hi) s[r][c] = Acc(0);
+            }
+        }
+        Tr::row_products(dp, sdO, sV, row0);  // dP = dO V^T
+#pragma unroll
+        for (int r = 0; r < Tr::kRows; ++r)
+#pragma unroll
+            for (int c = 0; c < Tr::kSCols; ++c) dp[r][c] = s[r][c] * (dp[r][c] - delta[r]);  // dS
+        Tr::accumulate(dq, dp, sK);           // dQ += dS K
+    }
+    if constexpr (Tr::kAsync) cp_async_wait<0>();  // Q and dO of a block that sees no key
+
+    Tr::store_rows(grad.dq + block.m0 * params.dq_row_stride, params.dq_row_stride, dq, static_cast<Acc>(p.scale),
+                   row0, block.rows, d);
+}
+
+}  // namespace cf
