@@ -47,6 +47,12 @@ Outputs are compared with the oracle evaluated on the *same rounded inputs*:
   correct float32 backward returns ``u * |dout| |v| |k|``-sized values there
   (the fuzzer found such a case, now the ``@example`` ``SINGLE_KEY_ROW``).
   The factor 16 leaves room over the largest ratio seen (docs/testing.md).
+- ``precision="tf32x3"`` (float32 on the TF32 tensor cores, fuzzed on the
+  emulator): the same rules with ``u = 2^-20`` in place of float32's 2^-24,
+  since each product of two TF32x3-split operands carries a relative error
+  below ``3 * 2^-22 < 2^-20`` (cuda_src/tf32_tile.cuh); calls the TF32
+  kernels do not take (d > 128, dv != d, scale <= 0 forward) run the IEEE
+  ones, which meet the tighter rule anyway.
 - backward, float16/bfloat16: within twice the error of a naive
   half-precision backward (``tests/_backward_util.py``), as the emulated and
   GPU backward tests do.  The backward fuzzers draw logits of order 1 and tiny
@@ -82,6 +88,8 @@ FUZZ_EXAMPLES = {
     "numpy_backward": 150,
     "emulator_forward": 150,
     "emulator_backward": 80,
+    "emulator_tf32x3_forward": 60,
+    "emulator_tf32x3_backward": 40,
     "cuda_forward": 150,
     "cuda_backward": 80,
 }
@@ -94,7 +102,7 @@ def fuzz_settings(name):
 
 HUGE_LOGIT_FACTOR = 16.0
 CANCELLATION_FACTOR = 16.0
-UNIT_ROUNDOFF = {"float32": 2.0**-24, "float64": 2.0**-53}
+UNIT_ROUNDOFF = {"float32": 2.0**-24, "float64": 2.0**-53, "tf32x3": 2.0**-20}
 
 # Memory layouts an input array can have (see `place`).
 INPUT_LAYOUTS = ("contiguous", "blhd", "strided", "reversed", "unit_last_stride_2", "broadcast")
@@ -224,8 +232,8 @@ def logit_bound(q, k, scale):
     return abs(scale) * max_norm(q) * max_norm(k)
 
 
-def check_forward(problem, backend, xp=np):
-    """Run one forward on ``backend`` and compare it with the oracle.
+def check_forward(problem, backend, xp=np, precision="ieee"):
+    """Run one forward on ``backend`` (with ``precision``) and compare it with the oracle.
 
     Returns, for huge scales, the largest error beyond the table in units of
     ``u * M * max|v|`` (the sweep's figure in docs/testing.md), else None.
@@ -237,7 +245,8 @@ def check_forward(problem, backend, xp=np):
     out_arg = None
     if problem.layouts[3] is not None:
         out_arg = poisoned_out(xp, checked.out_shape, problem.dtype, problem.layouts[3])
-    out, lse = cupyflash.attention(q_dev, k_dev, v_dev, return_lse=True, out=out_arg, backend=backend, **kw)
+    out, lse = cupyflash.attention(q_dev, k_dev, v_dev, return_lse=True, out=out_arg, backend=backend,
+                                   precision=precision, **kw)
     if out_arg is not None:
         assert out is out_arg
     out, lse = _host(out), _host(lse)
@@ -248,7 +257,7 @@ def check_forward(problem, backend, xp=np):
         assert_lse_close(lse, expected_lse, problem.dtype)
         return None
     # Huge logits: the table plus HUGE_LOGIT_FACTOR * u * M * max|v| (module docstring).
-    u = UNIT_ROUNDOFF[accum_dtype(problem.dtype).name]
+    u = UNIT_ROUNDOFF[precision if precision == "tf32x3" else accum_dtype(problem.dtype).name]
     m = logit_bound(q, k, checked.scale)
     vmax = float(np.abs(v.astype(np.float64)).max(initial=0.0))
     tol = TOLERANCE[problem.dtype]
@@ -272,8 +281,8 @@ def check_forward_problem(q, k, v, kw):
                          enable_gqa=kw["enable_gqa"], backend="numpy")
 
 
-def check_backward(problem, backend, xp=np):
-    """Run one backward on ``backend`` and compare it with the oracle.
+def check_backward(problem, backend, xp=np, precision="ieee"):
+    """Run one backward on ``backend`` (with ``precision``) and compare it with the oracle.
 
     Returns, for float32/float64, the largest error beyond the table in units of
     ``u * sum|terms|`` (docs/testing.md), else None.
@@ -286,7 +295,8 @@ def check_backward(problem, backend, xp=np):
     inputs = [place(xp, x, lay) for x, lay in zip((q, k, v), problem.layouts[:3])]
     dout_dev = place(xp, dout, problem.layouts[4])
     out_dev = place(xp, out, problem.layouts[3] or "contiguous")
-    grads = cupyflash.attention_backward(dout_dev, *inputs, out_dev, xp.asarray(lse), backend=backend, **kw)
+    grads = cupyflash.attention_backward(dout_dev, *inputs, out_dev, xp.asarray(lse), backend=backend,
+                                         precision=precision, **kw)
     expected = naive_attention_backward(dout, q, k, v, **kw)
     naive = (None,) * 3
     if problem.dtype.itemsize == 2:
@@ -302,7 +312,7 @@ def check_backward(problem, backend, xp=np):
             continue
         # assert_grad_close's bound plus CANCELLATION_FACTOR * u * (sum of |terms|) (module doc)
         tol = TOLERANCE[problem.dtype]
-        u = UNIT_ROUNDOFF[accum_dtype(problem.dtype).name]
+        u = UNIT_ROUNDOFF[precision if precision == "tf32x3" else accum_dtype(problem.dtype).name]
         err = np.abs(g.astype(np.float64) - e)
         table = max(1.0, float(np.abs(e).max(initial=0.0))) * (tol["atol"] + tol["rtol"] * np.abs(e))
         assert (err <= table + CANCELLATION_FACTOR * u * t).all(), (
@@ -402,6 +412,21 @@ def test_emulated_kernels_forward_match_oracle(problem):
 @example(SINGLE_KEY_ROW)
 def test_emulated_kernels_backward_match_oracle(problem):
     check_backward(problem, "emulator")
+
+
+@needs_emulator
+@fuzz_settings("emulator_tf32x3_forward")
+@given(problems(max_len=EMULATOR_MAX_LEN, dtypes=[np.dtype(np.float32)]))
+def test_emulated_tf32x3_forward_matches_oracle(problem):
+    check_forward(problem, "emulator", precision="tf32x3")
+
+
+@needs_emulator
+@fuzz_settings("emulator_tf32x3_backward")
+@given(problems(max_len=EMULATOR_MAX_LEN, dtypes=[np.dtype(np.float32)], scales=BACKWARD_SCALES))
+@example(SINGLE_KEY_ROW)
+def test_emulated_tf32x3_backward_matches_oracle(problem):
+    check_backward(problem, "emulator", precision="tf32x3")
 
 
 @pytest.mark.gpu
