@@ -1,4 +1,4 @@
-"""Tile variants of fwd_wgmma, bwd_wgmma, fwd_mma, bwd_mma, fwd_simt, bwd_simt, fwd_dmma and bwd_dmma on one GPU.
+"""Tile variants of fwd_wgmma, bwd_wgmma, fwd_mma, bwd_mma, fwd_tf32, fwd_simt, bwd_simt, fwd_dmma and bwd_dmma on one GPU.
 
 The catalogue (``cupyflash/_kernels.py``) holds one tile per (head dim,
 architecture); this script swaps other tiles in for one run, so that a GPU
@@ -87,6 +87,14 @@ DMMA_FWD_VARIANTS = {
 DMMA_BWD_VARIANTS = {
     64: [(64, 16, 4), (32, 16, 4), (32, 32, 4)],
 }
+# fwd_tf32 with precision="tf32x3" (float32 on the TF32 tensor cores, timed after
+# fwd_mma at SIMT_SHAPE): head dim -> [(block_m, block_n, warps)], the catalogue's
+# first.  Two m16 tiles per warp (block_m 128) feed each split K/V fragment to two
+# MMAs; registers (NVRTC 13.5, sm_90) 203, 223 and 248, no spills.  Eight warps
+# (128 registers at two CTAs per SM) spill 60 B.
+TF32_FWD_VARIANTS = {
+    64: [(64, 64, 4), (128, 32, 4), (128, 64, 4)],
+}
 SHAPE = dict(batch=2, heads=16, seqlen=8192)
 SIMT_SHAPE = dict(batch=1, heads=8, seqlen=4096)   # the benchmark table's float32 backward case
 # ||out - ref|| / ||ref||: bfloat16 with SDPA's own rounding; float32/float64 against
@@ -120,6 +128,12 @@ def use_simt(kind: str, dtype: str, head_dim: int, tile) -> None:
     _kernels.refresh()
 
 
+def use_tf32(head_dim: int, tile) -> None:
+    """Install ``tile`` as fwd_tf32's row (_TF32_TILES)."""
+    _kernels._TF32_TILES[head_dim] = tuple(tile)
+    _kernels.refresh()
+
+
 def use_dmma(kind: str, head_dim: int, tile) -> None:
     """Install ``tile`` as the fwd_dmma or bwd_dmma row (_DMMA_TILES, _BWD_DMMA_TILES)."""
     table = _kernels._DMMA_TILES if kind == "dfwd" else _kernels._BWD_DMMA_TILES
@@ -130,6 +144,11 @@ def use_dmma(kind: str, head_dim: int, tile) -> None:
 def variant_rows(kind: str, head_dim: int, variant, dtype: str = "bfloat16"):
     """The catalogue rows (entry, name expression) this variant adds; for the SIMT
     kinds ``variant`` is ``(dtype, tile...)``, the DMMA kinds are float64."""
+    if kind == "tfwd":   # precision="tf32x3"
+        from cupyflash import _gpu
+
+        use_tf32(head_dim, variant)
+        return [_gpu.select("float32", head_dim, head_dim, 90, precision="tf32x3")]
     if kind in ("dfwd", "dbwd"):
         from cupyflash import _gpu, _gpu_bwd
 
@@ -170,7 +189,7 @@ def all_variants(wgmma: bool = True):
     tables = [("fwd", FWD_VARIANTS), ("bwd", BWD_VARIANTS)]
     if wgmma:
         tables = [("wfwd", WGMMA_FWD_VARIANTS), ("wbwd", WGMMA_BWD_VARIANTS)] + tables
-    for kind, table in tables:
+    for kind, table in tables + [("tfwd", TF32_FWD_VARIANTS)]:
         for d, tiles in table.items():
             for t in tiles:
                 yield kind, d, t
@@ -251,9 +270,10 @@ def main() -> int:
         variant_rows(kind, d, variant)   # installs the variant in the catalogue
         _gpu.wgmma_override = kind in ("wfwd", "wbwd")
         _gpu.dmma_override = kind in ("dfwd", "dbwd")
-        simt, dmma = kind in ("sfwd", "sbwd"), kind in ("dfwd", "dbwd")
-        dtype = variant[0] if simt else "float64" if dmma else "bfloat16"
-        shape = SIMT_SHAPE if simt or dmma else SHAPE
+        simt, dmma, tf32 = kind in ("sfwd", "sbwd"), kind in ("dfwd", "dbwd"), kind == "tfwd"
+        dtype = variant[0] if simt else "float64" if dmma else "float32" if tf32 else "bfloat16"
+        shape = SIMT_SHAPE if simt or dmma or tf32 else SHAPE
+        precision = "tf32x3" if tf32 else "ieee"
         b, h, L = shape["batch"], shape["heads"], shape["seqlen"]
         for causal, deterministic in ((c, m) for c in (False, True) for m in modes.get(kind, (True,))):
             if (dtype, d) not in inputs:   # one input set per dtype and head dim: every variant sees the same
@@ -263,12 +283,12 @@ def main() -> int:
             row = dict(kind=kind, head_dim=d, variant=list(variant), causal=causal,
                        deterministic=deterministic, dtype=dtype, shape=shape)
             try:
-                if kind in ("fwd", "wfwd", "sfwd", "dfwd"):
+                if kind in ("fwd", "wfwd", "sfwd", "dfwd", "tfwd"):
                     ref = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv,
                                                                            is_causal=causal)
-                    out = cupyflash.attention(q, k, v, causal=causal)
+                    out = cupyflash.attention(q, k, v, causal=causal, precision=precision)
                     errs = [_rel(_bench._to_torch(out), ref)]
-                    fn = lambda: cupyflash.attention(q, k, v, causal=causal)  # noqa: E731
+                    fn = lambda: cupyflash.attention(q, k, v, causal=causal, precision=precision)  # noqa: E731
                     flops = 4 * b * h * L * L * d / (2 if causal else 1)
                 else:
                     leaves = [t.detach().requires_grad_(True) for t in (tq, tk, tv)]

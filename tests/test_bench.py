@@ -197,7 +197,7 @@ def test_gpu_variants_name_catalogue_rows(monkeypatch, request):
     from cupyflash._loader import module_source
 
     for name in ("_MMA_TILES", "_BWD_MMA_TILES", "_WGMMA_TILES", "_BWD_WGMMA_TILES", "_SIMT_TILES",
-                 "_BWD_SIMT_TILES", "_DMMA_TILES", "_BWD_DMMA_TILES"):
+                 "_BWD_SIMT_TILES", "_DMMA_TILES", "_BWD_DMMA_TILES", "_TF32_TILES"):
         monkeypatch.setattr(_kernels, name, copy.deepcopy(getattr(_kernels, name)))
     monkeypatch.setattr(_kernels, "_BWD_MMA_OWN", _kernels._BWD_MMA_OWN)
     monkeypatch.setattr(_kernels, "_BWD_MMA_WARPS", _kernels._BWD_MMA_WARPS)
@@ -209,7 +209,7 @@ def test_gpu_variants_name_catalogue_rows(monkeypatch, request):
     # bwd_wgmma: dK/dV and dQ, then the atomic-dQ dK/dV kernel
     families = {"fwd": ["fwd_mma"], "bwd": ["bwd_mma"] * 2, "wfwd": ["fwd_wgmma"], "wbwd": ["bwd_wgmma"] * 3,
                 "sfwd": ["fwd_simt"], "sbwd": ["bwd_simt"] * 3,   # bwd_simt: delta, dK/dV, dQ
-                "dfwd": ["fwd_dmma"], "dbwd": ["bwd_simt", "bwd_dmma", "bwd_dmma"]}
+                "dfwd": ["fwd_dmma"], "dbwd": ["bwd_simt", "bwd_dmma", "bwd_dmma"], "tfwd": ["fwd_tf32"]}
     kinds = set()
     for kind, d, tile in variants.all_variants():
         kinds.add(kind)
@@ -231,10 +231,13 @@ def test_gpu_variants_name_catalogue_rows(monkeypatch, request):
             dtype, own, streamed = tile
             assert all(r.dtype == dtype for r in rows)
             assert all(f", {own}, {streamed}" in r.name_expression for r in rows[1:]), rows
+        if kind == "tfwd":             # <d, block_m, block_n, warps, passes>
+            (row,) = rows
+            assert (row.block_m, row.block_n, row.threads // 32, row.passes) == (*tile, 3)
         if kind in ("dfwd", "dbwd"):   # <d, block_m, block_n, warps>; <d, own, streamed, warps>
             assert all(r.name_expression.endswith(f"<{d}, {', '.join(map(str, tile))}>") for r in rows
                        if "dmma" in r.family), rows
-        if kind in ("fwd", "wfwd", "sfwd", "sbwd", "dfwd", "dbwd"):
+        if kind in ("fwd", "wfwd", "sfwd", "sbwd", "dfwd", "dbwd", "tfwd"):
             for row in rows:
                 target = _kernels.compile_target(row.entry, "sm_90")
                 report = _report.compile_report(module_source(row.entry), [row.name_expression], target,
