@@ -1,4 +1,4 @@
-"""Tile variants of fwd_wgmma, bwd_wgmma, fwd_mma, bwd_mma, fwd_tf32, fwd_simt, bwd_simt, fwd_dmma and bwd_dmma on one GPU.
+"""Tile variants of fwd_wgmma, bwd_wgmma, fwd_mma, bwd_mma, fwd_tf32, fwd_simt, bwd_simt, fwd_dmma, bwd_dmma.
 
 The catalogue (``cupyflash/_kernels.py``) holds one tile per (head dim,
 architecture); this script swaps other tiles in for one run, so that a GPU
