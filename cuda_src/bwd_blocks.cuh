@@ -110,14 +110,23 @@ struct KeyStream {
     }
 };
 
-// s (raw scores) -> P = exp2(s * scale_log2 - lse_log2(r, c)).
-template <class Tr, class Stat>
-__device__ __forceinline__ void probabilities(float (&s)[Tr::kRows][Tr::kSCols], const Stat& lse_log2,
-                                              float scale_log2) {
+// P = exp2(s * scale_log2 - lse_log2): ex2.approx in float, the accurate exp2 in double.
+__device__ __forceinline__ float recompute_p(float s, float scale_log2, float lse_log2) {
+    return exp2_approx(s * scale_log2 - lse_log2);
+}
+__device__ __forceinline__ double recompute_p(double s, double scale_log2, double lse_log2) {
+    return exp2(s * scale_log2 - lse_log2);
+}
+
+// s (raw scores) -> P = exp2(s * scale_log2 - lse_log2(r, c)); Acc float (or
+// double: bwd_dmma).
+template <class Tr, typename Acc, class Stat>
+__device__ __forceinline__ void probabilities(Acc (&s)[Tr::kRows][Tr::kSCols], const Stat& lse_log2,
+                                              Acc scale_log2) {
 #pragma unroll
     for (int r = 0; r < Tr::kRows; ++r)
 #pragma unroll
-        for (int c = 0; c < Tr::kSCols; ++c) s[r][c] = exp2_approx(s[r][c] * scale_log2 - lse_log2(r, c));
+        for (int c = 0; c < Tr::kSCols; ++c) s[r][c] = recompute_p(s[r][c], scale_log2, lse_log2(r, c));
 }
 
 // P of pairs (query, key) that are not admissible (window, causal, past Lq or
@@ -140,9 +149,9 @@ __device__ __forceinline__ void apply_mask(float (&p)[Tr::kRows][Tr::kSCols], co
 }
 
 // dp (dO V^T) -> dS = P o (dP - delta(r, c)).
-template <class Tr, class Stat>
-__device__ __forceinline__ void score_gradient(float (&dp)[Tr::kRows][Tr::kSCols],
-                                               const float (&p)[Tr::kRows][Tr::kSCols], const Stat& delta) {
+template <class Tr, typename Acc, class Stat>
+__device__ __forceinline__ void score_gradient(Acc (&dp)[Tr::kRows][Tr::kSCols],
+                                               const Acc (&p)[Tr::kRows][Tr::kSCols], const Stat& delta) {
 #pragma unroll
     for (int r = 0; r < Tr::kRows; ++r)
 #pragma unroll

@@ -20,6 +20,7 @@
 
 #include "block_info.cuh"
 #include "block_info_bwd.cuh"
+#include "bwd_blocks.cuh"
 #include "mask.cuh"
 #include "mma_tile.cuh"
 #include "params_bwd.cuh"
@@ -27,14 +28,6 @@
 #include "softmax.cuh"
 
 namespace cf {
-
-// P = exp2(s * scale_log2 - lse_log2): the accurate exp2 in double, ex2.approx in float.
-__device__ __forceinline__ double recompute_p(double s, double scale_log2, double lse_log2) {
-    return exp2(s * scale_log2 - lse_log2);
-}
-__device__ __forceinline__ float recompute_p(float s, float scale_log2, float lse_log2) {
-    return exp2_approx(s * scale_log2 - lse_log2);
-}
 
 // The stages of the streamed tiles (Q, dO in dK/dV; K, V in dQ) after the own
 // tiles; load() fills one stage with one block (Tr::load_tile's protocol).
@@ -133,10 +126,7 @@ __device__ __forceinline__ void bwd_dkdv_loop(const BwdParams& params) {
         for (int c = 0; c < Tr::kSCols; ++c)
             load_query_stats(lse_log2[c], delta[c], qo.lse, p.lse_row_stride, grad.delta, params.delta_row_stride,
                              m0 + fragment_col(c), p.seqlen_q);
-#pragma unroll
-        for (int r = 0; r < Tr::kRows; ++r)
-#pragma unroll
-            for (int c = 0; c < Tr::kSCols; ++c) s[r][c] = recompute_p(s[r][c], scale_log2, lse_log2[c]);  // P^T
+        probabilities<Tr>(s, [&](int, int c) { return lse_log2[c]; }, scale_log2);  // P^T
         if (block.needs_mask(p, mask, m0, kStream, kOwn)) {
             // P of pairs (query i, key j) the mask hides, or past Lq or Lk -> 0 (a select:
             // whatever the padded scores held never reaches the gradients).
@@ -154,10 +144,7 @@ __device__ __forceinline__ void bwd_dkdv_loop(const BwdParams& params) {
         }
         Tr::row_products(dp, sV, sdO, row0);  // dP^T = V dO^T
         Tr::accumulate(dv, s, sdO);           // dV += P^T dO
-#pragma unroll
-        for (int r = 0; r < Tr::kRows; ++r)
-#pragma unroll
-            for (int c = 0; c < Tr::kSCols; ++c) dp[r][c] = s[r][c] * (dp[r][c] - delta[c]);  // dS^T
+        score_gradient<Tr>(dp, s, [&](int, int c) { return delta[c]; });  // dS^T
         Tr::accumulate(dk, dp, sQ);           // dK += dS^T Q
         head = next_head;
         m_block = next_m_block;
@@ -223,10 +210,7 @@ __device__ __forceinline__ void bwd_dq_loop(const BwdParams& params) {
 
         Acc s[Tr::kRows][Tr::kSCols], dp[Tr::kRows][Tr::kSCols];
         Tr::row_products(s, sQ, sK, row0);  // S = Q K^T
-#pragma unroll
-        for (int r = 0; r < Tr::kRows; ++r)
-#pragma unroll
-            for (int c = 0; c < Tr::kSCols; ++c) s[r][c] = recompute_p(s[r][c], scale_log2, lse_log2[r]);  // P
+        probabilities<Tr>(s, [&](int r, int) { return lse_log2[r]; }, scale_log2);  // P
         if (block.needs_mask(mask, n0, kStream)) {
             // Keys the mask hides from a row, and keys past Lk -> P = 0 (rows past Lq
             // already have P = 0: their lse_log2 is +inf).
@@ -240,10 +224,7 @@ __device__ __forceinline__ void bwd_dq_loop(const BwdParams& params) {
             }
         }
         Tr::row_products(dp, sdO, sV, row0);  // dP = dO V^T
-#pragma unroll
-        for (int r = 0; r < Tr::kRows; ++r)
-#pragma unroll
-            for (int c = 0; c < Tr::kSCols; ++c) dp[r][c] = s[r][c] * (dp[r][c] - delta[r]);  // dS
+        score_gradient<Tr>(dp, s, [&](int r, int) { return delta[r]; });  // dS
         Tr::accumulate(dq, dp, sK);           // dQ += dS K
     }
     if constexpr (Tr::kAsync) cp_async_wait<0>();  // Q and dO of a block that sees no key

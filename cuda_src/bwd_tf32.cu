@@ -47,47 +47,6 @@
 
 namespace cf {
 
-// x = X Y^T: the warp's rows of the own tile sX (from row0) by every row of the
-// streamed tile sY, 32 columns per unrolled iteration (16 at d = 32): fully
-// unrolled, the dK/dV kernels' fragment loads spill 8-12 bytes on sm_80 at
-// d = 64, and at d = 32 the three-pass one spills 8-44 bytes (NVRTC 13.5, 13.0, 12.0).
-template <class Tr>
-__device__ __forceinline__ void tf32_row_products(float (&x)[Tr::kRows][Tr::kSCols], const float* sX,
-                                                  const float* sY, int row0) {
-    constexpr int kUnroll = Tr::kHeadDim > 32 ? 2 : 1;
-    tf32_abt<Tr::kPasses, Tr::kMTiles, Tr::kNTiles, Tr::kHeadDim, typename Tr::Layout, typename Tr::Layout, kUnroll>(
-        x, sX, sY, row0);
-}
-
-// grad += X Z: X the warp's rows by the streamed rows (tf32_row_products' shape), Z the streamed tile.
-template <class Tr>
-__device__ __forceinline__ void tf32_grad(float (&grad)[Tr::kRows][Tr::kGCols], const float (&x)[Tr::kRows][Tr::kSCols],
-                                          const float* sZ) {
-    tf32_accumulate<Tr::kPasses, Tr::kMTiles, Tr::kNTiles, Tr::kHeadDim, typename Tr::Layout>(grad, x, sZ);
-}
-
-// Write factor * grad for the warp's rows below rows_valid (from row0 of a
-// tile whose first row is dst) and columns below cols_valid.
-template <class Tr>
-__device__ __forceinline__ void tf32_store_rows(float* dst, int64_t row_stride,
-                                                const float (&grad)[Tr::kRows][Tr::kGCols], float factor, int row0,
-                                                int rows_valid, int cols_valid) {
-#pragma unroll
-    for (int r = 0; r < Tr::kRows; ++r) {
-        const int row = row0 + fragment_row(r);
-        if (row < rows_valid) store_row_tf32(dst + row * row_stride, grad[r], factor, cols_valid);
-    }
-}
-
-// A rows x kHeadDim tile into shared memory by cp.async (rows past rows_valid
-// and columns past d zero-filled); the caller commits, waits and synchronises.
-template <class Tr, int kRows>
-__device__ __forceinline__ void tf32_load_tile(float* dst, const float* src, int64_t row_stride, int rows_valid,
-                                               int d) {
-    cp_async_tile_rows<Tr::kThreads, kRows, Tr::kHeadDim>(dst, typename Tr::Layout{}, src, row_stride, rows_valid,
-                                                          d);
-}
-
 // Every compile-time quantity of one instantiation: kOwn rows stay in shared
 // memory for the whole CTA, kStream rows are reloaded per block.  The tile
 // table with the reason for each row is _BWD_TF32_TILES in cupyflash/_kernels.py.
@@ -123,19 +82,28 @@ struct Tf32BwdTraits {
 
     // bwd_tc_loops.cuh's interface: the accumulators are mma_tile.cuh's register tiles.
     __device__ static int row(int r) { return fragment_row(r); }
+    // x = X Y^T, 32 columns per unrolled iteration (16 at d = 32): fully unrolled,
+    // the dK/dV kernels' fragment loads spill 8-12 bytes on sm_80 at d = 64, and at
+    // d = 32 the three-pass one spills 8-44 bytes (NVRTC 13.5, 13.0, 12.0).
     __device__ static void row_products(float (&x)[kRows][kSCols], const float* sX, const float* sY, int row0) {
-        tf32_row_products<Tf32BwdTraits>(x, sX, sY, row0);
+        tf32_abt<kPasses, kMTiles, kNTiles, kHeadDim, Layout, Layout, (kHeadDim > 32 ? 2 : 1)>(x, sX, sY, row0);
     }
+    // g += X Z, Z the streamed tile read by columns.
     __device__ static void accumulate(float (&g)[kRows][kGCols], const float (&x)[kRows][kSCols], const float* sZ) {
-        tf32_grad<Tf32BwdTraits>(g, x, sZ);
+        tf32_accumulate<kPasses, kMTiles, kNTiles, kHeadDim, Layout>(g, x, sZ);
     }
     __device__ static void store_rows(float* dst, int64_t row_stride, const float (&g)[kRows][kGCols], float factor,
                                       int row0, int rows_valid, int cols_valid) {
-        tf32_store_rows<Tf32BwdTraits>(dst, row_stride, g, factor, row0, rows_valid, cols_valid);
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+            const int row = row0 + fragment_row(r);
+            if (row < rows_valid) store_row_tf32(dst + row * row_stride, g[r], factor, cols_valid);
+        }
     }
+    // By cp.async, rows past rows_valid and columns past d zero-filled.
     template <int kTileRows>
     __device__ static void load_tile(float* dst, const float* src, int64_t row_stride, int rows_valid, int d) {
-        tf32_load_tile<Tf32BwdTraits, kTileRows>(dst, src, row_stride, rows_valid, d);
+        cp_async_tile_rows<kThreads, kTileRows, kHeadDim>(dst, Layout{}, src, row_stride, rows_valid, d);
     }
 };
 
