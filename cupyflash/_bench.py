@@ -405,35 +405,31 @@ def prepare(impl: str, case: Case, inputs, device: str):
     raise ValueError(f"unknown implementation {impl!r}")
 
 
-def _dmma_gpu() -> bool:
-    """Whether the current device is one fwd_dmma runs on (compute capability 8.0 or 9.0)."""
+def _compute_capability() -> int:
+    """The current CUDA device's compute capability as a number (90 for 9.0); 0 without
+    CuPy or a device."""
     try:
         import cupy
 
-        from ._kernels import DMMA_ARCHS
-
-        return int(cupy.cuda.Device().compute_capability) in DMMA_ARCHS
+        return int(cupy.cuda.Device().compute_capability)
     except Exception:  # noqa: BLE001 - no CuPy or no device
-        return False
+        return 0
+
+
+def _dmma_gpu() -> bool:
+    """Whether the current device is one fwd_dmma runs on (compute capability 8.0 or 9.0)."""
+    from ._kernels import DMMA_ARCHS
+
+    return _compute_capability() in DMMA_ARCHS
 
 
 def _tensor_core_gpu() -> bool:
     """Whether the current device has mma.sync's tensor cores (compute capability 8.0 or newer)."""
-    try:
-        import cupy
-
-        return int(cupy.cuda.Device().compute_capability) >= 80
-    except Exception:  # noqa: BLE001 - no CuPy or no device
-        return False
+    return _compute_capability() >= 80
 
 
 def _is_sm90() -> bool:
-    try:
-        import cupy
-
-        return int(cupy.cuda.Device().compute_capability) == 90
-    except Exception:  # noqa: BLE001 - no CuPy or no device: not an sm_90
-        return False
+    return _compute_capability() == 90
 
 
 def _cupyflash_kernel(case: Case, q, k, v, deterministic: bool = True, wgmma: bool | None = None,

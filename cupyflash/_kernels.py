@@ -667,6 +667,16 @@ def bwd_wgmma_name_expressions(dtype: str, head_dim: int, deterministic: bool = 
     return names
 
 
+def _backward_row(family: str, name: str, dtype: str, head_dim: int, own: int, streamed: int, threads: int,
+                  **extra) -> Instantiation:
+    """A backward kernel's catalogue row (cuda_src/<family>.cu): a dK/dV kernel owns keys
+    (block_n) and streams query rows (block_m), a dQ kernel the reverse."""
+    dkdv = "_dkdv_kernel<" in name
+    return Instantiation(family=family, entry=f"{family}.cu", name_expression=name, dtype=dtype, head_dim=head_dim,
+                         head_dim_v=head_dim, threads=threads, block_m=streamed if dkdv else own,
+                         block_n=own if dkdv else streamed, **extra)
+
+
 def _bwd_wgmma_instantiations() -> list[Instantiation]:
     rows = []
     for dtype in _MMA_DTYPES:
@@ -675,11 +685,7 @@ def _bwd_wgmma_instantiations() -> list[Instantiation]:
                 for name in bwd_wgmma_name_expressions(dtype, d, deterministic):
                     args = [a.strip() for a in name.split("<", 1)[1].rstrip(">").split(",")]
                     own, streamed, groups = int(args[2]), int(args[3]), int(args[4])
-                    dkdv = "dkdv" in name
-                    row = Instantiation(
-                        family="bwd_wgmma", entry="bwd_wgmma.cu", name_expression=name, dtype=dtype,
-                        head_dim=d, head_dim_v=d, threads=128 * groups,
-                        block_m=streamed if dkdv else own, block_n=own if dkdv else streamed, kv_stages=2)
+                    row = _backward_row("bwd_wgmma", name, dtype, d, own, streamed, 128 * groups, kv_stages=2)
                     if row not in rows:
                         rows.append(row)
     return rows
@@ -730,11 +736,8 @@ def _bwd_dmma_instantiations() -> list[Instantiation]:
     for dtype in DMMA_DTYPES:
         for d, (own, streamed, warps) in _BWD_DMMA_TILES.items():
             for name in bwd_dmma_name_expressions(d, dtype):
-                dkdv = "dkdv" in name
-                rows.append(Instantiation(
-                    family="bwd_dmma", entry="bwd_dmma.cu", name_expression=name, dtype=dtype, head_dim=d,
-                    head_dim_v=d, threads=32 * warps, block_m=streamed if dkdv else own,
-                    block_n=own if dkdv else streamed, kv_stages=2 if dtype == "float64" else 1))
+                rows.append(_backward_row("bwd_dmma", name, dtype, d, own, streamed, 32 * warps,
+                                          kv_stages=2 if dtype == "float64" else 1))
     return rows
 
 
@@ -778,11 +781,8 @@ def _bwd_tf32_instantiations() -> list[Instantiation]:
     for passes in sorted(set(TF32_PASSES.values())):
         for d, (own, streamed, warps) in _BWD_TF32_TILES.items():
             for name in bwd_tf32_name_expressions(d, passes):
-                dkdv = "dkdv" in name
-                rows.append(Instantiation(
-                    family="bwd_tf32", entry="bwd_tf32.cu", name_expression=name, dtype="float32", head_dim=d,
-                    head_dim_v=d, threads=32 * warps, block_m=streamed if dkdv else own,
-                    block_n=own if dkdv else streamed, kv_stages=2, passes=passes))
+                rows.append(_backward_row("bwd_tf32", name, "float32", d, own, streamed, 32 * warps, kv_stages=2,
+                                          passes=passes))
     return rows
 
 
@@ -793,8 +793,4 @@ _CLASS_ARCH = {"sm80": 80, "sm86": 86, "sm90": 90}
 def _bwd_mma_row(dtype: str, head_dim: int, name: str) -> Instantiation:
     args = [int(a) for a in name.split("<", 1)[1].rstrip(">").split(",")[1:]]
     own, streamed, warps, stages = args[1], args[2], args[3], args[-1]
-    kernel = name.split("<", 1)[0].removeprefix("cf::")
-    block_m, block_n = (streamed, own) if kernel == "bwd_mma_dkdv_kernel" else (own, streamed)
-    return Instantiation(family="bwd_mma", entry="bwd_mma.cu", name_expression=name, dtype=dtype,
-                         head_dim=head_dim, head_dim_v=head_dim, threads=32 * warps, block_m=block_m,
-                         block_n=block_n, kv_stages=stages)
+    return _backward_row("bwd_mma", name, dtype, head_dim, own, streamed, 32 * warps, kv_stages=stages)
