@@ -90,9 +90,20 @@ def naive_tf32_attention(q, k, v, *, scale, window=(None, None), enable_gqa=Fals
     m = s.max(axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, np.float32(0))
     p = np.exp(s - m).astype(np.float32)
-    l = p.sum(axis=-1, keepdims=True, dtype=np.float32)
+    row_sum = p.sum(axis=-1, keepdims=True, dtype=np.float32)
     o = np.matmul(to_tf32(p), v)
-    return np.where(l > 0, o / np.where(l > 0, l, 1), 0).astype(np.float32)
+    return np.where(row_sum > 0, o / np.where(row_sum > 0, row_sum, 1), 0).astype(np.float32)
+
+
+def assert_compiled_clean(report, rows, archs):
+    """The static report ``report`` (cupyflash._report.kernel_report rows) has every one of
+    ``rows`` on every arch of ``archs``, each without spills, stack frame or local memory,
+    within 255 registers and with at least one CTA per SM."""
+    assert {(r["arch"], r["name"]) for r in report} == {(a, i.name_expression) for a in archs for i in rows}
+    for r in report:
+        assert not (r["spill_stores"] or r["spill_loads"] or r["stack_bytes"]), (r["arch"], r["name"])
+        assert not (r["sass"].get("LDL") or r["sass"].get("STL")), (r["arch"], r["name"])
+        assert r["occupancy"] >= 1 and r["registers"] <= 255
 
 
 def poisoned(shape, dtype):

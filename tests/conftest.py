@@ -33,6 +33,19 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def cuda_spy(monkeypatch):
+    """The CUDA executor behind cupyflash's public calls in this test, wrapped in a
+    LaunchSpy (tests/_util.py) that records each launch's name and grid (GPU tier)."""
+    from cupyflash import _dispatch
+
+    from _util import LaunchSpy
+
+    recorder = LaunchSpy(_dispatch.executor_for("cuda"))
+    monkeypatch.setattr(_dispatch, "executor_for", lambda backend: recorder)
+    return recorder
+
+
+@pytest.fixture
 def rng(request):
     """A generator seeded by the test's name: fresh inputs per test, the same on every run.
 

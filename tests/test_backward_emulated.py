@@ -81,13 +81,16 @@ class Case:
         acc = accum_dtype(self.dtype)
         return (poisoned(self.q.shape, acc), poisoned(self.k.shape, acc), poisoned(self.v.shape, acc))
 
-    def run(self, executor, grads=None, *, out=None, dout=None, lse=None):
+    precision = "ieee"   # passed to the kernels' dispatch (tests/test_bwd_tf32.py sets others)
+
+    def run(self, executor, grads=None, *, out=None, dout=None, lse=None, deterministic=True):
         """The kernels' dq, dk, dv (accumulator dtype, shapes of q, k, v)."""
         dq, dk, dv = self.grads() if grads is None else grads
         _gpu_bwd.backward(self.dout if dout is None else dout, self.q, self.k, self.v,
                           self.out if out is None else out, self.lse if lse is None else lse,
                           dq, dk, dv, scale=self.scale, window_left=self.window[0],
-                          window_right=self.window[1], gqa_ratio=self.gqa_ratio, executor=executor)
+                          window_right=self.window[1], gqa_ratio=self.gqa_ratio, deterministic=deterministic,
+                          executor=executor, precision=self.precision)
         return dq, dk, dv
 
     def expected(self):

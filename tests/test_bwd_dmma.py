@@ -30,7 +30,7 @@ from cupyflash._kernels import DMMA_ARCHS, DMMA_DTYPES, DMMA_HEAD_DIMS, instanti
 from cupyflash._launch import backward_kernel, backward_launch_config
 from cupyflash.emulator import EmulatorExecutor, emulator_available
 
-from _util import LaunchSpy, poisoned, random_array
+from _util import LaunchSpy, assert_compiled_clean, poisoned, random_array
 from test_backward_emulated import Case, qkv
 
 ROWS = [r for r in instantiations() if r.family == "bwd_dmma"]
@@ -107,11 +107,7 @@ def report():
 
 
 def test_every_kernel_compiles_without_spills_stack_or_local_memory(report):
-    assert {(r["arch"], r["name"]) for r in report} == {(a, i.name_expression) for a in ARCHS for i in ROWS}
-    for r in report:
-        assert not (r["spill_stores"] or r["spill_loads"] or r["stack_bytes"]), (r["arch"], r["name"])
-        assert not (r["sass"].get("LDL") or r["sass"].get("STL")), (r["arch"], r["name"])
-        assert r["occupancy"] >= 1 and r["registers"] <= 255
+    assert_compiled_clean(report, ROWS, ARCHS)
 
 
 def test_sass_issues_the_dmma_of_each_product_and_no_atomics(report):
@@ -151,15 +147,6 @@ def spy(executor, monkeypatch):
     return LaunchSpy(executor)
 
 
-def _run(case: Case, spy, *, deterministic=True, grads=None, out=None):
-    dq, dk, dv = case.grads() if grads is None else grads
-    _gpu_bwd.backward(case.dout, case.q, case.k, case.v, case.out if out is None else out, case.lse, dq, dk, dv,
-                      scale=case.scale,
-                      window_left=case.window[0], window_right=case.window[1], gqa_ratio=case.gqa_ratio,
-                      deterministic=deterministic, executor=spy)
-    return dq, dk, dv
-
-
 def _bucket(d):
     return min(b for b in DMMA_HEAD_DIMS if b >= d)
 
@@ -177,7 +164,7 @@ def test_every_instantiation_matches_the_oracle_with_tails_gqa_and_masks(spy, dt
     q, k, v = qkv(rng, np.dtype(dtype), heads_kv=2, gqa_ratio=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                   head_dim=head_dim)
     case = Case(rng, q, k, v, gqa_ratio=2, window=(None, 0) if causal else (None, None))
-    case.check(_run(case, spy))
+    case.check(case.run(spy))
     cxx = "double" if dtype == "float64" else "float"
     assert spy.launched == [f"cf::bwd_simt_dot_do_o_kernel<{cxx}, {head_dim}>"] + [
         r.name_expression for r in ROWS if r.head_dim == head_dim and r.dtype == dtype]
@@ -191,7 +178,7 @@ def test_masks_match_the_oracle(spy, seqlen_q, seqlen_k, window):
     rng = np.random.default_rng(seqlen_q + seqlen_k)
     q, k, v = qkv(rng, np.float64, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=32)
     case = Case(rng, q, k, v, window=window)
-    case.check(_run(case, spy))
+    case.check(case.run(spy))
     assert {n.split("<")[0] for n in spy.launched[1:]} == {"cf::bwd_dmma_dkdv_kernel", "cf::bwd_dmma_dq_kernel"}
 
 
@@ -201,13 +188,13 @@ def test_rows_with_no_key_get_zero_dq_and_unseen_keys_zero_dk_dv(spy):
     rng = np.random.default_rng(3)
     q, k, v = qkv(rng, np.float64, seqlen_q=150, seqlen_k=20, head_dim=32)
     case = Case(rng, q, k, v, window=(None, 0))
-    dq, dk, dv = _run(case, spy)
+    dq, dk, dv = case.run(spy)
     case.check((dq, dk, dv))
     assert (dq[:, :, :130] == 0).all()
     # Window (2, 0) with Lq < Lk: keys 0 .. 40 are seen by no row (whole key blocks).
     q, k, v = qkv(rng, np.float64, seqlen_q=30, seqlen_k=73, head_dim=32)
     case = Case(rng, q, k, v, window=(2, 0))
-    dq, dk, dv = _run(case, spy)
+    dq, dk, dv = case.run(spy)
     case.check((dq, dk, dv))
     assert (dk[:, :, :41] == 0).all() and (dv[:, :, :41] == 0).all()
 
@@ -221,7 +208,7 @@ def test_padded_and_unaligned_head_dims(spy, head_dim, dtype):
     rng = np.random.default_rng(head_dim)
     q, k, v = qkv(rng, np.dtype(dtype), batch=2, seqlen_q=70, seqlen_k=90, head_dim=head_dim)
     case = Case(rng, q, k, v, window=(None, 0))
-    case.check(_run(case, spy))
+    case.check(case.run(spy))
     assert spy.launched[1] == next(r.name_expression for r in ROWS if r.head_dim == _bucket(head_dim)
                                    and r.dtype == dtype and "dkdv" in r.name_expression)
 
@@ -243,7 +230,7 @@ def test_transposed_reversed_and_broadcast_views(spy):
     grads = (poisoned((b, lq, h, d), np.float64).transpose(0, 2, 1, 3),
              poisoned((lk, b, 2, d), np.float64).transpose(1, 2, 0, 3),
              poisoned((b, 2, 2 * lk, d), np.float64)[:, :, 1::2])
-    case.check(_run(case, spy, grads=grads, out=out))
+    case.check(case.run(spy, grads=grads, out=out))
     assert spy.launched[1].startswith("cf::bwd_dmma_dkdv_kernel<64,")
 
 
@@ -253,13 +240,13 @@ def test_agrees_with_bwd_simt_and_is_bit_identical_across_thread_orders(monkeypa
     q, k, v = qkv(rng, np.float64, heads_kv=2, gqa_ratio=3, seqlen_q=97, seqlen_k=120, head_dim=64)
     case = Case(rng, q, k, v, gqa_ratio=3, window=(40, 0))
     monkeypatch.setattr(_gpu, "dmma_override", True)
-    runs = [_run(case, LaunchSpy(EmulatorExecutor(arch=90, seed=seed, shuffle=True, race_check=False)),
-                 deterministic=deterministic)
+    runs = [case.run(LaunchSpy(EmulatorExecutor(arch=90, seed=seed, shuffle=True, race_check=False)),
+                     deterministic=deterministic)
             for seed, deterministic in ((1, True), (2, False))]
     for a, b in zip(*runs):
         assert a.tobytes() == b.tobytes()
     monkeypatch.setattr(_gpu, "dmma_override", False)
-    simt = _run(case, LaunchSpy(EmulatorExecutor(arch=90, seed=3, shuffle=True, race_check=False)))
+    simt = case.run(LaunchSpy(EmulatorExecutor(arch=90, seed=3, shuffle=True, race_check=False)))
     for name, a, b in zip(("dq", "dk", "dv"), runs[0], simt):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-13, err_msg=name)
     case.check(runs[0])
@@ -272,7 +259,7 @@ def test_tiny_and_empty_sequences(spy, seqlen_q, seqlen_k):
     rng = np.random.default_rng(seqlen_q * 100 + seqlen_k)
     q, k, v = qkv(rng, np.float64, batch=2, heads_kv=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=24)
     case = Case(rng, q, k, v)
-    dq, dk, dv = _run(case, spy)
+    dq, dk, dv = case.run(spy)
     case.check((dq, dk, dv))
     if seqlen_k == 0:
         assert (dq == 0).all()
@@ -290,7 +277,7 @@ def test_extreme_and_negative_scales(spy, scale):
     rng = np.random.default_rng(15)
     q, k, v = qkv(rng, np.float64, seqlen_q=45, seqlen_k=77, head_dim=40)
     case = Case(rng, q, k, v, scale=scale, window=(None, 0))
-    dq, dk, dv = _run(case, spy)
+    dq, dk, dv = case.run(spy)
     case.check((dq, dk, dv))
     if scale == 0.0:   # P is uniform over the visible keys, and dq, dk carry the factor scale
         assert (dq == 0).all() and (dk == 0).all()

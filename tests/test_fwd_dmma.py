@@ -30,7 +30,7 @@ from cupyflash._launch import launch_config
 from cupyflash.emulator import EmulatorExecutor, emulator_available
 from cupyflash.reference import naive_attention
 
-from _util import forward_against_oracle, poisoned, random_array
+from _util import assert_compiled_clean, forward_against_oracle, poisoned, random_array
 
 DMMA_ROWS = [r for r in instantiations() if r.family == "fwd_dmma"]
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
@@ -92,11 +92,7 @@ def report():
 
 
 def test_every_kernel_compiles_without_spills_stack_or_local_memory(report):
-    assert {(r["arch"], r["name"]) for r in report} == {(a, i.name_expression) for a in ARCHS for i in DMMA_ROWS}
-    for r in report:
-        assert not (r["spill_stores"] or r["spill_loads"] or r["stack_bytes"]), (r["arch"], r["name"])
-        assert not (r["sass"].get("LDL") or r["sass"].get("STL")), (r["arch"], r["name"])
-        assert r["occupancy"] >= 1 and r["registers"] <= 255
+    assert_compiled_clean(report, DMMA_ROWS, ARCHS)
 
 
 def test_sass_issues_one_unrolled_loop_of_dmma(report):

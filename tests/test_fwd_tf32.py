@@ -33,7 +33,8 @@ from cupyflash._launch import launch_config
 from cupyflash.emulator import EmulatorExecutor, emulator_available
 from cupyflash.reference import naive_attention
 
-from _util import TOLERANCE, forward_against_oracle, naive_tf32_attention, poisoned, random_array
+from _util import (TOLERANCE, assert_compiled_clean, forward_against_oracle, naive_tf32_attention, poisoned,
+                   random_array)
 
 TF32_ROWS = [r for r in instantiations() if r.family == "fwd_tf32"]
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
@@ -171,11 +172,7 @@ def report():
 
 
 def test_every_kernel_compiles_without_spills_stack_or_local_memory(report):
-    assert {(r["arch"], r["name"]) for r in report} == {(a, i.name_expression) for a in ARCHS for i in TF32_ROWS}
-    for r in report:
-        assert not (r["spill_stores"] or r["spill_loads"] or r["stack_bytes"]), (r["arch"], r["name"])
-        assert not (r["sass"].get("LDL") or r["sass"].get("STL")), (r["arch"], r["name"])
-        assert r["occupancy"] >= 1 and r["registers"] <= 255
+    assert_compiled_clean(report, TF32_ROWS, ARCHS)
 
 
 def test_sass_issues_one_unrolled_loop_of_tf32_mma(report):

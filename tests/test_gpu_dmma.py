@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 
 import cupyflash
-from cupyflash import _dispatch, _gpu
+from cupyflash import _gpu
 from cupyflash._kernels import DMMA_ARCHS, DMMA_HEAD_DIMS, instantiations
 from cupyflash.reference import naive_attention
 
-from _util import LaunchSpy, assert_close, assert_lse_close, random_array
+from _util import assert_close, assert_lse_close, random_array
 from test_gpu_backward import _check as check_gradients
 
 cp = pytest.importorskip("cupy")
@@ -44,13 +44,11 @@ def dmma_gpu():
 
 
 @pytest.fixture
-def spy(monkeypatch):
+def spy(monkeypatch, cuda_spy):
     """fwd_dmma on, and a record of what cupyflash.attention launches in this test."""
     monkeypatch.setattr(_gpu, "dmma_override", True)
     monkeypatch.setattr(_gpu, "dmma_float32_override", True)
-    recorder = LaunchSpy(_dispatch.executor_for("cuda"))
-    monkeypatch.setattr(_dispatch, "executor_for", lambda backend: recorder)
-    return recorder
+    return cuda_spy
 
 
 def check(q, k, v, *, window=(None, None), gqa_ratio=1, repeat=2):

@@ -17,23 +17,15 @@ import numpy as np
 import pytest
 
 import cupyflash
-from cupyflash import _dispatch, _gpu
+from cupyflash import _gpu
 from cupyflash._kernels import combine_name_expression
 from cupyflash.reference import naive_attention
 
-from _util import LaunchSpy, accum_dtype, assert_close, assert_lse_close, random_array
+from _util import accum_dtype, assert_close, assert_lse_close, random_array
 
 cp = pytest.importorskip("cupy")
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture
-def spy(monkeypatch):
-    """The CUDA executor behind cupyflash.attention, recording each launch's name and grid."""
-    recorder = LaunchSpy(_dispatch.executor_for("cuda"))
-    monkeypatch.setattr(_dispatch, "executor_for", lambda backend: recorder)
-    return recorder
 
 
 def _dtype(name):
@@ -50,7 +42,7 @@ def _dtype(name):
     ("float64", 32, 1, 100, 12345, True),
     ("float32", 96, 1, 3000, 3000, True),       # one head of a long sequence
 ])
-def test_small_grids_split_and_match_the_oracle(spy, monkeypatch, wgmma, dtype_name, head_dim, heads,
+def test_small_grids_split_and_match_the_oracle(cuda_spy, monkeypatch, wgmma, dtype_name, head_dim, heads,
                                                   seqlen_q, seqlen_k, causal):
     dtype = _dtype(dtype_name)
     if wgmma and (dtype.itemsize != 2 or int(cp.cuda.Device().compute_capability) != 90):
@@ -66,7 +58,7 @@ def test_small_grids_split_and_match_the_oracle(spy, monkeypatch, wgmma, dtype_n
         _, lse = cupyflash.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), causal=causal, out=out,
                                      return_lse=True, backend="cuda")
         results.append((cp.asnumpy(out), cp.asnumpy(lse)))
-    (main, grid), (combine, _) = spy.launches[:2]
+    (main, grid), (combine, _) = cuda_spy.launches[:2]
     assert grid[1] > 1, f"{main} was not split"
     assert combine == combine_name_expression(dtype.name)
     assert ("fwd_wgmma" in main) == wgmma

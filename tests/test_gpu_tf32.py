@@ -25,13 +25,12 @@ import numpy as np
 import pytest
 
 import cupyflash
-from cupyflash import _dispatch
 from cupyflash._kernels import TF32_HEAD_DIMS, TF32_PASSES, instantiations
 from cupyflash.reference import naive_attention, naive_attention_backward
 
 from _backward_util import (assert_within_term_bound, assert_within_twice_naive_half_error, backward_term_sizes,
                             naive_tf32_backward)
-from _util import LaunchSpy, naive_tf32_attention, random_array
+from _util import naive_tf32_attention, random_array
 
 cp = pytest.importorskip("cupy")
 
@@ -46,14 +45,6 @@ def tensor_core_gpu():
     arch = int(cp.cuda.Device().compute_capability)
     if arch < 80:
         pytest.skip(f"fwd_tf32 runs on compute capability 8.0 and newer; this GPU is sm_{arch}")
-
-
-@pytest.fixture
-def spy(monkeypatch):
-    """A record of what cupyflash.attention launches in this test."""
-    recorder = LaunchSpy(_dispatch.executor_for("cuda"))
-    monkeypatch.setattr(_dispatch, "executor_for", lambda backend: recorder)
-    return recorder
 
 
 def run(q, k, v, *, precision, window=(None, None), gqa_ratio=1):
@@ -91,41 +82,41 @@ def qkv(rng, *, seqlen_q, seqlen_k, head_dim, heads_kv=1, gqa_ratio=1, batch=1):
 
 
 @pytest.mark.parametrize("inst", TF32_ROWS, ids=lambda r: f"x{r.passes}-d{r.head_dim}")
-def test_every_instantiation_with_tails_and_masks(spy, inst):
+def test_every_instantiation_with_tails_and_masks(cuda_spy, inst):
     precision = next(p for p, n in TF32_PASSES.items() if n == inst.passes)
     rng = np.random.default_rng(inst.head_dim)
     q, k, v = qkv(rng, seqlen_q=inst.block_m + 21, seqlen_k=inst.block_m + 2 * inst.block_n + 5,
                   head_dim=inst.head_dim)
     for window in ((None, 0), (None, None)):
         check(q, k, v, precision=precision, window=window)
-    assert inst.name_expression in spy.launched
+    assert inst.name_expression in cuda_spy.launched
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(150, 100), (70, 200)], ids=["lq>lk", "lq<lk"])
 @pytest.mark.parametrize("window", [(None, 0), (16, 0), (5, 40), (70, None)])
-def test_masks_and_gqa(spy, precision, seqlen_q, seqlen_k, window):
+def test_masks_and_gqa(cuda_spy, precision, seqlen_q, seqlen_k, window):
     rng = np.random.default_rng(seqlen_q + seqlen_k)
     check(*qkv(rng, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=64, heads_kv=2, gqa_ratio=2),
           precision=precision, window=window, gqa_ratio=2)
-    assert any("fwd_tf32" in n for n in spy.launched)
+    assert any("fwd_tf32" in n for n in cuda_spy.launched)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("head_dim", [3, 17, 40, 100])
-def test_padded_and_unaligned_head_dims(spy, precision, head_dim):
+def test_padded_and_unaligned_head_dims(cuda_spy, precision, head_dim):
     rng = np.random.default_rng(head_dim)
     check(*qkv(rng, seqlen_q=300, seqlen_k=500, head_dim=head_dim, batch=2), precision=precision)
     bucket = min(b for b in TF32_HEAD_DIMS if b >= head_dim)
-    assert spy.launched[0].startswith(f"cf::fwd_tf32_kernel<{bucket},")
+    assert cuda_spy.launched[0].startswith(f"cf::fwd_tf32_kernel<{bucket},")
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_a_split_decoding_step_and_a_long_sequence(spy, precision):
+def test_a_split_decoding_step_and_a_long_sequence(cuda_spy, precision):
     rng = np.random.default_rng(7)
     # Lq = 1 over 20000 keys: few CTAs, so the keys are split
     check(*qkv(rng, seqlen_q=1, seqlen_k=20000, head_dim=64, heads_kv=4), precision=precision)
-    assert spy.launched[1] == "cf::fwd_combine_kernel<float, float>"
+    assert cuda_spy.launched[1] == "cf::fwd_combine_kernel<float, float>"
     check(*qkv(rng, seqlen_q=2048, seqlen_k=2048, head_dim=128, heads_kv=4), precision=precision,
           window=(None, 0))
 
@@ -163,21 +154,21 @@ BWD_ROWS = [r for r in instantiations() if r.family == "bwd_tf32" and "dkdv" in 
 
 
 @pytest.mark.parametrize("inst", BWD_ROWS, ids=lambda r: f"x{r.passes}-d{r.head_dim}")
-def test_backward_every_instantiation_with_tails_gqa_and_masks(spy, inst):
+def test_backward_every_instantiation_with_tails_gqa_and_masks(cuda_spy, inst):
     precision = next(p for p, n in TF32_PASSES.items() if n == inst.passes)
     rng = np.random.default_rng(inst.head_dim)
     q, k, v = qkv(rng, seqlen_q=2 * inst.block_n + 13, seqlen_k=3 * inst.block_n + 5, head_dim=inst.head_dim,
                   heads_kv=2, gqa_ratio=2)
     for window in ((None, 0), (None, None)):
         check_backward(q, k, v, precision=precision, window=window, gqa_ratio=2)
-    assert inst.name_expression in spy.launched
+    assert inst.name_expression in cuda_spy.launched
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("head_dim", [17, 100])
-def test_backward_masks_unaligned_head_dims_and_atomics_off(spy, precision, head_dim):
+def test_backward_masks_unaligned_head_dims_and_atomics_off(cuda_spy, precision, head_dim):
     rng = np.random.default_rng(head_dim)
     q, k, v = qkv(rng, seqlen_q=150, seqlen_k=100, head_dim=head_dim, batch=2)
     check_backward(q, k, v, precision=precision, window=(16, 0), deterministic=False)
-    assert any("bwd_tf32_dq_kernel" in n for n in spy.launched)   # no atomic variant
+    assert any("bwd_tf32_dq_kernel" in n for n in cuda_spy.launched)   # no atomic variant
 
