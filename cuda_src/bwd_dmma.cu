@@ -197,6 +197,8 @@ struct DmmaBwdTraits {
     __device__ static void load_tile(double* dst, const T* src, int64_t row_stride, int rows_valid, int d) {
         dmma_load_tile<DmmaBwdTraits, kTileRows>(dst, src, row_stride, rows_valid, d);
     }
+    template <int kTileRows>
+    __device__ static void tile_landed(double*) {}  // used as copied
 };
 
 

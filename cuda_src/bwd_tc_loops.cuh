@@ -16,6 +16,8 @@
 //   store_rows(dst, stride, g, factor, row0, rows_valid, cols_valid)
 //   load_tile<kRows>(dst, src, stride, rows_valid, d)   by cp.async (kAsync; the
 //                      caller commits and waits) or converting loads
+//   tile_landed<kRows>(tile)        (kAsync) this thread's copies into tile have
+//                      landed: it may rework them in place before the barrier
 #pragma once
 
 #include "block_info.cuh"
@@ -30,11 +32,14 @@
 namespace cf {
 
 // The stages of the streamed tiles (Q, dO in dK/dV; K, V in dQ) after the own
-// tiles; load() fills one stage with one block (Tr::load_tile's protocol).
+// tiles own1, own2 (which land with the first streamed block); load() fills one
+// stage with one block (Tr::load_tile's protocol).
 template <class Tr>
 struct TileStream {
     using Acc = typename Tr::Acc;
     Acc* base;
+    Acc* own1;
+    Acc* own2;
     __device__ Acc* first(int stage) const { return base + 2 * stage * Tr::kStreamTile; }
     __device__ Acc* second(int stage) const { return first(stage) + Tr::kStreamTile; }
     template <typename T>
@@ -51,6 +56,12 @@ struct TileStream {
     __device__ void advance(int64_t it, int64_t count, LoadNext load_next, LoadThis load_this) const {
         if constexpr (Tr::kAsync) {
             cp_async_wait<0>();
+            if (it == 0) {
+                Tr::template tile_landed<Tr::kOwnRows>(own1);
+                Tr::template tile_landed<Tr::kOwnRows>(own2);
+            }
+            Tr::template tile_landed<Tr::kStreamRows>(first(stage(it)));
+            Tr::template tile_landed<Tr::kStreamRows>(second(stage(it)));
             __syncthreads();  // this block landed; the other stage has been read
             if (it + 1 < count) {
                 load_next(stage(it) ^ 1);
@@ -83,7 +94,7 @@ __device__ __forceinline__ void bwd_dkdv_loop(const BwdParams& params) {
 
     Acc* sK = reinterpret_cast<Acc*>(dynamic_smem());
     Acc* sV = sK + Tr::kOwnTile;
-    const TileStream<Tr> stream{sV + Tr::kOwnTile};  // Q, dO
+    const TileStream<Tr> stream{sV + Tr::kOwnTile, sK, sV};  // Q, dO
     const HeadSlice<T, Out> kv(p, tile.batch, first_head);
     Tr::template load_tile<kOwn>(sK, kv.k + block.n0 * p.k_row_stride, p.k_row_stride, block.keys, d);
     Tr::template load_tile<kOwn>(sV, kv.v + block.n0 * p.v_row_stride, p.v_row_stride, block.keys, d);
@@ -178,7 +189,7 @@ __device__ __forceinline__ void bwd_dq_loop(const BwdParams& params) {
 
     Acc* sQ = reinterpret_cast<Acc*>(dynamic_smem());
     Acc* sdO = sQ + Tr::kOwnTile;
-    const TileStream<Tr> stream{sdO + Tr::kOwnTile};  // K, V
+    const TileStream<Tr> stream{sdO + Tr::kOwnTile, sQ, sdO};  // K, V
     Tr::template load_tile<kOwn>(sQ, head.q + block.m0 * p.q_row_stride, p.q_row_stride, block.rows, d);
     Tr::template load_tile<kOwn>(sdO, grad.dout + block.m0 * params.dout_row_stride, params.dout_row_stride,
                                  block.rows, d);

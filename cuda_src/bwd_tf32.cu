@@ -66,6 +66,10 @@ struct Tf32BwdTraits {
     static constexpr int kGCols = kHeadDim / 4;          // gradient columns per lane and row
 
     using Layout = Tf32BothRows<kHeadDim>;
+    // With one pass each thread rounds its own copies of every tile to TF32 as
+    // they land (tf32_prepare_tile), once for all warps; with three the tiles
+    // stay float32 and each warp splits what it loads.
+    using Tile = Tf32Tile<Layout, kPasses == 1 ? kTf32Rounded : kTf32Raw>;
     // Shared memory (floats): the two own tiles, then two stages of the two streamed tiles.
     static constexpr int kStages = 2;
     static constexpr bool kAsync = true;  // cp.async, two stages of the streamed tiles
@@ -86,11 +90,11 @@ struct Tf32BwdTraits {
     // the dK/dV kernels' fragment loads spill 8-12 bytes on sm_80 at d = 64, and at
     // d = 32 the three-pass one spills 8-44 bytes (NVRTC 13.5, 13.0, 12.0).
     __device__ static void row_products(float (&x)[kRows][kSCols], const float* sX, const float* sY, int row0) {
-        tf32_abt<kPasses, kMTiles, kNTiles, kHeadDim, Layout, Layout, (kHeadDim > 32 ? 2 : 1)>(x, sX, sY, row0);
+        tf32_abt<kPasses, kMTiles, kNTiles, kHeadDim, Tile, Tile, (kHeadDim > 32 ? 2 : 1)>(x, sX, sY, row0);
     }
     // g += X Z, Z the streamed tile read by columns.
     __device__ static void accumulate(float (&g)[kRows][kGCols], const float (&x)[kRows][kSCols], const float* sZ) {
-        tf32_accumulate<kPasses, kMTiles, kNTiles, kHeadDim, Layout>(g, x, sZ);
+        tf32_accumulate<kPasses, kMTiles, kNTiles, kHeadDim, Tile>(g, x, sZ);
     }
     __device__ static void store_rows(float* dst, int64_t row_stride, const float (&g)[kRows][kGCols], float factor,
                                       int row0, int rows_valid, int cols_valid) {
@@ -100,10 +104,15 @@ struct Tf32BwdTraits {
             if (row < rows_valid) store_row_tf32(dst + row * row_stride, g[r], factor, cols_valid);
         }
     }
-    // By cp.async, rows past rows_valid and columns past d zero-filled.
+    // By cp.async, rows past rows_valid and columns past d zero-filled, in units
+    // each thread can rework once they have landed (tile_landed).
     template <int kTileRows>
     __device__ static void load_tile(float* dst, const float* src, int64_t row_stride, int rows_valid, int d) {
-        cp_async_tile_rows<kThreads, kTileRows, kHeadDim>(dst, Layout{}, src, row_stride, rows_valid, d);
+        tf32_copy_tile<kThreads, kTileRows, kHeadDim, Layout>(dst, src, row_stride, rows_valid, d);
+    }
+    template <int kTileRows>
+    __device__ static void tile_landed(float* tile) {
+        tf32_prepare_tile<kThreads, kTileRows, kHeadDim, Tile>(tile);
     }
 };
 

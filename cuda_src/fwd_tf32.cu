@@ -12,17 +12,19 @@
 // through shared memory as float tiles on fwd_simt's schedule (fwd_tiles.cuh:
 // Q once, K and V in their own buffers by cp.async, V(n) landing during
 // S = Q K(n)^T, K(n + 1) during O += P V(n)).  Per key block every warp computes
-//     S = Q K^T        tf32_abt: Q and K fragments by 16-byte loads ("row" reads)
+//     S = Q K^T        tf32_abt: Q and K fragments by 16-byte loads
 //     mask             only on blocks that cross a mask boundary (fwd_blocks.cuh)
 //     online softmax   OnlineSoftmax<float, kRows, 4>, the scale folded into exp2
 //     O += P V         tf32_accumulate: P's A fragments straight from the score
-//                      accumulators, V's by 16-byte loads ("column" reads)
+//                      accumulators, V's by 16-byte loads
 // and divides O by l once, at the end; O's columns are in tf32_accumulate's
-// order, which store_row_tf32 undoes.  Q and K use Tf32Rows, V Tf32VRows:
-// every fragment load is free of bank conflicts.  The dispatcher
-// (cupyflash/_gpu.py) gives this kernel float32 with d = dv up to 128 and
-// scale > 0 on sm_80+; columns past the run-time d are zero-filled by
-// cp.async and never stored.  Split-KV (FwdParams::num_splits > 1) as in
+// order, which store_row_tf32 undoes.  Q and V are stored as fragment quads,
+// K as rows (Tf32FwdTraits), each thread rounding (or splitting) its own copies
+// in place as they land: every fragment is one 16-byte load, free of bank
+// conflicts, with no conversion (K and V; Q with one pass) and no register
+// moves.  The dispatcher (cupyflash/_gpu.py) gives this kernel float32 with
+// d = dv up to 128 and scale > 0 on sm_80+; columns past the run-time d are
+// zero-filled by cp.async and never stored.  Split-KV (FwdParams::num_splits > 1) as in
 // fwd_simt: CTA (x, y) visits the y-th run of its key blocks and writes its
 // partial results.
 #pragma once
@@ -53,21 +55,69 @@ struct Tf32FwdTraits {
     static constexpr int kSCols = 2 * kNTiles;          // score columns per lane and row
     static constexpr int kOCols = 2 * (kHeadDim / 8);   // output columns per lane and row
 
-    // fwd_tiles.cuh's schedule, float tiles by cp.async into their own buffers.
+    // fwd_tiles.cuh's schedule, float tiles by cp.async into their own buffers
+    // (Tf32TileMover).  Q and V are stored as fragment quads (Tf32Pairs: rows
+    // g, g + 8 for Q's A fragments, 2t, 2t + 1 for V's B fragments), K as rows.
+    // Once per CTA, as each tile lands, tf32_prepare_tile does for all warps
+    // what each would otherwise do for itself: one pass rounds Q, K and V to
+    // TF32 in place; three split K and V into TF32 big parts (in place) and
+    // small parts (a second plane after each tile).  Q, which only its own
+    // warp reads, stays float32 there and is split as it is loaded.
     static constexpr bool kAsync = true;
-    using QLayout = Tf32Rows<kHeadDim>;
+    using QLayout = Tf32Pairs<kHeadDim, 8>;
     using KLayout = Tf32Rows<kHeadDim>;
-    __device__ static Tf32VRows<kHeadDim> v_layout() { return {}; }
-    static constexpr int kSmemQ = kBlockM * kHeadDim, kSmemK = kBlockN * kHeadDim, kSmemV = kBlockN * kHeadDim;
+    using VLayout = Tf32Pairs<kHeadDim, 1>;
+    // The split takes its second planes only where two CTAs still fit an
+    // sm_80 SM (80 KB each); otherwise K and V stay float32 too.
+    static constexpr int kPlane = kBlockN * kHeadDim;     // elements of one K or V plane
+    static constexpr bool kSplitTiles = kPasses == 3 && (kBlockM + 4 * kBlockN) * kHeadDim * 4 <= 80 * 1024;
+    static constexpr int kPrep = kPasses == 1 ? kTf32Rounded : kSplitTiles ? kTf32Split : kTf32Raw;
+    static constexpr int kPlanes = kSplitTiles ? 2 : 1;   // of K and V
+    using QTile = Tf32Tile<QLayout, kPasses == 1 ? kTf32Rounded : kTf32Raw>;
+    using KTile = Tf32Tile<KLayout, kPrep, kSplitTiles ? kPlane : 0>;
+    using VTile = Tf32Tile<VLayout, kPrep, kSplitTiles ? kPlane : 0>;
+    static constexpr int kSmemQ = kBlockM * kHeadDim, kSmemK = kPlanes * kPlane, kSmemV = kPlanes * kPlane;
     static constexpr int kSmemBytes = (kSmemQ + kSmemK + kSmemV) * static_cast<int>(sizeof(float));
-    // __launch_bounds__ minimum CTAs per SM: 2 leaves every thread the 255-register maximum.
-    static constexpr int kMinBlocksPerSm = 2;
+    // __launch_bounds__ minimum CTAs per SM: 3 with one pass (168 registers;
+    // at d = 32, whose 64 keys hold more scores per head-dim column, NVRTC 12.0
+    // and 13.0 spill there, so 2), 2 with three.  S = Q K^T unrolls two
+    // 16-column groups per iteration (all of them: up to 255 registers with
+    // three passes, and spills with 128-row tiles).
+    static constexpr int kMinBlocksPerSm = kPasses == 1 && kHeadDim > 32 ? 3 : 2;
+    static constexpr int kUnrollQK = 2;
 
     static_assert(kPasses == 1 || kPasses == 3, "kPasses: 1 (tf32) or 3 (tf32x3)");
     static_assert(kBlockM % (16 * kWarps) == 0, "block_m: whole m16 tiles per warp");
     static_assert(kBlockN % 8 == 0, "block_n: whole n8 tiles");
     static_assert(kHeadDim % 32 == 0 && kHeadDim <= 128, "head dim bucket: 32, 64 or 128");
     static_assert(kSmemBytes <= 99 * 1024, "within the opt-in shared memory of every sm_80+ GPU");
+};
+
+// SimtTiles' Mover: each thread copies whole units of a tile (tf32_copy_tile)
+// and, once they have landed, interleaves and rounds them (tf32_prepare_tile).
+template <class Tr>
+struct Tf32TileMover {
+    __device__ static void q(float* dst, const float* src, int64_t row_stride, int rows_valid, int cols_valid) {
+        tf32_copy_tile<Tr::kThreads, Tr::kBlockM, Tr::kHeadDim, typename Tr::QLayout>(dst, src, row_stride,
+                                                                                    rows_valid, cols_valid);
+    }
+    __device__ static void k(float* dst, const float* src, int64_t row_stride, int rows_valid, int cols_valid) {
+        tf32_copy_tile<Tr::kThreads, Tr::kBlockN, Tr::kHeadDim, typename Tr::KLayout>(dst, src, row_stride,
+                                                                                    rows_valid, cols_valid);
+    }
+    __device__ static void v(float* dst, const float* src, int64_t row_stride, int rows_valid, int cols_valid) {
+        tf32_copy_tile<Tr::kThreads, Tr::kBlockN, Tr::kHeadDim, typename Tr::VLayout>(dst, src, row_stride,
+                                                                                    rows_valid, cols_valid);
+    }
+    __device__ static void q_landed(float* dst) {
+        tf32_prepare_tile<Tr::kThreads, Tr::kBlockM, Tr::kHeadDim, typename Tr::QTile>(dst);
+    }
+    __device__ static void k_landed(float* dst) {
+        tf32_prepare_tile<Tr::kThreads, Tr::kBlockN, Tr::kHeadDim, typename Tr::KTile>(dst);
+    }
+    __device__ static void v_landed(float* dst) {
+        tf32_prepare_tile<Tr::kThreads, Tr::kBlockN, Tr::kHeadDim, typename Tr::VTile>(dst);
+    }
 };
 
 // The warp's rows of the normalised output (to out, rows out_row_stride apart)
@@ -102,7 +152,7 @@ fwd_tf32_kernel(const FwdParams params) {
 
     int64_t n_begin = block.n_begin(kBlockN), n_end = block.n_end(kBlockN);
     split_key_blocks(params, blockIdx.y, n_begin, n_end);
-    const SimtTiles<Tr, float> tiles(params, head, block, n_begin, n_end);
+    const SimtTiles<Tr, float, Tf32TileMover<Tr>> tiles(params, head, block, n_begin, n_end);
 
     OnlineSoftmax<float, Tr::kRows, 4> softmax;
     float o[Tr::kRows][Tr::kOCols] = {};
@@ -110,12 +160,12 @@ fwd_tf32_kernel(const FwdParams params) {
         const int64_t n0 = n_block * kBlockN;
         float s[Tr::kRows][Tr::kSCols];
         tiles.keys(n_block);
-        tf32_abt<kPasses, Tr::kMTiles, Tr::kNTiles, kHeadDim, typename Tr::QLayout, typename Tr::KLayout>(
+        tf32_abt<kPasses, Tr::kMTiles, Tr::kNTiles, kHeadDim, typename Tr::QTile, typename Tr::KTile, Tr::kUnrollQK>(
             s, tiles.sQ, tiles.sK, row0);  // S = Q K^T
         if (block.needs_mask(mask, n0, kBlockN)) apply_mask<Tr>(s, BlockMask(params, block.m0 + row0, n0, kBlockN));
         softmax.template update_unscaled<false>(s, o, scale_log2);
         tiles.values(n_block);
-        tf32_accumulate<kPasses, Tr::kMTiles, Tr::kNTiles, kHeadDim, Tf32VRows<kHeadDim>>(o, s, tiles.sV);  // O += P V
+        tf32_accumulate<kPasses, Tr::kMTiles, Tr::kNTiles, kHeadDim, typename Tr::VTile>(o, s, tiles.sV);  // O += P V
         tiles.done();
     }
     tiles.finish();

@@ -28,16 +28,22 @@
 //       index g, so one 16-byte load of Z[row][32 J + 4g ..] serves four n8
 //       tiles ("column" reads); the lane's accumulators of those tiles then
 //       hold columns 32 J + 4 (2t + e) + i, four consecutive ones per (J, e)
-//       (store_run_tf32).
+//       (store_row_tf32).
 // A quarter-warp's 16-byte loads (lanes 8q .. 8q + 7) must fall in 8
 // different bank groups (16-byte chunk index mod 8).  Row reads: rows 2q,
 // 2q + 1 (mod 8), chunks 4j + t; column reads: rows 8 kk + 2t + e, chunks
 // 8 J + 2q, 8 J + 2q + 1.  The layouts XOR a row's chunk index with
 //   Tf32Rows       4 (r % 2)                       row reads
-//   Tf32VRows      2 ((r / 2) % 4)                 column reads
 //   Tf32BothRows   (r & 6) ^ 4 (r % 2)             both: bit 2 differs between
 //                  rows 2q and 2q + 1 (row reads), bits 1-2 take four values
 //                  over rows 2t + e, t = 0..3 (column reads).
+// Fragment quads.  The loads above still leave each lane to gather an A
+// fragment from two rows (and each B fragment of P Z from two rows), which
+// costs register moves on every use.  Tf32Pairs stores two rows interleaved
+// so that one 16-byte load is a whole A fragment (rows g, g + 8) or two whole
+// B fragments (rows 2t, 2t + 1); a tile reaches it raw and is interleaved in
+// place by the threads that copied it (tf32_copy_tile, tf32_prepare_tile),
+// which can round (split) it to TF32 at the same time, once for all warps.
 #pragma once
 
 #include "ptx.cuh"
@@ -46,28 +52,160 @@
 namespace cf {
 
 // ---- shared-memory layouts (rows of kCols floats, 16-byte chunks permuted) --------------------
+// Besides offset(r, c), each layout names the units its tiles are copied in
+// (tf32_copy_tile): kRowsPerUnit rows, unit_row(u, m) the m-th row of unit row
+// u, one 16-byte chunk each, landing raw at raw_chunk(r, c).  kPaired layouts
+// are reworked in place once they land (tf32_prepare_tile).
 
 template <int kCols>
 struct Tf32Rows {
     static_assert(kCols % 32 == 0, "Tf32Rows: rows of whole 128-byte lines");
+    static constexpr bool kPaired = false;
+    static constexpr int kRowsPerUnit = 1;
     __device__ static int offset(int r, int c) { return r * kCols + ((((c >> 2) ^ ((r & 1) << 2))) << 2) + (c & 3); }
-};
-
-template <int kCols>
-struct Tf32VRows {
-    static_assert(kCols % 32 == 0, "Tf32VRows: rows of whole 128-byte lines");
-    __device__ static int offset(int r, int c) {
-        return r * kCols + ((((c >> 2) ^ (((r >> 1) & 3) << 1))) << 2) + (c & 3);
-    }
+    __device__ static int unit_row(int u, int) { return u; }
+    __device__ static int raw_chunk(int r, int c) { return offset(r, c); }
 };
 
 template <int kCols>
 struct Tf32BothRows {
     static_assert(kCols % 32 == 0, "Tf32BothRows: rows of whole 128-byte lines");
+    static constexpr bool kPaired = false;
+    static constexpr int kRowsPerUnit = 1;
     __device__ static int offset(int r, int c) {
         return r * kCols + ((((c >> 2) ^ ((r & 6) ^ ((r & 1) << 2)))) << 2) + (c & 3);
     }
+    __device__ static int unit_row(int u, int) { return u; }
+    __device__ static int raw_chunk(int r, int c) { return offset(r, c); }
 };
+
+// Rows r and r + kStride (r % (2 kStride) < kStride) interleaved into fragment
+// quads: 16-byte slot 2 j + h of pair p holds
+//     X[r][4j + 2h], X[r + kStride][4j + 2h], X[r][4j + 2h + 1], X[r + kStride][4j + 2h + 1]
+// -- with kStride = 8 an A fragment (a0 .. a3) of tf32_abt, with kStride = 1
+// two B fragments (b0, b1) of tf32_accumulate, each in one 16-byte load, no
+// register moves.  Pair p's slots are XORed with (p & 1) | 4 ((p >> 1) & 1),
+// which puts a quarter-warp's 8 loads in 8 bank groups for both reads (rows
+// 2q, 2q + 1 of the pairs at slots 8j + 2t + h; pairs 4kk + t at slots
+// 16J + 4q + h, 16J + 4q + 2 + h).  Rows r and r + kStride land raw in slots
+// 2 j and 2 j + 1.
+template <int kCols, int kStride>
+struct Tf32Pairs {
+    static_assert(kCols % 16 == 0, "Tf32Pairs: pairs of whole 64-byte rows");
+    static constexpr bool kPaired = true;
+    static constexpr int kRowsPerUnit = 2;
+    static constexpr int kSlots = kCols / 2;  // 16-byte slots per pair
+    __device__ static int pair(int r) { return (r / (2 * kStride)) * kStride + r % kStride; }
+    __device__ static int member(int r) { return (r / kStride) & 1; }
+    __device__ static int slot(int p, int s) { return 4 * (p * kSlots + (s ^ ((p & 1) | ((p & 2) << 1)))); }
+    __device__ static int offset(int r, int c) {
+        return slot(pair(r), 2 * (c >> 2) + ((c >> 1) & 1)) + 2 * (c & 1) + member(r);
+    }
+    __device__ static int unit_row(int u, int m) { return (u / kStride) * 2 * kStride + u % kStride + m * kStride; }
+    __device__ static int raw_chunk(int r, int c) { return slot(pair(r), 2 * (c >> 2) + member(r)); }
+};
+
+// ---- tiles into shared memory ---------------------------------------------------------------------
+
+// Copies the first rows_valid rows and cols_valid columns of a kRows x kCols
+// float tile at src into Layout (zeros elsewhere) with cp.async.  Unit
+// u = threadIdx.x + i kThreads is one thread's on either path (16-byte copies,
+// or 4-byte ones where src rows are not 16-byte aligned), so once its
+// cp_async_wait returns the thread may rework its units in place
+// (tf32_prepare_tile) before the barrier that shows the tile to the others.
+template <int kThreads, int kRows, int kCols, class Layout>
+__device__ __forceinline__ void tf32_copy_tile(float* dst, const float* src, int64_t row_stride, int rows_valid,
+                                               int cols_valid) {
+    constexpr int kChunks = kCols / 4, kUnits = kRows / Layout::kRowsPerUnit * kChunks;
+    constexpr int kPasses = (kUnits + kThreads - 1) / kThreads;
+    if (reinterpret_cast<unsigned long long>(src) % 16 == 0 && row_stride % 4 == 0) {
+#pragma unroll
+        for (int pass = 0; pass < kPasses; ++pass) {
+            const int u = static_cast<int>(threadIdx.x) + pass * kThreads;
+            if (kUnits % kThreads != 0 && u >= kUnits) break;
+            const int c = (u % kChunks) * 4;
+#pragma unroll
+            for (int m = 0; m < Layout::kRowsPerUnit; ++m) {
+                const int r = Layout::unit_row(u / kChunks, m);
+                const int valid = r < rows_valid ? min(cols_valid - c, 4) : 0;
+                // a zero-byte copy reads nothing but still gets a valid address
+                cp_async_16(dst + Layout::raw_chunk(r, c), valid > 0 ? src + r * row_stride + c : src,
+                            valid > 0 ? 4 * valid : 0);
+            }
+        }
+        return;
+    }
+    // Rows not 16-byte aligned: the same units, word by word (rare; not unrolled,
+    // so that it costs the aligned path no registers).
+#pragma unroll 1
+    for (int i = 0; i < kPasses * Layout::kRowsPerUnit * 4; ++i) {
+        const int u = static_cast<int>(threadIdx.x) + (i / (4 * Layout::kRowsPerUnit)) * kThreads;
+        const int m = (i / 4) % Layout::kRowsPerUnit, w = i % 4;
+        if (u >= kUnits) break;
+        const int c = (u % kChunks) * 4;
+        const int r = Layout::unit_row(u / kChunks, m);
+        const bool valid = r < rows_valid && c + w < cols_valid;
+        cp_async_4(dst + Layout::raw_chunk(r, c) + w, valid ? src + r * row_stride + c + w : src, valid ? 4 : 0);
+    }
+}
+
+__device__ __forceinline__ float tf32_round(float x) { return __uint_as_float(to_tf32(x)); }
+
+// What tf32_prepare_tile leaves in a tile: the float32 values (kTf32Raw), or
+// the TF32 operands every warp would otherwise convert for itself --
+// tf32(x) (kTf32Rounded, one pass) or tf32(x) in place and tf32(x - tf32(x))
+// kPlane floats further on (kTf32Split, three passes).
+constexpr int kTf32Raw = 0, kTf32Rounded = 1, kTf32Split = 2;
+
+// A shared-memory tile as an MMA operand: its layout and its preparation.
+template <class Layout_, int kPrep_ = kTf32Raw, int kPlane_ = 0>
+struct Tf32Tile {
+    using Layout = Layout_;
+    static constexpr int kPrep = kPrep_, kPlane = kPlane_;
+    static_assert(kPrep == kTf32Raw || kPrep == kTf32Rounded || kPlane_ > 0 && kPrep == kTf32Split,
+                  "kPrep: kTf32Raw, kTf32Rounded, or kTf32Split with its small plane");
+};
+
+// After this thread's copies of a tf32_copy_tile have landed: interleave its
+// units of a kPaired layout into fragment quads, and prepare them as Tile says.
+template <int kThreads, int kRows, int kCols, class Tile>
+__device__ __forceinline__ void tf32_prepare_tile(float* dst) {
+    using Layout = typename Tile::Layout;
+    constexpr int kChunks = kCols / 4, kUnits = kRows / Layout::kRowsPerUnit * kChunks;
+    // one 16-byte slot, prepared
+    auto finish = [](float* slot, Vec16<float> x) {
+        if constexpr (Tile::kPrep == kTf32Raw) {
+            *reinterpret_cast<Vec16<float>*>(slot) = x;
+        } else {
+            Vec16<float> big, small;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                big.x[e] = tf32_round(x.x[e]);
+                if constexpr (Tile::kPrep == kTf32Split) small.x[e] = tf32_round(x.x[e] - big.x[e]);
+            }
+            *reinterpret_cast<Vec16<float>*>(slot) = big;
+            if constexpr (Tile::kPrep == kTf32Split) *reinterpret_cast<Vec16<float>*>(slot + Tile::kPlane) = small;
+        }
+    };
+    if constexpr (Layout::kPaired || Tile::kPrep != kTf32Raw) {
+#pragma unroll
+        for (int pass = 0; pass < (kUnits + kThreads - 1) / kThreads; ++pass) {
+            const int u = static_cast<int>(threadIdx.x) + pass * kThreads;
+            if (kUnits % kThreads != 0 && u >= kUnits) break;
+            const int c = (u % kChunks) * 4;
+            float* lo = dst + Layout::raw_chunk(Layout::unit_row(u / kChunks, 0), c);
+            const Vec16<float> a = load_vec16(lo);
+            if constexpr (Layout::kPaired) {
+                float* hi = dst + Layout::raw_chunk(Layout::unit_row(u / kChunks, 1), c);
+                const Vec16<float> b = load_vec16(hi);
+                finish(lo, Vec16<float>{{a.x[0], b.x[0], a.x[1], b.x[1]}});
+                finish(hi, Vec16<float>{{a.x[2], b.x[2], a.x[3], b.x[3]}});
+            } else {
+                finish(lo, a);
+            }
+        }
+    }
+}
 
 // ---- operands and MMAs ----------------------------------------------------------------------------
 
@@ -79,7 +217,28 @@ struct Tf32Operand {
     __device__ explicit Tf32Operand(float x) : big(to_tf32(x)), small(0u) {
         if constexpr (kPasses == 3) small = to_tf32(x - __uint_as_float(big));
     }
+    __device__ Tf32Operand(uint32_t big_, uint32_t small_) : big(big_), small(small_) {}
 };
+
+// The operands of the four elements at Tile's offset off (one 16-byte load;
+// two for a split tile), converted here only if the tile is raw.
+template <int kPasses, class Tile>
+__device__ __forceinline__ void tf32_load4(Tf32Operand<kPasses> (&op)[4], const float* tile, int off) {
+    static_assert(Tile::kPrep != kTf32Rounded || kPasses == 1, "a rounded tile serves one pass only");
+    static_assert(Tile::kPrep != kTf32Split || kPasses == 3, "a split tile serves three passes");
+    const Vec16<float> x = load_vec16(tile + off);
+    if constexpr (Tile::kPrep == kTf32Split) {
+        const Vec16<float> small = load_vec16(tile + Tile::kPlane + off);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) op[e] = Tf32Operand<kPasses>(__float_as_uint(x.x[e]), __float_as_uint(small.x[e]));
+    } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            op[e] = Tile::kPrep == kTf32Rounded ? Tf32Operand<kPasses>(__float_as_uint(x.x[e]), 0u)
+                                                : Tf32Operand<kPasses>(x.x[e]);
+        }
+    }
+}
 
 // d += A B over one k8 step in kPasses MMAs, the small terms first.
 template <int kPasses>
@@ -114,10 +273,13 @@ __device__ __forceinline__ void tile_mma(float (&acc)[R][C], int mi, int nj, con
 // of Y's rows (from 0), over kCols columns (zero past the run-time width), in
 // the k order described at the top; kUnroll groups of 16 columns per unrolled
 // iteration (fewer keep the backward's dK/dV kernels within their registers).
-template <int kPasses, int kMTiles, int kNTiles, int kCols, class XLayout, class YLayout, int kUnroll = kCols / 16>
+// XTile and YTile: Tf32Tile (layout and preparation) of X and Y.
+template <int kPasses, int kMTiles, int kNTiles, int kCols, class XTile, class YTile, int kUnroll = kCols / 16>
 __device__ __forceinline__ void tf32_abt(float (&x)[2 * kMTiles][2 * kNTiles], const float* sX, const float* sY,
                                          int row0) {
     using Op = Tf32Operand<kPasses>;
+    using XLayout = typename XTile::Layout;
+    using YLayout = typename YTile::Layout;
     const int g = lane_id() >> 2, t = lane_id() & 3;
 #pragma unroll
     for (int r = 0; r < 2 * kMTiles; ++r)
@@ -131,22 +293,29 @@ __device__ __forceinline__ void tf32_abt(float (&x)[2 * kMTiles][2 * kNTiles], c
 #pragma unroll
         for (int mi = 0; mi < kMTiles; ++mi) {
             const int r = row0 + 16 * mi + g;
-            const Vec16<float> lo = load_vec16(sX + XLayout::offset(r, col));
-            const Vec16<float> hi = load_vec16(sX + XLayout::offset(r + 8, col));
+            if constexpr (XLayout::kPaired) {  // a whole fragment per load
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                a[mi][h][0] = Op(lo.x[2 * h]);
-                a[mi][h][1] = Op(hi.x[2 * h]);
-                a[mi][h][2] = Op(lo.x[2 * h + 1]);
-                a[mi][h][3] = Op(hi.x[2 * h + 1]);
+                for (int h = 0; h < 2; ++h) tf32_load4<kPasses, XTile>(a[mi][h], sX, XLayout::offset(r, col + 2 * h));
+            } else {
+                Op lo[4], hi[4];
+                tf32_load4<kPasses, XTile>(lo, sX, XLayout::offset(r, col));
+                tf32_load4<kPasses, XTile>(hi, sX, XLayout::offset(r + 8, col));
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    a[mi][h][0] = lo[2 * h];
+                    a[mi][h][1] = hi[2 * h];
+                    a[mi][h][2] = lo[2 * h + 1];
+                    a[mi][h][3] = hi[2 * h + 1];
+                }
             }
         }
 #pragma unroll
         for (int ni = 0; ni < kNTiles; ++ni) {
-            const Vec16<float> y = load_vec16(sY + YLayout::offset(8 * ni + g, col));
+            Op y[4];
+            tf32_load4<kPasses, YTile>(y, sY, YLayout::offset(8 * ni + g, col));
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const Op b[2] = {Op(y.x[2 * h]), Op(y.x[2 * h + 1])};
+                const Op b[2] = {y[2 * h], y[2 * h + 1]};
 #pragma unroll
                 for (int mi = 0; mi < kMTiles; ++mi) tile_mma<kPasses>(x, mi, ni, a[mi][h], b);
             }
@@ -155,12 +324,13 @@ __device__ __forceinline__ void tf32_abt(float (&x)[2 * kMTiles][2 * kNTiles], c
 }
 
 // o += P Z: P the accumulators of a tf32_abt (kMTiles m16 tiles by kKTiles n8
-// tiles), Z a tile of 8 kKTiles rows and kCols columns; o's columns in the
-// order described at the top.
-template <int kPasses, int kMTiles, int kKTiles, int kCols, class ZLayout>
+// tiles), Z a tile (ZTile: Tf32Tile) of 8 kKTiles rows and kCols columns; o's
+// columns in the order described at the top.
+template <int kPasses, int kMTiles, int kKTiles, int kCols, class ZTile>
 __device__ __forceinline__ void tf32_accumulate(float (&o)[2 * kMTiles][kCols / 4],
                                                 const float (&p)[2 * kMTiles][2 * kKTiles], const float* sZ) {
     using Op = Tf32Operand<kPasses>;
+    using ZLayout = typename ZTile::Layout;
     const int g = lane_id() >> 2, t = lane_id() & 3;
 #pragma unroll
     for (int kk = 0; kk < kKTiles; ++kk) {
@@ -176,13 +346,28 @@ __device__ __forceinline__ void tf32_accumulate(float (&o)[2 * kMTiles][kCols / 
 #pragma unroll
         for (int jg = 0; jg < kCols / 32; ++jg) {
             const int col = 32 * jg + 4 * g;
-            const Vec16<float> z0 = load_vec16(sZ + ZLayout::offset(row, col));
-            const Vec16<float> z1 = load_vec16(sZ + ZLayout::offset(row + 1, col));
+            // b_i = (Z[row][col + i], Z[row + 1][col + i]): two fragments per load of a
+            // kPaired layout, else one element each from rows row and row + 1
+            Op b[4][2];
+            Op w0[4], w1[4];
+            if constexpr (ZLayout::kPaired) {
+                tf32_load4<kPasses, ZTile>(w0, sZ, ZLayout::offset(row, col));
+                tf32_load4<kPasses, ZTile>(w1, sZ, ZLayout::offset(row, col + 2));
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    b[i][0] = w0[2 * i], b[i][1] = w0[2 * i + 1];
+                    b[i + 2][0] = w1[2 * i], b[i + 2][1] = w1[2 * i + 1];
+                }
+            } else {
+                tf32_load4<kPasses, ZTile>(w0, sZ, ZLayout::offset(row, col));
+                tf32_load4<kPasses, ZTile>(w1, sZ, ZLayout::offset(row + 1, col));
+#pragma unroll
+                for (int i = 0; i < 4; ++i) b[i][0] = w0[i], b[i][1] = w1[i];
+            }
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const Op b[2] = {Op(z0.x[i]), Op(z1.x[i])};
 #pragma unroll
-                for (int mi = 0; mi < kMTiles; ++mi) tile_mma<kPasses>(o, mi, 4 * jg + i, a[mi], b);
+                for (int mi = 0; mi < kMTiles; ++mi) tile_mma<kPasses>(o, mi, 4 * jg + i, a[mi], b[i]);
             }
         }
     }

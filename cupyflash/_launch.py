@@ -74,8 +74,10 @@ def _dmma_shared_bytes(inst: Instantiation) -> int:
 
 
 def _tf32_shared_bytes(inst: Instantiation) -> int:
-    # Tf32FwdTraits::kSmemBytes: Q, K and V tiles of floats.
-    return (inst.block_m + 2 * inst.block_n) * inst.head_dim * 4
+    # Tf32FwdTraits::kSmemBytes: Q, K and V tiles of floats; with three passes K and
+    # V in two planes each (TF32 big and small parts) where that stays within 80 KB.
+    split = (inst.block_m + 4 * inst.block_n) * inst.head_dim * 4
+    return split if inst.passes == 3 and split <= 80 * 1024 else (inst.block_m + 2 * inst.block_n) * inst.head_dim * 4
 
 
 def _v1_shared_bytes(inst: Instantiation, block_m: int, block_n: int, head_dim: int,
