@@ -61,22 +61,26 @@ struct Tf32FwdTraits {
     // Once per CTA, as each tile lands, tf32_prepare_tile does for all warps
     // what each would otherwise do for itself: one pass rounds Q, K and V to
     // TF32 in place; three split K and V into TF32 big parts (in place) and
-    // small parts (a second plane after each tile).  Q, which only its own
-    // warp reads, stays float32 there and is split as it is loaded.
+    // small parts (a second plane after each tile) as far as the shared memory
+    // allows (below).  Q, which only its own warp reads, stays float32 there
+    // and is split as it is loaded.
     static constexpr bool kAsync = true;
     using QLayout = Tf32Pairs<kHeadDim, 8>;
     using KLayout = Tf32Rows<kHeadDim>;
     using VLayout = Tf32Pairs<kHeadDim, 1>;
     // The split takes its second planes only where two CTAs still fit an
-    // sm_80 SM (80 KB each); otherwise K and V stay float32 too.
-    static constexpr int kPlane = kBlockN * kHeadDim;     // elements of one K or V plane
-    static constexpr bool kSplitTiles = kPasses == 3 && (kBlockM + 4 * kBlockN) * kHeadDim * 4 <= 80 * 1024;
-    static constexpr int kPrep = kPasses == 1 ? kTf32Rounded : kSplitTiles ? kTf32Split : kTf32Raw;
-    static constexpr int kPlanes = kSplitTiles ? 2 : 1;   // of K and V
+    // sm_80 SM (80 KB each): K's and V's (d = 32, 64), else V's alone (d = 128);
+    // a tile without one stays float32 and each warp splits what it loads.
+    static constexpr int kPlane = kBlockN * kHeadDim;  // elements of one K or V plane
+    static constexpr int kQ = kBlockM * kHeadDim;
+    static constexpr bool kSplitV = kPasses == 3 && (kQ + 3 * kPlane) * 4 <= 80 * 1024;
+    static constexpr bool kSplitK = kPasses == 3 && (kQ + 4 * kPlane) * 4 <= 80 * 1024;
+    static constexpr int kPrepK = kPasses == 1 ? kTf32Rounded : kSplitK ? kTf32Split : kTf32Raw;
+    static constexpr int kPrepV = kPasses == 1 ? kTf32Rounded : kSplitV ? kTf32Split : kTf32Raw;
     using QTile = Tf32Tile<QLayout, kPasses == 1 ? kTf32Rounded : kTf32Raw>;
-    using KTile = Tf32Tile<KLayout, kPrep, kSplitTiles ? kPlane : 0>;
-    using VTile = Tf32Tile<VLayout, kPrep, kSplitTiles ? kPlane : 0>;
-    static constexpr int kSmemQ = kBlockM * kHeadDim, kSmemK = kPlanes * kPlane, kSmemV = kPlanes * kPlane;
+    using KTile = Tf32Tile<KLayout, kPrepK, kSplitK ? kPlane : 0>;
+    using VTile = Tf32Tile<VLayout, kPrepV, kSplitV ? kPlane : 0>;
+    static constexpr int kSmemQ = kQ, kSmemK = (kSplitK ? 2 : 1) * kPlane, kSmemV = (kSplitV ? 2 : 1) * kPlane;
     static constexpr int kSmemBytes = (kSmemQ + kSmemK + kSmemV) * static_cast<int>(sizeof(float));
     // __launch_bounds__ minimum CTAs per SM: 3 with one pass (168 registers;
     // at d = 32, whose 64 keys hold more scores per head-dim column, NVRTC 12.0

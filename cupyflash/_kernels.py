@@ -414,16 +414,15 @@ TF32_PASSES = {"tf32": 1, "tf32x3": 3}
 TF32_HEAD_DIMS = (32, 64, 128)
 # (block_m, block_n, warps) per head dim, both precisions: 4 warps of 16 query
 # rows (one m16 tile each); shared memory (Q + K + V) x 4 bytes, plus the small
-# TF32 parts of K and V with three passes where the CTA stays within 80 KB (two
-# per sm_80 SM).  Registers from the static report (NVRTC 13.5, sm_80 / sm_90):
+# TF32 parts of K and V (else of V alone) with three passes, within 80 KB (two
+# CTAs per sm_80 SM).  Registers from the static report (NVRTC 13.5, sm_80 / sm_90):
 # one pass 165-185 (at most 168 at d = 64 and 128: three CTAs per SM where the
-# shared memory allows), three 221-240 (two); no spills, nor under NVRTC 13.0 and
+# shared memory allows), three 221-242 (two); no spills, nor under NVRTC 13.0 and
 # 12.0.  Not yet timed on a GPU.
 _TF32_TILES = {
     32: (64, 64, 4),    # 24 KB (tf32x3: 40 KB)
     64: (64, 64, 4),    # 48 KB (tf32x3: 80 KB)
-    128: (64, 32, 4),   # 64 KB, both (split K and V would take 96 KB: one CTA per sm_80 SM);
-                        # 64 keys: 96 KB
+    128: (64, 32, 4),   # 64 KB (tf32x3: 80 KB, V's small plane only); 64 keys: 96 KB
 }
 
 

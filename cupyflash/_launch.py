@@ -74,10 +74,13 @@ def _dmma_shared_bytes(inst: Instantiation) -> int:
 
 
 def _tf32_shared_bytes(inst: Instantiation) -> int:
-    # Tf32FwdTraits::kSmemBytes: Q, K and V tiles of floats; with three passes K and
-    # V in two planes each (TF32 big and small parts) where that stays within 80 KB.
-    split = (inst.block_m + 4 * inst.block_n) * inst.head_dim * 4
-    return split if inst.passes == 3 and split <= 80 * 1024 else (inst.block_m + 2 * inst.block_n) * inst.head_dim * 4
+    # Tf32FwdTraits::kSmemBytes: Q, K and V tiles of floats; with three passes a second
+    # plane (the small TF32 parts) for K and V, or else for V alone, within 80 KB.
+    q, plane = inst.block_m * inst.head_dim * 4, inst.block_n * inst.head_dim * 4
+    planes = 2
+    if inst.passes == 3:
+        planes = 4 if q + 4 * plane <= 80 * 1024 else 3 if q + 3 * plane <= 80 * 1024 else 2
+    return q + planes * plane
 
 
 def _v1_shared_bytes(inst: Instantiation, block_m: int, block_n: int, head_dim: int,

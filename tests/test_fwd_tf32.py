@@ -83,10 +83,11 @@ def test_launch_config_and_shared_memory():
     for inst in TF32_ROWS:
         grid, block, shared = launch_config(inst, batch=2, heads=3, seqlen_q=1000, seqlen_k=77, num_splits=2)
         assert block == (inst.threads, 1, 1) and grid == (2 * 3 * -(-1000 // inst.block_m), 2, 1)
-        # three passes: K and V as TF32 big and small parts, where two CTAs still fit an sm_80 SM
-        split = inst.passes == 3 and inst.head_dim < 128
-        planes = 2 if split else 1
-        assert shared == (inst.block_m + 2 * planes * inst.block_n) * inst.head_dim * 4 <= (80 if split else 99) * 1024
+        # three passes: K and V (d = 128: V alone) as TF32 big and small parts, where two
+        # CTAs still fit an sm_80 SM
+        planes = 2 if inst.passes == 1 else 4 if inst.head_dim < 128 else 3
+        assert shared == (inst.block_m + planes * inst.block_n) * inst.head_dim * 4
+        assert shared <= (80 if inst.passes == 3 else 99) * 1024
 
 
 def test_precision_is_checked_before_any_work():
