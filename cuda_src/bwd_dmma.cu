@@ -193,11 +193,11 @@ struct DmmaBwdTraits {
                                       int row0, int rows_valid, int cols_valid) {
         dmma_store_rows<DmmaBwdTraits>(dst, row_stride, g, factor, row0, rows_valid, cols_valid);
     }
-    template <int kTileRows>
+    template <int kTileRows, bool kOwned>  // own and streamed tiles alike
     __device__ static void load_tile(double* dst, const T* src, int64_t row_stride, int rows_valid, int d) {
         dmma_load_tile<DmmaBwdTraits, kTileRows>(dst, src, row_stride, rows_valid, d);
     }
-    template <int kTileRows>
+    template <int kTileRows, bool kOwned>
     __device__ static void tile_landed(double*) {}  // used as copied
 };
 

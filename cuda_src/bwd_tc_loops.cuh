@@ -14,10 +14,12 @@
 //   row_products(x, sX, sY, row0)   x = X Y^T: the warp's own rows by every streamed row
 //   accumulate(g, x, sZ)            g += X Z: x in row_products' shape, Z streamed
 //   store_rows(dst, stride, g, factor, row0, rows_valid, cols_valid)
-//   load_tile<kRows>(dst, src, stride, rows_valid, d)   by cp.async (kAsync; the
-//                      caller commits and waits) or converting loads
-//   tile_landed<kRows>(tile)        (kAsync) this thread's copies into tile have
-//                      landed: it may rework them in place before the barrier
+//   load_tile<kRows, kOwned>(dst, src, stride, rows_valid, d)   by cp.async
+//                      (kAsync; the caller commits and waits) or converting
+//                      loads; kOwned: an own tile (only ever X of row_products),
+//                      else a streamed one
+//   tile_landed<kRows, kOwned>(tile)   (kAsync) this thread's copies into tile
+//                      have landed: it may rework them in place before the barrier
 #pragma once
 
 #include "block_info.cuh"
@@ -45,8 +47,8 @@ struct TileStream {
     template <typename T>
     __device__ void load(int stage, const T* src1, int64_t stride1, const T* src2, int64_t stride2, int rows,
                          int d) const {
-        Tr::template load_tile<Tr::kStreamRows>(first(stage), src1, stride1, rows, d);
-        Tr::template load_tile<Tr::kStreamRows>(second(stage), src2, stride2, rows, d);
+        Tr::template load_tile<Tr::kStreamRows, false>(first(stage), src1, stride1, rows, d);
+        Tr::template load_tile<Tr::kStreamRows, false>(second(stage), src2, stride2, rows, d);
     }
     // Make block `it` of the loop readable in stage(it), and (kAsync) start
     // copying block it + 1 into the other stage: load_next(stage) loads the next
@@ -57,11 +59,11 @@ struct TileStream {
         if constexpr (Tr::kAsync) {
             cp_async_wait<0>();
             if (it == 0) {
-                Tr::template tile_landed<Tr::kOwnRows>(own1);
-                Tr::template tile_landed<Tr::kOwnRows>(own2);
+                Tr::template tile_landed<Tr::kOwnRows, true>(own1);
+                Tr::template tile_landed<Tr::kOwnRows, true>(own2);
             }
-            Tr::template tile_landed<Tr::kStreamRows>(first(stage(it)));
-            Tr::template tile_landed<Tr::kStreamRows>(second(stage(it)));
+            Tr::template tile_landed<Tr::kStreamRows, false>(first(stage(it)));
+            Tr::template tile_landed<Tr::kStreamRows, false>(second(stage(it)));
             __syncthreads();  // this block landed; the other stage has been read
             if (it + 1 < count) {
                 load_next(stage(it) ^ 1);
@@ -96,8 +98,8 @@ __device__ __forceinline__ void bwd_dkdv_loop(const BwdParams& params) {
     Acc* sV = sK + Tr::kOwnTile;
     const TileStream<Tr> stream{sV + Tr::kOwnTile, sK, sV};  // Q, dO
     const HeadSlice<T, Out> kv(p, tile.batch, first_head);
-    Tr::template load_tile<kOwn>(sK, kv.k + block.n0 * p.k_row_stride, p.k_row_stride, block.keys, d);
-    Tr::template load_tile<kOwn>(sV, kv.v + block.n0 * p.v_row_stride, p.v_row_stride, block.keys, d);
+    Tr::template load_tile<kOwn, true>(sK, kv.k + block.n0 * p.k_row_stride, p.k_row_stride, block.keys, d);
+    Tr::template load_tile<kOwn, true>(sV, kv.v + block.n0 * p.v_row_stride, p.v_row_stride, block.keys, d);
 
     // (head, m_block) walks heads first_head.. and, within each, the query
     // blocks m_begin..m_end that see these keys.
@@ -190,8 +192,8 @@ __device__ __forceinline__ void bwd_dq_loop(const BwdParams& params) {
     Acc* sQ = reinterpret_cast<Acc*>(dynamic_smem());
     Acc* sdO = sQ + Tr::kOwnTile;
     const TileStream<Tr> stream{sdO + Tr::kOwnTile, sQ, sdO};  // K, V
-    Tr::template load_tile<kOwn>(sQ, head.q + block.m0 * p.q_row_stride, p.q_row_stride, block.rows, d);
-    Tr::template load_tile<kOwn>(sdO, grad.dout + block.m0 * params.dout_row_stride, params.dout_row_stride,
+    Tr::template load_tile<kOwn, true>(sQ, head.q + block.m0 * p.q_row_stride, p.q_row_stride, block.rows, d);
+    Tr::template load_tile<kOwn, true>(sdO, grad.dout + block.m0 * params.dout_row_stride, params.dout_row_stride,
                                  block.rows, d);
     Acc lse_log2[Tr::kRows], delta[Tr::kRows];
 #pragma unroll

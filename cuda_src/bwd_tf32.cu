@@ -20,17 +20,20 @@
 // are bit-identical from run to run; there is no atomic variant
 // (deterministic=False runs the same kernels).  The kernels' loops are
 // bwd_tc_loops.cuh's, shared with bwd_dmma.cu; this file supplies the TF32
-// products, the layout and the tile loads (Tf32BwdTraits).
+// products, the layouts and the tile loads (Tf32BwdTraits).
 //
 // Each of the kWarps warps owns kWarpRows = kOwn / kWarps of the CTA's rows
 // (kMTiles m16 tiles).  Per streamed block of kStream rows a warp computes
 //     X = Own Stream^T    tf32_abt (S^T = K Q^T, dP^T = V dO^T; S = Q K^T,
-//                         dP = dO V^T): both tiles read by rows
+//                         dP = dO V^T): the own tile as A fragments, the
+//                         streamed one read by rows
 //     G += X' Stream      tf32_accumulate (dV += P^T dO, dK += dS^T Q;
 //                         dQ += dS K): X' from the accumulators in place,
 //                         the streamed tile read by columns
-// so the streamed tiles are read both ways: every tile uses Tf32BothRows,
-// free of bank conflicts for both.  The streamed tiles are double-buffered by
+// so the streamed tiles are read both ways and use Tf32BothRows, free of bank
+// conflicts for both; the own tiles are fragment quads (Tf32Pairs).  Every
+// tile is copied in units its threads rework in place as they land
+// (Tf32BwdTraits::tile_landed).  The streamed tiles are double-buffered by
 // cp.async: the next block's copy runs while this one is computed.  The
 // dispatcher (cupyflash/_gpu_bwd.py) gives these kernels float32 with d = dv
 // up to 128 on sm_80+ (rows not 16-byte aligned are copied a word at a time);
@@ -65,11 +68,18 @@ struct Tf32BwdTraits {
     static constexpr int kSCols = 2 * kNTiles;           // S, dP columns per lane and row
     static constexpr int kGCols = kHeadDim / 4;          // gradient columns per lane and row
 
-    using Layout = Tf32BothRows<kHeadDim>;
+    // The own tiles are only ever X of row_products (A fragments): fragment
+    // quads (Tf32Pairs, rows g and g + 8 interleaved), one 16-byte load each.
+    // The streamed tiles are read by rows (Y) and by columns (Z): Tf32BothRows.
     // With one pass each thread rounds its own copies of every tile to TF32 as
-    // they land (tf32_prepare_tile), once for all warps; with three the tiles
-    // stay float32 and each warp splits what it loads.
-    using Tile = Tf32Tile<Layout, kPasses == 1 ? kTf32Rounded : kTf32Raw>;
+    // they land (tf32_prepare_tile, which also interleaves the own tiles), once
+    // for all warps; with three the tiles stay float32 and each warp splits
+    // what it loads.
+    using OwnLayout = Tf32Pairs<kHeadDim, 8>;
+    using StreamLayout = Tf32BothRows<kHeadDim>;
+    static constexpr int kPrep = kPasses == 1 ? kTf32Rounded : kTf32Raw;
+    using OwnTile = Tf32Tile<OwnLayout, kPrep>;
+    using StreamTile = Tf32Tile<StreamLayout, kPrep>;
     // Shared memory (floats): the two own tiles, then two stages of the two streamed tiles.
     static constexpr int kStages = 2;
     static constexpr bool kAsync = true;  // cp.async, two stages of the streamed tiles
@@ -90,11 +100,11 @@ struct Tf32BwdTraits {
     // the dK/dV kernels' fragment loads spill 8-12 bytes on sm_80 at d = 64, and at
     // d = 32 the three-pass one spills 8-44 bytes (NVRTC 13.5, 13.0, 12.0).
     __device__ static void row_products(float (&x)[kRows][kSCols], const float* sX, const float* sY, int row0) {
-        tf32_abt<kPasses, kMTiles, kNTiles, kHeadDim, Tile, Tile, (kHeadDim > 32 ? 2 : 1)>(x, sX, sY, row0);
+        tf32_abt<kPasses, kMTiles, kNTiles, kHeadDim, OwnTile, StreamTile, (kHeadDim > 32 ? 2 : 1)>(x, sX, sY, row0);
     }
     // g += X Z, Z the streamed tile read by columns.
     __device__ static void accumulate(float (&g)[kRows][kGCols], const float (&x)[kRows][kSCols], const float* sZ) {
-        tf32_accumulate<kPasses, kMTiles, kNTiles, kHeadDim, Tile>(g, x, sZ);
+        tf32_accumulate<kPasses, kMTiles, kNTiles, kHeadDim, StreamTile>(g, x, sZ);
     }
     __device__ static void store_rows(float* dst, int64_t row_stride, const float (&g)[kRows][kGCols], float factor,
                                       int row0, int rows_valid, int cols_valid) {
@@ -106,13 +116,21 @@ struct Tf32BwdTraits {
     }
     // By cp.async, rows past rows_valid and columns past d zero-filled, in units
     // each thread can rework once they have landed (tile_landed).
-    template <int kTileRows>
+    template <int kTileRows, bool kOwned>
     __device__ static void load_tile(float* dst, const float* src, int64_t row_stride, int rows_valid, int d) {
-        tf32_copy_tile<kThreads, kTileRows, kHeadDim, Layout>(dst, src, row_stride, rows_valid, d);
+        if constexpr (kOwned) {
+            tf32_copy_tile<kThreads, kTileRows, kHeadDim, OwnLayout>(dst, src, row_stride, rows_valid, d);
+        } else {
+            tf32_copy_tile<kThreads, kTileRows, kHeadDim, StreamLayout>(dst, src, row_stride, rows_valid, d);
+        }
     }
-    template <int kTileRows>
+    template <int kTileRows, bool kOwned>
     __device__ static void tile_landed(float* tile) {
-        tf32_prepare_tile<kThreads, kTileRows, kHeadDim, Tile>(tile);
+        if constexpr (kOwned) {
+            tf32_prepare_tile<kThreads, kTileRows, kHeadDim, OwnTile>(tile);
+        } else {
+            tf32_prepare_tile<kThreads, kTileRows, kHeadDim, StreamTile>(tile);
+        }
     }
 };
 
