@@ -390,6 +390,26 @@ def test_transposed_reversed_and_strided_views_in_and_out(executor):
     case.check(case.run(executor, grads, out=out, lse=lse))
 
 
+def check_broadcast_and_strided_views(executor, dtype, case_type=Case):
+    """A GQA backward through ``executor`` on views, against the oracle: q, dout, out and
+    dq as (B, L, H, d) buffers viewed as (B, H, L, d); k every other row, v reversed
+    along L; a broadcast (stride-0) batch axis of q; dk with L outermost, dv every
+    other row.  ``case_type``: Case or a subclass with its own accuracy rule."""
+    rng = np.random.default_rng(21)
+    b, h, lq, lk, d = 2, 4, 60, 77, 64
+    q = np.broadcast_to(random_array(rng, (1, lq, h, d), dtype).transpose(0, 2, 1, 3), (b, h, lq, d))
+    k = random_array(rng, (b, 2, 2 * lk, d), dtype)[:, :, ::2]
+    v = random_array(rng, (b, 2, lk, d), dtype)[:, :, ::-1]
+    dout = random_array(rng, (b, lq, h, d), dtype).transpose(0, 2, 1, 3)
+    case = case_type(rng, q, k, v, gqa_ratio=2, window=(30, 4), dout=dout)
+    out = np.empty((b, lq, h, d), dtype).transpose(0, 2, 1, 3)
+    out[...] = case.out
+    grads = (poisoned((b, lq, h, d), dtype).transpose(0, 2, 1, 3),
+             poisoned((lk, b, 2, d), dtype).transpose(1, 2, 0, 3),
+             poisoned((b, 2, 2 * lk, d), dtype)[:, :, 1::2])
+    case.check(case.run(executor, grads=grads, out=out))
+
+
 # ---- determinism, sizes, scales ---------------------------------------------------------------------
 
 

@@ -33,8 +33,8 @@ from cupyflash.emulator import EmulatorExecutor, emulator_available
 
 from _backward_util import (assert_within_term_bound, assert_within_twice_naive_half_error, backward_term_sizes,
                             naive_tf32_backward)
-from _util import LaunchSpy, assert_compiled_clean, assert_grad_close, poisoned, random_array
-from test_backward_emulated import Case, qkv
+from _util import LaunchSpy, assert_compiled_clean, assert_grad_close, random_array
+from test_backward_emulated import Case, check_broadcast_and_strided_views, qkv
 
 ROWS = [r for r in instantiations() if r.family == "bwd_tf32"]
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
@@ -247,22 +247,7 @@ def test_padded_and_unaligned_head_dims(spy, head_dim, precision):
 
 @needs_emulator
 def test_transposed_reversed_and_broadcast_views(spy):
-    rng = np.random.default_rng(21)
-    # q, dout, out and dq as (B, L, H, d) buffers viewed as (B, H, L, d); k every
-    # other row, v reversed along L; a broadcast (stride-0) batch axis of q; dk
-    # with L outermost, dv every other row.
-    b, h, lq, lk, d = 2, 4, 60, 77, 64
-    q = np.broadcast_to(random_array(rng, (1, lq, h, d), np.float32).transpose(0, 2, 1, 3), (b, h, lq, d))
-    k = random_array(rng, (b, 2, 2 * lk, d), np.float32)[:, :, ::2]
-    v = random_array(rng, (b, 2, lk, d), np.float32)[:, :, ::-1]
-    dout = random_array(rng, (b, lq, h, d), np.float32).transpose(0, 2, 1, 3)
-    case = Tf32Case(rng, q, k, v, gqa_ratio=2, window=(30, 4), dout=dout)
-    out = np.empty((b, lq, h, d), np.float32).transpose(0, 2, 1, 3)
-    out[...] = case.out
-    grads = (poisoned((b, lq, h, d), np.float32).transpose(0, 2, 1, 3),
-             poisoned((lk, b, 2, d), np.float32).transpose(1, 2, 0, 3),
-             poisoned((b, 2, 2 * lk, d), np.float32)[:, :, 1::2])
-    case.check(case.run(spy, grads=grads, out=out))
+    check_broadcast_and_strided_views(spy, np.float32, Tf32Case)
     assert spy.launched[1].startswith("cf::bwd_tf32_dkdv_kernel<64,")
 
 
