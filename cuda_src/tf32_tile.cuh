@@ -231,12 +231,12 @@ __device__ __forceinline__ void tf32_load4(Tf32Operand<kPasses> (&op)[4], const 
         const Vec16<float> small = load_vec16(tile + Tile::kPlane + off);
 #pragma unroll
         for (int e = 0; e < 4; ++e) op[e] = Tf32Operand<kPasses>(__float_as_uint(x.x[e]), __float_as_uint(small.x[e]));
+    } else if constexpr (Tile::kPrep == kTf32Rounded) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) op[e] = Tf32Operand<kPasses>(__float_as_uint(x.x[e]), 0u);
     } else {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            op[e] = Tile::kPrep == kTf32Rounded ? Tf32Operand<kPasses>(__float_as_uint(x.x[e]), 0u)
-                                                : Tf32Operand<kPasses>(x.x[e]);
-        }
+        for (int e = 0; e < 4; ++e) op[e] = Tf32Operand<kPasses>(x.x[e]);
     }
 }
 
