@@ -14,6 +14,12 @@ times (median after a warm-up), FlashAttention's FLOP count, peak device
 memory.  PyTorch's ``is_causal`` is top-left aligned and cupyflash's
 bottom-right; the cases here have Lq == Lk, where they agree.
 
+The cases run in a child process that this one watches (see ``bench_watched``):
+an implementation that hangs, kills its process or loses the CUDA context is
+left out of the remaining cases, with a note, and the table goes on.  With
+``--tests SECONDS`` it runs ``pytest -m gpu`` instead, one process per
+``tests/test_gpu*.py`` module, side by side (``run_tests``).
+
 Writes ``benchmarks/results/<date>-<gpu>.json`` and ``.md`` (the format of
 ``python -m cupyflash bench --json``, plus ``tests``: the summary of the
 ``pytest -m gpu`` run when ``--junit`` is given; see benchmarks/results/README.md)
@@ -30,6 +36,7 @@ import re
 import shlex
 import shutil
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,40 +116,347 @@ def _compile_one(row) -> str | None:
     return None
 
 
-def test_summary(junit: str, rc: int | None) -> dict:
-    """Counts (and failing test names) from a pytest JUnit XML file."""
+def test_groups(tests_dir: Path = ROOT / "tests") -> list[tuple[str, list[str]]]:
+    """The ``pytest -m gpu`` run in isolated parts: one per ``test_gpu*.py`` module,
+    and one for the GPU tests of every other module.  A kernel that loses its CUDA
+    context (an illegal instruction or address is sticky: every later call in that
+    process fails) or hangs then costs only its own module's results."""
+    modules = sorted(tests_dir.glob("test_gpu*.py"))
+    groups = [(m.stem, [str(m)]) for m in modules]
+    groups.append(("others", [str(tests_dir), "--ignore-glob=*/test_gpu*.py"]))
+    return groups
+
+
+def run_tests(seconds: float, work: Path, python: str = sys.executable) -> int:
+    """Run :func:`test_groups` side by side (one process each), each stopped at the
+    shared deadline; a JUnit file per group in ``work``.  Returns the worst exit status
+    (0: all passed; 124: a group ran past the deadline)."""
+    import signal
+    import subprocess
+
+    work.mkdir(parents=True, exist_ok=True)
+    extra = ["--timeout=90"] if _importable(python, "pytest_timeout") else []
+    procs = []
+    for name, targets in test_groups():
+        log = open(work / f"pytest-{name}.log", "w")
+        cmd = [python, "-m", "pytest", "-m", "gpu", *targets, "-q", "-rfEs", "-p", "no:cacheprovider",
+               f"--junitxml={work / f'junit-{name}.xml'}", *extra]
+        procs.append((name, subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                             start_new_session=True), log))
+    print(f"gpu_check: pytest -m gpu in {len(procs)} processes: {', '.join(n for n, _, _ in procs)}"
+          f"{' ' + ' '.join(extra) if extra else ''} (limit {seconds:.0f} s)", flush=True)
+    deadline = time.monotonic() + seconds
+    worst = 0
+    for name, proc, log in procs:
+        try:
+            rc = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGINT)      # pytest writes its report on SIGINT
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            rc = 124
+        log.close()
+        tail = (work / f"pytest-{name}.log").read_text(errors="replace").strip().splitlines()[-1:]
+        print(f"gpu_check: {name}: exit status {rc}{' (time limit)' if rc == 124 else ''}: "
+              f"{tail[0] if tail else '(no output)'}", flush=True)
+        worst = max(worst, rc)
+    return worst
+
+
+def _importable(python: str, module: str) -> bool:
+    import subprocess
+
+    return subprocess.run([python, "-c", f"import {module}"], capture_output=True).returncode == 0
+
+
+def test_summary(junit, rc: int | None) -> dict:
+    """Counts (and failing test names) from pytest JUnit XML files (a path, a folder of
+    ``junit*.xml`` files, or a list of paths)."""
     import xml.etree.ElementTree as ET
 
     summary = dict(exit_status=rc)
-    path = Path(junit)
-    if not path.is_file():
+    if isinstance(junit, (str, Path)):
+        path = Path(junit)
+        paths = sorted(path.glob("junit*.xml")) if path.is_dir() else [path]
+    else:
+        paths = [Path(p) for p in junit]
+    paths = [p for p in paths if p.is_file()]
+    if not paths:
         summary["summary"] = f"no report (exit status {rc}; timed out?)"
         return summary
-    root = ET.parse(path).getroot()
-    suite = root if root.tag == "testsuite" else root.find("testsuite")
-    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    counts = dict.fromkeys(("tests", "failures", "errors", "skipped"), 0)
+    seconds, failed = 0.0, []
+    for path in paths:
+        root = ET.parse(path).getroot()
+        for suite in ([root] if root.tag == "testsuite" else root.iter("testsuite")):
+            for k in counts:
+                counts[k] += int(suite.get(k, 0))
+            seconds = max(seconds, float(suite.get("time", 0.0)))   # the parts ran side by side
+            failed += [f"{case.get('classname')}::{case.get('name')}" for case in suite.iter("testcase")
+                       if case.find("failure") is not None or case.find("error") is not None]
     counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
-    failed = [f"{case.get('classname')}::{case.get('name')}" for case in suite.iter("testcase")
-              if case.find("failure") is not None or case.find("error") is not None]
-    summary.update(counts, seconds=float(suite.get("time", 0.0)), failed=failed[:50])
+    summary.update(counts, seconds=seconds, failed=failed[:50])
     summary["summary"] = (f"{counts['passed']} passed, {counts['failures'] + counts['errors']} failed, "
                           f"{counts['skipped']} skipped in {summary['seconds']:.0f} s")
     return summary
 
 
+# ---- the table, in a watched child process -------------------------------------------------------
+#
+# The opt-in kernels (wgmma, TF32, DMMA, atomics) reach the table before they have
+# run on many GPUs.  One that hangs, or that loses the CUDA context (every later
+# call in that process fails), must not cost the rest of the table: the cases run
+# in a child process that reports each implementation as it starts and each row as
+# it ends, one JSON line each, to a progress file; the parent (which never touches
+# CUDA) restarts a child that stops making progress or loses its context, without
+# the implementation responsible, at the case where it stopped.
+
+STALL_SECONDS = 60.0    # one implementation of one case takes < 15 s (max_seconds 5 s, warm-up, memory)
+MAX_RESTARTS = 4
+
+
+class ContextLost(Exception):
+    """Raised in the child when a row's error left the CUDA context unusable."""
+
+
+def child(spec_path: str) -> int:
+    """Body of the child process: run the cases in ``spec_path`` and report progress."""
+    from cupyflash import _bench
+
+    spec = json.loads(Path(spec_path).read_text())
+    device, fault = spec["device"], spec.get("fault")   # fault: planted by the tests only
+    progress = open(spec["progress"], "a", buffering=1)
+
+    def emit(**item):
+        progress.write(json.dumps(item) + "\n")
+
+    if spec["header"]:
+        emit(header=_bench.environment(device))
+        if device == "gpu":
+            emit(gemm=_bench._gemm_reference(device, "bfloat16"))
+    where = {}
+
+    def on_start(case, impl):
+        emit(start=impl, case=where["case"])
+        if fault and fault["impl"] == impl and fault["kind"] == "hang":
+            time.sleep(3600)
+        if fault and fault["impl"] == impl and fault["kind"] == "crash":
+            os._exit(9)
+
+    def on_row(row):
+        planted = bool(fault and fault["impl"] == row["impl"] and fault["kind"] == "lost")
+        if planted:
+            row.update(ms=None, ms_min=None, repeats=None, tflops=None, error="planted: context lost")
+        emit(row=row, case=where["case"])
+        if row["error"] and (planted or device == "gpu" and not _bench.cuda_context_alive()):
+            raise ContextLost(row["impl"])
+
+    start = time.perf_counter()
+    cases = [(index, _bench.Case(**c)) for index, c in spec["cases"]]
+    for n, (index, case) in enumerate(cases):
+        left = spec["budget"] - (time.perf_counter() - start)
+        if left <= 0:
+            emit(budget_spent=[i for i, _ in cases[n:]])
+            break
+        where["case"] = index
+        per_impl = max(0.5, min(5.0, left / (len(cases) - n) / 8))
+        try:
+            _bench.run_case(case, device, exclude=spec["exclude"], repeat=spec["repeat"],
+                            warmup=spec["warmup"], memory=spec["memory"], max_seconds=per_impl,
+                            settle_s=0.0, on_start=on_start, on_row=on_row)
+        except ContextLost as lost:
+            emit(lost=str(lost), case=index)
+            return 3
+        emit(done=index)
+    emit(finished=True)
+    return 0
+
+
+def _read_progress(path: Path, offset: int) -> tuple[list[dict], int]:
+    """Complete JSON lines of the progress file from ``offset``; the new offset."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = f.read()
+    end = data.rfind(b"\n") + 1
+    items = [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+    return items, offset + end
+
+
+def bench_watched(cases: list, *, budget: float, repeat: int, work: Path, log=print,
+                  device: str = "gpu", warmup: int = 5, memory: bool = True,
+                  stall_s: float = STALL_SECONDS, fault: dict | None = None) -> dict:
+    """The table of ``cases`` (a list of ``_bench.Case``) in watched child processes
+    (see above); returns the results document of :func:`cupyflash._bench.bench`, with
+    a note for each implementation left out and why.  ``device="cpu"`` and ``fault``
+    (``{"impl": name, "kind": "hang" | "crash" | "lost"}``, planted in the child) are
+    for the tests."""
+    import dataclasses
+    import signal
+    import subprocess
+
+    from cupyflash import _bench
+
+    started = time.monotonic()
+    work.mkdir(parents=True, exist_ok=True)
+    progress = work / "bench-progress.jsonl"
+    progress.write_text("")
+    header, gemm = None, None
+    rows: dict[int, list[dict]] = {}           # case index -> finished rows
+    remaining = list(range(len(cases)))
+    excluded: dict[str, str] = {}              # implementation -> why
+    notes = []
+    for attempt in range(MAX_RESTARTS + 1):
+        left = budget - (time.monotonic() - started)
+        if not remaining:
+            break
+        if left <= 5:
+            notes.append(f"time budget of {budget:g} s spent: {len(remaining)} case(s) not run")
+            break
+        spec = dict(progress=str(progress), header=header is None, exclude=sorted(excluded),
+                    device=device, repeat=repeat, warmup=warmup, memory=memory, budget=left,
+                    fault=fault,
+                    cases=[(i, dataclasses.asdict(cases[i])) for i in remaining])
+        spec_path = work / f"bench-spec-{attempt}.json"
+        spec_path.write_text(json.dumps(spec))
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", str(spec_path)],
+                                cwd=ROOT, start_new_session=True)
+        offset = progress.stat().st_size
+        last_activity, running, why = time.monotonic(), None, None
+        lost = None
+        while True:
+            rc = proc.poll()
+            items, offset = _read_progress(progress, offset)
+            if items:
+                last_activity = time.monotonic()
+            for item in items:
+                if "header" in item:
+                    header = item["header"]
+                elif "gemm" in item:
+                    gemm = item["gemm"]
+                elif "start" in item:
+                    running = (item["case"], item["start"])
+                    rows.setdefault(item["case"], [])
+                    rows[item["case"]] = [r for r in rows[item["case"]] if r["impl"] != item["start"]]
+                elif "row" in item:
+                    rows.setdefault(item["case"], []).append(item["row"])
+                    log(_bench._progress(item["row"]))
+                    running = None
+                elif "done" in item:
+                    remaining.remove(item["done"])
+                elif "lost" in item:
+                    lost = item["lost"]
+                    running = (item["case"], lost)
+                elif "budget_spent" in item:
+                    notes.append(f"time budget of {budget:g} s spent: {len(item['budget_spent'])} "
+                                 f"case(s) not run")
+                    remaining.clear()
+            if rc is not None:
+                break
+            if time.monotonic() - last_activity > stall_s:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                rc, why = proc.returncode, f"no progress for {stall_s:g} s (hung?); process killed"
+                break
+            if time.monotonic() - started > budget + 2 * stall_s:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                rc, why = proc.returncode, "the table's time budget ran out"
+                notes.append(f"time budget of {budget:g} s spent: {len(remaining)} case(s) not finished")
+                remaining.clear()
+                break
+            time.sleep(0.2)
+        if not remaining:
+            break
+        culprit = lost or (running[1] if running else None)
+        if lost:
+            why = "its error left the CUDA context unusable; the process was restarted"
+        elif why is None:
+            why = f"the process died (exit status {rc})"
+        if culprit is None:                    # not a kernel's doing: a restart would fail the same way
+            notes.append(f"the table's process stopped ({why}) outside any implementation; "
+                         f"{len(remaining)} case(s) not run")
+            break
+        excluded[culprit] = why
+        index = running[0]
+        case_rows = rows.setdefault(index, [])
+        if not any(r["impl"] == culprit for r in case_rows):
+            row = dict.fromkeys(_bench.ROW_KEYS)
+            case = cases[index]
+            row.update(impl=culprit, device=device, dtype=case.dtype, B=case.batch, H=case.heads,
+                       Lq=case.seqlen_q, Lk=case.seqlen_k, d=case.head_dim, causal=case.causal,
+                       flops=case.flops, error=why)
+            row["pass"] = case.pass_name
+            case_rows.append(row)
+        notes.append(f"{culprit}: {why} (at {_case_name(cases[index])}); left out of every later case")
+        log(f"gpu_check: {culprit}: {why}; restarting without it")
+    else:
+        notes.append(f"gave up after {MAX_RESTARTS} restarts; {len(remaining)} case(s) not run")
+    doc = header or dict.fromkeys(_bench.REQUIRED_KEYS, None) | dict(device=device, notes=[])
+    all_rows = []
+    for index in sorted(rows):
+        _bench.peer_ratios(rows[index])
+        all_rows += rows[index]
+    references = {"bfloat16": gemm} if gemm else {}
+    _bench.gemm_shares(all_rows, references, device)
+    doc["gemm"] = [gemm] if gemm else []
+    doc["rows"] = all_rows
+    doc["notes"] = doc.get("notes", []) + notes
+    if any(c.causal for c in cases) and any(r["impl"].startswith("torch-") for r in all_rows):
+        doc["notes"].append(_bench.PEER_NOTE)
+    doc["load_average_end"] = _bench._load_average()
+    doc["seconds"] = round(time.monotonic() - started, 1)
+    return doc
+
+
+def _case_name(case) -> str:
+    return (f"{case.pass_name} {case.dtype} B={case.batch} H={case.heads} Lq={case.seqlen_q} "
+            f"Lk={case.seqlen_k} d={case.head_dim}{' causal' if case.causal else ''}")
+
+
+def write_results(doc: dict, out_dir: Path) -> Path:
+    """``<date>-<gpu>.json`` and ``.md`` in ``out_dir`` (and ``$OUT`` when set); the stem."""
+    from cupyflash import _bench
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    slug = re.sub(r"[^a-z0-9]+", "-", (doc.get("gpu") or "gpu").lower()).strip("-")
+    stem = out_dir / f"{_dt.date.today().isoformat()}-{slug}"
+    stem.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
+    stem.with_suffix(".md").write_text(_bench.markdown(doc))
+    out = os.environ.get("OUT")
+    if out:
+        for suffix in (".json", ".md"):
+            shutil.copy(stem.with_suffix(suffix), Path(out) / stem.with_suffix(suffix).name)
+    return stem
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="two small cases, few repeats")
-    p.add_argument("--junit", help="pytest's --junitxml file, summarised into the results")
+    p.add_argument("--junit", help="pytest's --junitxml file (or a folder of junit*.xml files), "
+                   "summarised into the results")
     p.add_argument("--test-rc", type=int, help="pytest's exit status")
     p.add_argument("--budget", type=float, default=150.0, help="seconds for the whole table")
     p.add_argument("--out-dir", default=str(RESULTS))
+    p.add_argument("--work", help="folder for logs, progress and JUnit files (default: a temporary one)")
     p.add_argument("--precompile", type=int, metavar="N",
                    help="only compile every instantiation with N processes, then exit")
+    p.add_argument("--tests", type=float, metavar="SECONDS",
+                   help="only run `pytest -m gpu` (isolated parts side by side), then exit")
+    p.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
+    if args.child:
+        return child(args.child)
     if args.precompile:
         return precompile(args.precompile)
+    import tempfile
+
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="gpu_check-"))
+    if args.tests is not None:
+        return run_tests(args.tests, work)
     from cupyflash import _bench
 
     if not _bench.gpu_available():
@@ -155,26 +469,16 @@ def main(argv=None) -> int:
         cases += [_bench.Case(dtype, b, h, lq, lk, d) for dtype, b, h, lq, lk, d in SMALL_GRID_CASES]
         cases += [_bench.Case(dtype, b, h, length, length, d, causal, backward)
                   for dtype, b, h, length, d, causal, backward in EXACT_L_CASES]
-    doc = _bench.bench(cases, device="gpu", repeat=10 if args.quick else 50, warmup=5,
-                       budget_s=args.budget, log=lambda line: print(line, flush=True))
+    doc = bench_watched(cases, budget=args.budget, repeat=10 if args.quick else 50, work=work,
+                        log=lambda line: print(line, flush=True))
     doc["command"] = shlex.join(["benchmarks/gpu_check.py",
                                  *(sys.argv[1:] if argv is None else argv)])
     if args.junit:
         doc["tests"] = test_summary(args.junit, args.test_rc)
-    table = _bench.markdown(doc)
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    slug = re.sub(r"[^a-z0-9]+", "-", doc["gpu"].lower()).strip("-")
-    stem = out_dir / f"{_dt.date.today().isoformat()}-{slug}"
-    stem.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
-    stem.with_suffix(".md").write_text(table)
+    stem = write_results(doc, Path(args.out_dir))
     print()
-    print(table)
+    print(_bench.markdown(doc))
     print(f"gpu_check: wrote {stem}.json and {stem}.md")
-    out = os.environ.get("OUT")
-    if out:
-        for suffix in (".json", ".md"):
-            shutil.copy(stem.with_suffix(suffix), Path(out) / stem.with_suffix(suffix).name)
     return 0
 
 

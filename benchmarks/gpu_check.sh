@@ -7,9 +7,10 @@
 #     bash benchmarks/gpu_check.sh
 #
 # Writes benchmarks/results/<date>-<gpu>.json and .md (see benchmarks/gpu_check.py)
-# and, when $OUT is set, copies them, the logs, the sweep's gpu_variants.json and
-# the ncu profile (benchmarks/gpu_profile.py) there (ten files).  Without a usable
-# GPU it says so and exits 0.  Otherwise the exit status is pytest's.
+# and, when $OUT is set, copies them there, with the sweep's gpu_variants*.json,
+# and writes the logs, JUnit files, the table's progress and the ncu profile
+# (benchmarks/gpu_profile.py) to $OUT/gpu_check/ as it goes.  Without a usable GPU
+# it says so and exits 0.  Otherwise the exit status is pytest's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -31,35 +32,42 @@ PYEOF
     exit 0
 fi
 
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+# Logs, JUnit files and the table's progress go straight to $OUT when it is set: a
+# run stopped at the device's time limit (SIGKILL: no trap runs) still returns them.
+if [ -n "${OUT:-}" ]; then
+    work="$OUT/gpu_check"
+    mkdir -p "$work"
+else
+    work=$(mktemp -d)
+    trap 'rm -rf "$work"' EXIT
+fi
 start=$(date +%s)
 cpus=$(nproc 2>/dev/null || echo 1)
 # NVRTC is the slow part of a first run: compile the whole catalogue into CuPy's
-# disk cache with one process per core, then let the test workers load it.
+# disk cache with one process per core, then let the test processes load it.
 "$PY" benchmarks/gpu_check.py --precompile "$cpus" 2>&1 | tee "$work/precompile.log"
-# pytest-xdist, where installed, spreads the (independent) GPU tests over processes
-xdist=()
-if [ "$cpus" -gt 2 ] && "$PY" -c "import xdist" 2>/dev/null; then
-    xdist=(-n "$(( cpus < 8 ? cpus : 8 ))")
-fi
-# one hung test must not eat the whole budget
-"$PY" -c "import pytest_timeout" 2>/dev/null && xdist+=(--timeout=90)
-echo "gpu_check: pytest -m gpu ${xdist[*]} (limit ${TEST_SECONDS}s)"
-timeout --signal=INT --kill-after=20 "$TEST_SECONDS" \
-    "$PY" -m pytest -m gpu tests "${xdist[@]}" -q -rfEs -p no:cacheprovider \
-    --junitxml="$work/junit.xml" 2>&1 | tee "$work/pytest.log"
+# One process per test_gpu*.py module (and one for the rest), side by side: a kernel
+# that hangs or loses its CUDA context costs only its own module's results.
+"$PY" benchmarks/gpu_check.py --tests "$TEST_SECONDS" --work "$work" 2>&1 | tee "$work/pytest.log"
 test_rc=${PIPESTATUS[0]}
 echo "gpu_check: pytest exit status $test_rc after $(( $(date +%s) - start ))s"
 
-"$PY" benchmarks/gpu_check.py --budget "$BENCH_SECONDS" --junit "$work/junit.xml" \
+# The table runs in watched child processes (a hung or context-losing implementation
+# is left out and the table goes on); the outer limit is a last resort.
+timeout --signal=INT --kill-after=10 "$(( BENCH_SECONDS + 150 ))" \
+    "$PY" benchmarks/gpu_check.py --budget "$BENCH_SECONDS" --junit "$work" --work "$work" \
     --test-rc "$test_rc" 2>&1 | tee "$work/bench.log"
 bench_rc=${PIPESTATUS[0]}
 
 if [ "$VARIANT_SECONDS" -gt 0 ]; then
-    echo "gpu_check: tile sweep (benchmarks/gpu_variants.py, limit ${VARIANT_SECONDS}s)"
-    timeout --signal=INT --kill-after=10 "$VARIANT_SECONDS" "$PY" benchmarks/gpu_variants.py \
-        2>&1 | tee "$work/variants.log"
+    # the never-run wgmma variants in a process of their own (a third of the time),
+    # so that a kernel that loses the CUDA context cannot cost the others
+    wgmma_seconds=$(( VARIANT_SECONDS / 3 ))
+    echo "gpu_check: tile sweep (benchmarks/gpu_variants.py: wgmma ${wgmma_seconds}s, the rest $(( VARIANT_SECONDS - wgmma_seconds ))s)"
+    timeout --signal=INT --kill-after=10 "$wgmma_seconds" "$PY" benchmarks/gpu_variants.py \
+        --kinds wfwd,wbwd --json gpu_variants_wgmma.json 2>&1 | tee "$work/variants-wgmma.log"
+    timeout --signal=INT --kill-after=10 "$(( VARIANT_SECONDS - wgmma_seconds ))" "$PY" benchmarks/gpu_variants.py \
+        --kinds fwd,bwd,tfwd,sfwd,sbwd,dfwd,dbwd 2>&1 | tee "$work/variants.log"
 fi
 
 # Hardware counters of one launch of each target kernel (where ncu can read them:
@@ -79,15 +87,6 @@ if [ "$PROFILE_SECONDS" -gt 0 ]; then
     fi
 fi
 
-if [ -n "${OUT:-}" ]; then
-    [ -f "$work/profile.csv" ] && cp "$work/profile.csv" "$OUT/gpu_check_profile.csv"
-    [ -f "$work/profile.log" ] && cp "$work/profile.log" "$OUT/gpu_check_profile.log"
-    cp "$work/precompile.log" "$OUT/gpu_check_precompile.log"
-    cp "$work/pytest.log" "$OUT/gpu_check_pytest.log"
-    [ -f "$work/junit.xml" ] && cp "$work/junit.xml" "$OUT/gpu_check_junit.xml"
-    cp "$work/bench.log" "$OUT/gpu_check_bench.log"
-    [ -f "$work/variants.log" ] && cp "$work/variants.log" "$OUT/gpu_check_variants.log"
-fi
 echo "gpu_check: done in $(( $(date +%s) - start ))s (pytest $test_rc, timing $bench_rc)"
 [ "$test_rc" -eq 0 ] && exit "$bench_rc"
 exit "$test_rc"

@@ -242,6 +242,9 @@ def main() -> int:
     p.add_argument("--report", action="store_true", help="ptxas figures only (no GPU needed)")
     p.add_argument("--arch", action="append", help="with --report (default sm_90)")
     p.add_argument("--repeat", type=int, default=30)
+    p.add_argument("--kinds", help="comma-separated kinds to time (default all: "
+                   "wfwd,wbwd,fwd,bwd,tfwd,sfwd,sbwd,dfwd,dbwd)")
+    p.add_argument("--json", default="gpu_variants.json", help="file name of the results in $OUT")
     args = p.parse_args()
     if args.report:
         report(args.arch or ["sm_90"])
@@ -255,7 +258,8 @@ def main() -> int:
     from cupyflash import _bench, _gpu
 
     sm90 = int(cupy.cuda.Device().compute_capability) == _kernels.WGMMA_ARCH
-    jobs = list(all_variants(wgmma=sm90))
+    kinds = set(args.kinds.split(",")) if args.kinds else None
+    jobs = [job for job in all_variants(wgmma=sm90) if kinds is None or job[0] in kinds]
     start = time.perf_counter()
     with ProcessPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
         failures = [f for f in pool.map(_compile, jobs) if f]
@@ -315,9 +319,14 @@ def main() -> int:
             print(_line(row), flush=True)
             out = os.environ.get("OUT")
             if out:   # after every row: a sweep stopped at its time limit keeps what it measured
-                Path(out, "gpu_variants.json").write_text(json.dumps(
+                Path(out, args.json).write_text(json.dumps(
                     dict(gpu=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
                          shape=SHAPE, dtype="bfloat16", simt_shape=SIMT_SHAPE, rows=rows), indent=1))
+            if "error" in row and not _bench.cuda_context_alive():
+                # an illegal instruction or address is sticky: every later variant would fail
+                print(f"gpu_variants: the CUDA context is lost after {kind} d={d} {variant}; "
+                      f"stopping (later variants of this run not timed)", flush=True)
+                return 3
     return 0
 
 

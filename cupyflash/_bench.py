@@ -73,8 +73,9 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Case", "flop_count", "cases", "bench", "environment", "markdown", "merge",
-           "gpu_available", "gemm_tflops", "main_bench", "COLUMNS", "REQUIRED_KEYS", "ROW_KEYS"]
+__all__ = ["Case", "flop_count", "cases", "bench", "run_case", "peer_ratios", "gemm_shares",
+           "environment", "markdown", "merge",
+           "gpu_available", "cuda_context_alive", "gemm_tflops", "main_bench", "COLUMNS", "REQUIRED_KEYS", "ROW_KEYS"]
 
 # Columns of the Markdown table, in order.
 COLUMNS = ("pass", "dtype", "B", "H", "Lq", "Lk", "d", "causal", "impl", "ms", "FLOP/s",
@@ -167,6 +168,18 @@ def gpu_available() -> bool:
     from ._cli import gpus
 
     return bool(gpus())
+
+
+def cuda_context_alive() -> bool:
+    """Whether CuPy's CUDA context still runs work.  An illegal instruction or address
+    in a kernel is sticky: every later CUDA call in the process fails."""
+    import cupy
+
+    try:
+        cupy.cuda.runtime.deviceSynchronize()
+        return int(cupy.arange(4).sum()) == 6
+    except Exception:  # noqa: BLE001 - any failure here means the context is gone
+        return False
 
 
 def _dtype(name: str) -> np.dtype:
@@ -734,13 +747,15 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:120] if text else ''}".strip()
 
 
-def run_case(case: Case, device: str, *, impls=None, repeat: int, warmup: int = 1,
+def run_case(case: Case, device: str, *, impls=None, exclude=(), repeat: int, warmup: int = 1,
              memory: bool = True, seed: int = 0, max_seconds: float = math.inf,
-             settle_s: float = _CPU_SETTLE_S) -> list[dict]:
-    """One row per implementation of ``case`` (see :func:`bench` for the row keys)."""
+             settle_s: float = _CPU_SETTLE_S, on_start=None, on_row=None) -> list[dict]:
+    """One row per implementation of ``case`` (see :func:`bench` for the row keys and
+    the hooks)."""
     xp = _xp(device)
     inputs = random_inputs(case, xp, seed)
-    names = [n for n in implementations(device, case) if impls is None or _selected(n, impls)]
+    names = [n for n in implementations(device, case)
+             if (impls is None or _selected(n, impls)) and n not in exclude]
     score_bytes = (case.batch * case.heads * case.seqlen_q * case.seqlen_k
                    * _accumulator(case.dtype).itemsize)
     reference = None
@@ -750,6 +765,8 @@ def run_case(case: Case, device: str, *, impls=None, repeat: int, warmup: int = 
         row.update({"impl": name, "device": device, "pass": case.pass_name, "dtype": case.dtype,
                     "B": case.batch, "H": case.heads, "Lq": case.seqlen_q, "Lk": case.seqlen_k,
                     "d": case.head_dim, "causal": case.causal, "flops": case.flops})
+        if on_start:
+            on_start(case, name)
         try:
             if name in _QUADRATIC and 4 * score_bytes > _free_bytes(device):
                 raise MemoryError(f"skipped: the {score_bytes / 2**30:.1f} GiB score matrix "
@@ -776,20 +793,37 @@ def run_case(case: Case, device: str, *, impls=None, repeat: int, warmup: int = 
             row["error"] = _short(exc)
         _release(device, name)
         rows.append(row)
+        if on_row:
+            on_row(row)
+    peer_ratios(rows)
+    return rows
+
+
+def peer_ratios(rows) -> None:
+    """Set ``vs_best_peer`` on one case's rows: the fastest peer's time (a peer is an
+    implementation not named ``cupyflash*``) over each row's."""
     peer_ms = [r["ms"] for r in rows if r["ms"] and not r["impl"].startswith("cupyflash")]
     for r in rows:
-        if r["ms"] and peer_ms:
-            r["vs_best_peer"] = min(peer_ms) / r["ms"]
-    return rows
+        r["vs_best_peer"] = min(peer_ms) / r["ms"] if r["ms"] and peer_ms else None
+
+
+def gemm_shares(rows, references: dict, device: str) -> None:
+    """Set ``of_gemm`` on each row: its rate over the GEMM rate it is compared with
+    (``references`` maps :func:`_gemm_dtype`'s names to :func:`gemm_tflops` results)."""
+    for r in rows:
+        rate = references.get(_gemm_dtype(device, r["dtype"]), {}).get("tflops")
+        if r["tflops"] and rate:
+            r["of_gemm"] = r["tflops"] / rate
 
 
 def _selected(name: str, impls) -> bool:
     return any(name == i or (i.endswith("*") and name.startswith(i[:-1])) for i in impls)
 
 
-def bench(case_list, *, device: str = "auto", impls=None, repeat: int | None = None,
+def bench(case_list, *, device: str = "auto", impls=None, exclude=(), repeat: int | None = None,
           warmup: int = 1, memory: bool = True, gemm: bool = True, seed: int = 0,
-          budget_s: float | None = None, settle_s: float = _CPU_SETTLE_S, log=None) -> dict:
+          budget_s: float | None = None, settle_s: float = _CPU_SETTLE_S, log=None,
+          on_start=None, on_row=None) -> dict:
     """Time every applicable implementation on each case; return the results document.
 
     Parameters
@@ -801,6 +835,8 @@ def bench(case_list, *, device: str = "auto", impls=None, repeat: int | None = N
     impls : sequence of str, optional
         Only these implementations (a trailing ``*`` matches a prefix, e.g.
         ``torch-*``); default all that apply.
+    exclude : collection of str, optional
+        Implementations left out (exact names).
     repeat : int, optional
         Timed runs per implementation and case (the median is reported);
         default 30 on the GPU, 5 on the CPU.
@@ -819,6 +855,12 @@ def bench(case_list, *, device: str = "auto", impls=None, repeat: int | None = N
         threads keep spinning for a while and would slow it on a small machine).
     log : callable, optional
         Called with a line of progress per row.
+    on_start, on_row : callable, optional
+        Called as ``on_start(case, impl)`` before each implementation is prepared
+        and ``on_row(row)`` as soon as its row is complete (before the case's
+        ``vs_best_peer`` is known). What either raises ends the run: this is how
+        ``benchmarks/gpu_check.py`` watches a run from another process and stops
+        one whose CUDA context a kernel has lost.
 
     Returns
     -------
@@ -860,8 +902,9 @@ def bench(case_list, *, device: str = "auto", impls=None, repeat: int | None = N
             break
         left = math.inf if budget_s is None else budget_s - (time.perf_counter() - start)
         per_impl = max(0.5, min(5.0, left / (len(case_list) - i) / 8))
-        case_rows = run_case(case, device, impls=impls, repeat=repeat, warmup=warmup,
-                             memory=memory, seed=seed, max_seconds=per_impl, settle_s=settle_s)
+        case_rows = run_case(case, device, impls=impls, exclude=exclude, repeat=repeat,
+                             warmup=warmup, memory=memory, seed=seed, max_seconds=per_impl,
+                             settle_s=settle_s, on_start=on_start, on_row=on_row)
         for r in case_rows:
             if log:
                 log(_progress(r))
@@ -871,10 +914,7 @@ def bench(case_list, *, device: str = "auto", impls=None, repeat: int | None = N
     references = {key: _gemm_reference(device, key) for key in
                   dict.fromkeys(_gemm_dtype(device, c.dtype) for c in case_list)} if gemm else {}
     doc["gemm"] = list(references.values())
-    for r in rows:
-        rate = references.get(_gemm_dtype(device, r["dtype"]), {}).get("tflops")
-        if r["tflops"] and rate:
-            r["of_gemm"] = r["tflops"] / rate
+    gemm_shares(rows, references, device)
     if any(c.causal for c in case_list) and _torch_available(device):
         doc["notes"].append(PEER_NOTE)
     doc["rows"] = rows

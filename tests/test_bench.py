@@ -275,3 +275,82 @@ def test_gpu_profile_cases_run_the_kernels_they_name():
                                    dmma=dmma, precision=precision)
             assert {r.family for r in rows[1:]} == {family}, name
             assert any("_dq_kernel" in r.name_expression for r in rows) == deterministic, name
+
+
+def _gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+WATCHED_CASES = [Case("float32", 1, 1, 32, 32, 16), Case("float64", 1, 1, 32, 32, 16)]
+
+
+@pytest.mark.parametrize("kind", ["hang", "crash", "lost"])
+def test_gpu_check_table_goes_on_without_an_implementation_that_hangs_crashes_or_loses_the_context(
+        kind, tmp_path):
+    """benchmarks/gpu_check.py runs the table in a watched child process: a planted
+    hang, crash or lost CUDA context in one implementation costs only that
+    implementation's rows, from the case where it struck on."""
+    check = _gpu_check()
+    lines = []
+    doc = check.bench_watched(WATCHED_CASES, budget=120, repeat=1, warmup=0, memory=False,
+                              work=tmp_path, log=lines.append, device="cpu", stall_s=5,
+                              fault={"impl": "numpy-naive", "kind": kind})
+    rows = {(r["dtype"], r["impl"]): r for r in doc["rows"]}
+    assert rows["float32", "cupyflash"]["ms"] > 0 and rows["float64", "cupyflash"]["ms"] > 0
+    struck = rows["float32", "numpy-naive"]
+    assert struck["ms"] is None and struck["error"]
+    assert ("float64", "numpy-naive") not in rows            # left out of the later case
+    assert [r["dtype"] for r in doc["rows"]] == sorted(r["dtype"] for r in doc["rows"]) # case order
+    assert any(n.startswith("numpy-naive: ") and "left out of every later case" in n for n in doc["notes"])
+    assert any("restarting without it" in line for line in lines)
+    assert doc["device"] == "cpu" and doc["cupyflash"]                # the first child's header
+    assert _bench.markdown(doc)
+
+
+def test_gpu_check_table_without_faults_is_benchs(tmp_path):
+    check = _gpu_check()
+    doc = check.bench_watched(WATCHED_CASES, budget=120, repeat=1, warmup=0, memory=False,
+                              work=tmp_path, log=lambda line: None, device="cpu")
+    impls = _bench.implementations("cpu", WATCHED_CASES[0])
+    assert [(r["dtype"], r["impl"]) for r in doc["rows"]] == [
+        (c.dtype, name) for c in WATCHED_CASES for name in impls]
+    assert all(r["ms"] > 0 and r["error"] is None for r in doc["rows"])
+    assert not [n for n in doc["notes"] if "left out" in n or "budget" in n]
+    assert (tmp_path / "bench-progress.jsonl").read_text().count('"done"') == len(WATCHED_CASES)
+
+
+def test_gpu_check_splits_the_gpu_tier_into_one_process_per_gpu_module(tmp_path):
+    """Every GPU-marked test is in exactly one of gpu_check.py's test groups."""
+    check = _gpu_check()
+    groups = check.test_groups()
+    modules = sorted(p.stem for p in (ROOT / "tests").glob("test_gpu*.py"))
+    assert [name for name, _ in groups] == [*modules, "others"]
+    collected = {}
+    for name, targets in groups:
+        out = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q",
+                              "-p", "no:cacheprovider", *targets], cwd=ROOT, capture_output=True,
+                             text=True, check=False).stdout
+        collected[name] = {line for line in out.splitlines() if "::" in line}
+    everything = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q",
+                                 "-p", "no:cacheprovider", "tests"], cwd=ROOT, capture_output=True,
+                                text=True, check=False).stdout
+    wanted = {line for line in everything.splitlines() if "::" in line}
+    assert sum(len(c) for c in collected.values()) == len(wanted) > 0
+    assert set().union(*collected.values()) == wanted
+
+
+def test_gpu_check_sums_the_junit_files_of_its_test_groups(tmp_path):
+    check = _gpu_check()
+    for name, (tests, failures, skipped, seconds) in {"a": (5, 1, 1, 3.0), "b": (4, 0, 2, 7.5)}.items():
+        failed = f'<testcase classname="t.{name}" name="x"><failure message="m"/></testcase>' * failures
+        (tmp_path / f"junit-{name}.xml").write_text(
+            f'<testsuites><testsuite name="pytest" tests="{tests}" failures="{failures}" errors="0" '
+            f'skipped="{skipped}" time="{seconds}">{failed}</testsuite></testsuites>')
+    got = check.test_summary(tmp_path, 1)
+    assert (got["tests"], got["failures"], got["skipped"], got["passed"]) == (9, 1, 3, 5)
+    assert got["seconds"] == 7.5 and got["failed"] == ["t.a::x"]
+    assert got["summary"] == "5 passed, 1 failed, 3 skipped in 8 s"
+    assert check.test_summary(tmp_path / "none", None)["summary"].startswith("no report")
