@@ -35,11 +35,14 @@ from cupyflash import _kernels  # noqa: E402
 # FlashAttention-2's 128 x 128 tile of 4 warps: with the lazy rescale and two
 # stages it fits 255 registers under NVRTC 13.5 (0 B spilled, sm_90), but spills
 # 28 B under 13.0 (the H200 machines' NVRTC); without the lazy rescale, 48 B under 13.5.
+# The sweep's shape runs the whole-KV instantiations (kWholeKV: no bounds in the K/V
+# copies); a sixth element False times the same tile with the bounds-checked copies
+# (as measured in sweep B) instead.
 FWD_VARIANTS = {
-    128: [(128, 64, 4, 1, False), (128, 64, 4, 1, True), (128, 128, 8, 2, True),
-          (128, 128, 8, 2, False), (128, 64, 8, 2, True)],
-    64: [(128, 64, 4, 2, True), (128, 64, 4, 2, False), (128, 64, 4, 1, True),
-         (64, 128, 4, 2, True), (128, 128, 8, 2, True), (128, 128, 4, 2, True)],
+    128: [(128, 64, 4, 1, False), (128, 64, 4, 1, False, False), (128, 64, 4, 1, True),
+          (128, 128, 8, 2, True), (128, 128, 8, 2, False), (128, 64, 8, 2, True)],
+    64: [(128, 64, 4, 2, True), (128, 64, 4, 2, True, False), (128, 64, 4, 2, False),
+         (128, 64, 4, 1, True), (64, 128, 4, 2, True), (128, 128, 8, 2, True), (128, 128, 4, 2, True)],
 }
 # bwd_mma: head dim -> [(own, streamed, warps[, keys streamed by the dQ kernel])],
 # the catalogue's first
@@ -175,7 +178,9 @@ def variant_rows(kind: str, head_dim: int, variant, dtype: str = "bfloat16"):
         names = _kernels.bwd_wgmma_name_expressions(dtype, head_dim, True)
         names += _kernels.bwd_wgmma_name_expressions(dtype, head_dim, False)
         return [_kernels.by_name()[n] for n in dict.fromkeys(names)]
-    if kind == "fwd":
+    whole_kv = False
+    if kind == "fwd":   # the sweep's shape runs the whole-KV row unless a sixth element says not
+        variant, whole_kv = variant[:5], len(variant) < 6 or variant[5]
         use_fwd(head_dim, variant)
         family = "fwd_mma"
     else:
@@ -185,6 +190,7 @@ def variant_rows(kind: str, head_dim: int, variant, dtype: str = "bfloat16"):
         return [_kernels.by_name()[n] for n in _kernels.bwd_mma_name_expressions(dtype, head_dim, 90)]
     return [r for r in _kernels.instantiations()
             if r.family == family and r.dtype == dtype and r.head_dim == head_dim and not r.split
+            and r.whole_kv == whole_kv
             and (r.block_m, r.block_n, r.threads // 32, r.kv_stages, r.lazy_rescale) == tuple(variant)]
 
 
@@ -276,6 +282,7 @@ def main() -> int:
     for kind, d, variant in jobs:
         variant_rows(kind, d, variant)   # installs the variant in the catalogue
         _gpu.wgmma_override = kind in ("wfwd", "wbwd")
+        _gpu.whole_kv_override = False if kind == "fwd" and len(variant) > 5 and not variant[5] else None
         _gpu.dmma_override = kind in ("dfwd", "dbwd")
         simt, dmma, tf32 = kind in ("sfwd", "sbwd"), kind in ("dfwd", "dbwd"), kind == "tfwd"
         dtype = variant[0] if simt else "float64" if dmma else "float32" if tf32 else "bfloat16"

@@ -102,7 +102,11 @@ __device__ __forceinline__ void scores_to_a(uint32_t (&a)[Tr::kKeySteps][Tr::kMT
 // wait_group 0.  fwd_mma runs the whole schedule through it; fwd_wgmma, whose
 // V trails K by one block, uses its buffers and copies (load) with a schedule
 // of its own.
-template <class Tr, typename T>
+//
+// kWholeKV: every key block is complete and d is the bucket (the dispatcher's
+// whole-KV instantiations, for Lk a multiple of kBlockN): the copies skip
+// the bounds (cp_async_tile's kWhole).
+template <class Tr, typename T, bool kWholeKV = false>
 struct KVPipeline {
     const FwdParams& p;
     const T* k_src;
@@ -121,7 +125,7 @@ struct KVPipeline {
 
     __device__ void load(T* dst, const T* src, int64_t row_stride, int n_block) const {
         const int64_t n0 = static_cast<int64_t>(n_block) * Tr::kBlockN;
-        cp_async_tile<Tr::kThreads, typename Tr::KVTile>(dst, src, n0, row_stride,
+        cp_async_tile<Tr::kThreads, typename Tr::KVTile, kWholeKV>(dst, src, n0, row_stride,
                                                          QueryBlock::keys_in(p, n0, Tr::kBlockN),
                                                          static_cast<int>(p.head_dim));
     }

@@ -110,8 +110,11 @@ __device__ __forceinline__ void mma_pv(float (&o)[Tr::kRows][Tr::kOCols],
 // split), a template argument rather than a run-time test because the main
 // loop of the large head dims runs at 255 registers and the extra epilogue
 // tips several of them into spills.
+//
+// kWholeKV: the whole-KV instantiation (Lk a multiple of kBlockN, d the
+// bucket; cupyflash/_gpu.py checks both): K/V copies without bounds.
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kLazyRescale,
-          bool kSplit = false>
+          bool kSplit = false, bool kWholeKV = false>
 __global__ void __launch_bounds__(
     (MmaFwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps, kStages, kLazyRescale>::kThreads),
     (MmaFwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps, kStages, kLazyRescale>::kMinBlocksPerSm))
@@ -133,7 +136,7 @@ fwd_mma_kernel(const FwdParams params) {
     int n_begin, n_end;
     const UnmaskedBlocks unmasked = key_blocks<Tr>(params, m_block, n_begin, n_end);
     if constexpr (kSplit) split_key_blocks(params, blockIdx.y, n_begin, n_end);
-    KVPipeline<Tr, T> kv(params, in.k, in.v, sQ + Tr::QTile::kElements, n_end);
+    KVPipeline<Tr, T, kWholeKV> kv(params, in.k, in.v, sQ + Tr::QTile::kElements, n_end);
     if (n_begin < n_end) kv.start_with_queries(sQ, in.q, m_block, n_begin);
 
     OnlineSoftmax<float, Tr::kRows, 4> softmax;

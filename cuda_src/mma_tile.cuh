@@ -101,8 +101,12 @@ struct SwizzledTile {
 // pass's rows, and the column bounds once per call: the row stride's
 // products are not hoisted out of the caller's loop (they would hold two
 // registers per row for the whole kernel), and a pass costs an add, a
-// compare and its copies.
-template <int kThreads, class Tile, typename T>
+// compare and its copies.  kWhole: the caller guarantees rows_valid >= the
+// tile's rows and cols_valid >= its columns, and the copies drop every bound
+// and select (fwd_mma's K/V blocks when Lk is a multiple of the block and d
+// is the bucket: a third of the instructions of d = 128's main loop went to
+// the two K/V copies' bounds).
+template <int kThreads, class Tile, bool kWhole = false, typename T>
 __device__ __forceinline__ void cp_async_tile(T* dst, const T* src, int64_t first_row, int64_t row_stride,
                                               int rows_valid, int cols_valid) {
     static_assert(sizeof(T) == 2, "16-bit elements: 8 per 16-byte chunk");
@@ -121,7 +125,7 @@ __device__ __forceinline__ void cp_async_tile(T* dst, const T* src, int64_t firs
 #pragma unroll
     for (int cp = 0; cp < kChunksPerLane; ++cp) {
         const int valid = cols_valid - 8 * (c0 + cp * kLanes);  // elements inside the row
-        chunk_bytes[cp] = 2 * (valid < 0 ? 0 : valid > 8 ? 8 : valid);
+        chunk_bytes[cp] = kWhole ? 16 : 2 * (valid < 0 ? 0 : valid > 8 ? 8 : valid);
     }
     const T* row = src + (first_row + r0) * row_stride + 8 * c0;
 #pragma unroll
@@ -130,7 +134,7 @@ __device__ __forceinline__ void cp_async_tile(T* dst, const T* src, int64_t firs
         if (Tile::kRows % kRowsPerPass == 0 || r < Tile::kRows) {
 #pragma unroll
             for (int cp = 0; cp < kChunksPerLane; ++cp) {
-                const int bytes = r < rows_valid ? chunk_bytes[cp] : 0;
+                const int bytes = kWhole || r < rows_valid ? chunk_bytes[cp] : 0;
                 // A zero-byte copy reads nothing; it still gets an aligned address.
                 T* to = dst + Tile::chunk(r0, cp * kLanes, c0) +
                         rp * kRowsPerPass * Tile::row_pitch(cp * kLanes);

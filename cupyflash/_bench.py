@@ -466,7 +466,7 @@ def _cupyflash_kernel(case: Case, q, k, v, deterministic: bool = True, wgmma: bo
         atomic = not any(r.name_expression.split("<")[0].endswith("_dq_kernel") for r in rows)
         return rows[-1].family + (", atomic dQ" if atomic else "")
     inst = select(q.dtype, case.head_dim, case.head_dim, arch, aligned=aligned, wgmma=wgmma, dmma=dmma,
-                  precision=precision)
+                  precision=precision, seqlen_k=case.seqlen_k)
     sms = int(cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())["multiProcessorCount"])
     splits = num_splits(inst, batch=case.batch, heads=case.heads, seqlen_q=case.seqlen_q,
                         seqlen_k=case.seqlen_k, arch=arch, multiprocessors=sms)

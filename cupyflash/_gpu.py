@@ -38,6 +38,9 @@ wgmma_override: bool | None = None
 # Set by tests and benchmarks to force the forward's split-KV count (None: the
 # heuristic, cupyflash._launch.num_splits).
 split_override: int | None = None
+# Set to False by the benchmarks to time fwd_mma's bounds-checked K/V copies where the
+# whole-KV instantiation would run (None: use it where it applies).
+whole_kv_override: bool | None = None
 
 # fwd_dmma and bwd_dmma (the FP64 tensor cores) have not run on a GPU yet: opt-in
 # until the GPU tier has checked them and the benchmark has timed them against the
@@ -92,7 +95,7 @@ def _dtype_name(dtype) -> str:
 
 def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = False,
            scale: float = 1.0, wgmma: bool | None = None, split: bool = False,
-           dmma: bool | None = None, precision: str = "ieee") -> Instantiation:
+           dmma: bool | None = None, precision: str = "ieee", seqlen_k: int | None = None) -> Instantiation:
     """The instantiation :func:`forward` runs for these arguments.
 
     ``fwd_wgmma`` (Hopper's wgmma, ``cuda_src/fwd_wgmma.cu``) where fwd_mma would
@@ -135,6 +138,11 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
     :func:`~cupyflash._kernels.mma_split_tiles`); fwd_simt splits at run time, so the
     same row.
 
+    ``seqlen_k``: where it is a multiple of the fwd_mma tile's ``block_n`` and
+    ``head_dim`` is the bucket itself, the tile's whole-KV instantiation (``kWholeKV``:
+    its K/V copies check no bounds; not for ``split``), unless ``whole_kv_override`` is
+    False.  None (unknown) never picks it.
+
     Raises
     ------
     TypeError
@@ -150,7 +158,10 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
             wanted = wgmma_name_expression(name, bucket, *wgmma_tiles()[bucket], split=split)
         else:
             tiles = mma_split_tiles(arch) if split else mma_tiles(arch)
-            wanted = mma_name_expression(name, bucket, *tiles[bucket], split=split)
+            block_n = tiles[bucket][1]
+            whole_kv = (not split and seqlen_k is not None and int(seqlen_k) % block_n == 0
+                        and d == bucket and whole_kv_override is not False)
+            wanted = mma_name_expression(name, bucket, *tiles[bucket], split=split, whole_kv=whole_kv)
         return by_name()[wanted]
     if (precision in TF32_PASSES and name == "float32" and arch >= 80 and scale > 0 and d == dv
             and d <= TF32_HEAD_DIMS[-1]):
@@ -250,7 +261,7 @@ def forward(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio, e
         return
     seqlen_k, head_dim_v = k.shape[2], v.shape[3]
     inst = select(q.dtype, head_dim, head_dim_v, executor.arch, aligned=rows_aligned(q, k, v, out),
-                  scale=scale, precision=precision)
+                  scale=scale, precision=precision, seqlen_k=seqlen_k)
     splits = split_override
     if splits is None:
         sms = getattr(executor, "multiprocessors", None)

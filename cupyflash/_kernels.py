@@ -36,6 +36,7 @@ class Instantiation:
     kv_stages: int = 0     # fwd_mma/fwd_wgmma: K/V buffer pairs, bwd_mma: streamed tile buffers (1 or 2)
     lazy_rescale: bool = False  # fwd_mma/fwd_wgmma: rescale the output only when a row max moves far
     split: bool = False    # fwd_mma/fwd_wgmma: the split-KV instantiation (kSplit; fwd_simt splits at run time)
+    whole_kv: bool = False  # fwd_mma: K/V copies without bounds (kWholeKV: Lk a multiple of block_n, d the bucket)
     passes: int = 0        # fwd_tf32: TF32 MMAs per product (1: precision "tf32", 3: "tf32x3")
 
 
@@ -248,11 +249,17 @@ def mma_split_tiles(arch: int) -> dict[int, tuple[int, int, int, int, bool]] | N
 
 
 def mma_name_expression(dtype: str, head_dim: int, block_m: int, block_n: int, warps: int,
-                        kv_stages: int, lazy_rescale: bool, split: bool = False) -> str:
+                        kv_stages: int, lazy_rescale: bool, split: bool = False,
+                        whole_kv: bool = False) -> str:
     """``cf::fwd_mma_kernel<T, head_dim, block_m, block_n, warps, kv_stages, lazy_rescale[, true]>``
-    (the trailing ``true``: the split-KV instantiation, ``kSplit``)."""
+    (the trailing ``true``: the split-KV instantiation, ``kSplit``), or ``..., lazy_rescale,
+    false, true>`` (the whole-KV instantiation, ``kWholeKV``: K/V copies without bounds, for
+    Lk a multiple of ``block_n`` and the head dim equal to the bucket; never split)."""
+    if split and whole_kv:
+        raise ValueError("fwd_mma has no split-KV instantiation with whole K/V blocks")
+    suffix = ", true" if split else ", false, true" if whole_kv else ""
     return (f"cf::fwd_mma_kernel<{_CXX_TYPE[dtype]}, {head_dim}, {block_m}, {block_n}, {warps}, "
-            f"{kv_stages}, {'true' if lazy_rescale else 'false'}{', true' if split else ''}>")
+            f"{kv_stages}, {'true' if lazy_rescale else 'false'}{suffix}>")
 
 
 def launchable(arch: int) -> frozenset[str]:
@@ -274,6 +281,7 @@ def launchable(arch: int) -> frozenset[str]:
         for dtype in _MMA_DTYPES:
             for d in MMA_HEAD_DIMS:
                 names.add(mma_name_expression(dtype, d, *tiles[d]))
+                names.add(mma_name_expression(dtype, d, *tiles[d], whole_kv=True))
                 names.add(mma_name_expression(dtype, d, *mma_split_tiles(arch)[d], split=True))
                 for deterministic in (True, False):
                     names.update(bwd_mma_name_expressions(dtype, d, arch, deterministic))
@@ -281,19 +289,22 @@ def launchable(arch: int) -> frozenset[str]:
 
 
 def _mma_instantiations() -> list[Instantiation]:
-    """fwd_mma rows: every distinct (dtype, head dim, tile) of ``_MMA_TILES``."""
+    """fwd_mma rows: every distinct (dtype, head dim, tile) of ``_MMA_TILES``, each also as
+    its whole-KV instantiation, and the split-KV rows of ``_MMA_SPLIT_TILES``."""
     rows = {}
-    for split in (False, True):
+    for split, whole_kv in ((False, False), (False, True), (True, False)):
         for dtype in _MMA_DTYPES:
             for head_dim in MMA_HEAD_DIMS:
                 for tiles in _MMA_TILES.values():
                     block_m, block_n, warps, stages, lazy = (
                         _MMA_SPLIT_TILES.get(head_dim, tiles[head_dim]) if split else tiles[head_dim])
-                    name = mma_name_expression(dtype, head_dim, block_m, block_n, warps, stages, lazy, split)
+                    name = mma_name_expression(dtype, head_dim, block_m, block_n, warps, stages, lazy,
+                                               split, whole_kv)
                     rows.setdefault(name, Instantiation(
                         family="fwd_mma", entry="fwd_mma.cu", name_expression=name, dtype=dtype,
                         head_dim=head_dim, head_dim_v=head_dim, threads=32 * warps, block_m=block_m,
-                        block_n=block_n, kv_stages=stages, lazy_rescale=lazy, split=split))
+                        block_n=block_n, kv_stages=stages, lazy_rescale=lazy, split=split,
+                        whole_kv=whole_kv))
     return list(rows.values())
 
 # ---- fwd_wgmma: Hopper's warpgroup mma (wgmma.mma_async), float16 / bfloat16, sm_90a ----------

@@ -215,9 +215,10 @@ def test_gpu_variants_name_catalogue_rows(monkeypatch, request):
         kinds.add(kind)
         rows = variants.variant_rows(kind, d, tile)
         assert [r.family for r in rows] == families[kind], (kind, d, tile)
-        if kind == "fwd":
+        if kind == "fwd":   # the whole-KV row, unless a sixth element is False
             (row,) = rows
-            assert (row.block_m, row.block_n, row.threads // 32, row.kv_stages, row.lazy_rescale) == tuple(tile)
+            assert (row.block_m, row.block_n, row.threads // 32, row.kv_stages, row.lazy_rescale) == tuple(tile[:5])
+            assert row.whole_kv == (len(tile) < 6 or tile[5])
         if kind == "wfwd":
             (row,) = rows
             assert (row.block_n, row.threads // 128, row.lazy_rescale) == tuple(tile)

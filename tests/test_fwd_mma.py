@@ -93,6 +93,26 @@ def test_select_picks_fwd_mma_only_where_it_applies(dtype):
         _gpu.select(dtype, 257, 257, 80, aligned=True)
 
 
+@pytest.mark.parametrize("arch", CLASS_ARCH.values())
+def test_select_picks_the_whole_kv_row_only_for_whole_key_blocks_at_the_bucket(arch, monkeypatch):
+    # K/V copies without bounds (kWholeKV) need every key block whole and d = the bucket
+    for d in MMA_HEAD_DIMS:
+        plain = _gpu.select("float16", d, d, arch, aligned=True)
+        whole = _gpu.select("float16", d, d, arch, aligned=True, seqlen_k=3 * plain.block_n)
+        assert not plain.whole_kv and whole.whole_kv
+        assert whole.name_expression == plain.name_expression[:-1] + ", false, true>"
+        assert (whole.block_m, whole.block_n, whole.threads, whole.kv_stages, whole.lazy_rescale) == \
+            (plain.block_m, plain.block_n, plain.threads, plain.kv_stages, plain.lazy_rescale)
+        for seqlen_k in (plain.block_n + 1, 3 * plain.block_n - 8, None):
+            assert _gpu.select("float16", d, d, arch, aligned=True, seqlen_k=seqlen_k) == plain
+        assert _gpu.select("float16", d - 8, d - 8, arch, aligned=True, seqlen_k=4096) == \
+            _gpu.select("float16", d - 8, d - 8, arch, aligned=True)                 # padded head dim
+        assert not _gpu.select("float16", d, d, arch, aligned=True, split=True, seqlen_k=4096).whole_kv
+        monkeypatch.setattr(_gpu, "whole_kv_override", False)
+        assert _gpu.select("float16", d, d, arch, aligned=True, seqlen_k=4096) == plain
+        monkeypatch.setattr(_gpu, "whole_kv_override", None)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_select_keeps_fwd_simt_for_float32_and_float64(dtype):
     assert _gpu.select(dtype, 64, 64, 90, aligned=True).family == "fwd_simt"
@@ -305,8 +325,10 @@ def qkv(rng, dtype, *, batch=1, heads_kv=1, gqa_ratio=1, seqlen_q, seqlen_k, hea
 
 
 def _arch_serving(inst):
+    seqlen_k = inst.block_n if inst.whole_kv else None   # whole K/V blocks: the whole-KV row
     for arch in CLASS_ARCH.values():
-        if _gpu.select(inst.dtype, inst.head_dim, inst.head_dim, arch, aligned=True, split=inst.split) == inst:
+        if _gpu.select(inst.dtype, inst.head_dim, inst.head_dim, arch, aligned=True, split=inst.split,
+                       seqlen_k=seqlen_k) == inst:
             return arch
     raise AssertionError(f"no arch selects {inst.name_expression}")
 
@@ -315,15 +337,19 @@ def _arch_serving(inst):
 @pytest.mark.parametrize("inst", MMA_ROWS, ids=[f"{r.dtype}-d{r.head_dim}-{r.block_m}x{r.block_n}w"
                                                  f"{r.threads // 32}s{r.kv_stages}"
                                                  f"{'-lazy' if r.lazy_rescale else ''}"
-                                                 f"{'-split' if r.split else ''}" for r in MMA_ROWS])
+                                                 f"{'-split' if r.split else ''}"
+                                                 f"{'-whole' if r.whole_kv else ''}" for r in MMA_ROWS])
 def test_every_instantiation_matches_oracle_with_tails_and_causal_mask(executors, inst):
     # Two query blocks (the second partial), Lk > Lq: key blocks fully visible, cut by
-    # the diagonal, skipped, and a partial last one.  A split-KV row runs 3 splits.
+    # the diagonal, skipped, and a partial last one (a whole-KV row: Lk a multiple of
+    # block_n, the dispatcher's condition for it).  A split-KV row runs 3 splits.
     arch = _arch_serving(inst)
     dtype = np.dtype(bfloat16 if inst.dtype == "bfloat16" else inst.dtype)
     rng = np.random.default_rng(inst.head_dim * 7 + inst.block_n)
     seqlen_q = inst.block_m + 21
     seqlen_k = seqlen_q + 2 * inst.block_n + 5
+    if inst.whole_kv:
+        seqlen_k += -seqlen_k % inst.block_n
     q, k, v = qkv(rng, dtype, heads_kv=1, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=inst.head_dim)
     recorder = Recorder(executors[arch])
     run_mma(recorder, q, k, v, window=(None, 0), splits=3 if inst.split else 1)

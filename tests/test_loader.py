@@ -370,6 +370,8 @@ def test_launchable_is_what_the_dispatchers_pick_on_each_architecture():
             for d in MMA_HEAD_DIMS:
                 for split in (False, True):   # the split-KV rows too
                     picked.add(_gpu.select(dtype, d, d, arch, aligned=True, split=split).name_expression)
+                # fwd_mma's whole-KV rows (Lk a multiple of every block_n)
+                picked.add(_gpu.select(dtype, d, d, arch, aligned=True, seqlen_k=4096).name_expression)
                 if d <= 128:   # fwd_dmma, opt-in; fwd_tf32 where precision allows TF32
                     picked.add(_gpu.select(dtype, d, d, arch, aligned=True, dmma=True).name_expression)
                     for precision in ("tf32", "tf32x3"):

@@ -368,12 +368,20 @@ def test_every_kernel_compiles_with_the_oldest_nvrtc():
     from cupyflash._kernels import MMA_HEAD_DIMS, instantiations, mma_name_expression, mma_tiles
 
     rows = _report_with_nvrtc(Path(OLDEST_NVRTC))
-    # what the sm_90 dispatcher picks (fwd_mma's table, every backward row) runs
-    # without spills or a stack frame under this compiler too
-    picked = {mma_name_expression(dtype, d, *mma_tiles(90)[d])
-              for dtype in ("float16", "bfloat16") for d in MMA_HEAD_DIMS}
+    # what the sm_90 dispatcher picks (fwd_mma's table and its whole-KV rows, every
+    # backward row) runs without spills or a stack frame under this compiler too
+    picked = {mma_name_expression(dtype, d, *mma_tiles(90)[d], whole_kv=whole_kv)
+              for dtype in ("float16", "bfloat16") for d in MMA_HEAD_DIMS for whole_kv in (False, True)}
     picked |= {r.name_expression for r in instantiations()
                if r.family.startswith("bwd_") or r.family == "fwd_wgmma"}
+    # One known exception, pinned to its size: the whole-KV row of d = 128's tile.
+    # NVRTC 13.0 keeps 13 loop-invariant values of it in local memory (52 B: 13 LDL
+    # per key block of ~1,200 instructions, L1 hits); 13.5 keeps them in registers.
+    # benchmarks/gpu_variants.py times it against the bounds-checked row, which
+    # 13.0 compiles without spills.
+    known = {mma_name_expression(dtype, 128, *mma_tiles(90)[128], whole_kv=True): (52, 56)
+             for dtype in ("float16", "bfloat16")}
     bad = [(r["name"], r["spill_stores"], r["stack_bytes"]) for r in rows
-           if r["arch"] == "sm_90" and r["name"] in picked and (r["spill_stores"] or r["stack_bytes"])]
+           if r["arch"] == "sm_90" and r["name"] in picked and (r["spill_stores"] or r["stack_bytes"])
+           and known.get(r["name"]) != (r["spill_stores"], r["stack_bytes"])]
     assert not bad, bad

@@ -81,6 +81,7 @@ def _picked_mma(rows: list[dict]) -> set[tuple[str, str]]:
         for dtype in ("float16", "bfloat16"):
             for d in MMA_HEAD_DIMS:
                 picked.add((arch, mma_name_expression(dtype, d, *tiles[d])))
+                picked.add((arch, mma_name_expression(dtype, d, *tiles[d], whole_kv=True)))
                 picked.add((arch, mma_name_expression(dtype, d, *mma_split_tiles(number)[d], split=True)))
                 for deterministic in (True, False):
                     picked.update((arch, n) for n in bwd_mma_name_expressions(dtype, d, number, deterministic))
@@ -104,10 +105,16 @@ def _split(row: dict) -> bool:
     return (row["family"], len(args)) in (("fwd_mma", 8), ("fwd_wgmma", 6))
 
 
+def _whole_kv(row: dict) -> bool:
+    """fwd_mma's whole-KV instantiation (kWholeKV, the ninth argument)."""
+    args = row["name"].split("<", 1)[1].rstrip(">").split(",")
+    return row["family"] == "fwd_mma" and len(args) == 9 and args[8].strip() == "true"
+
+
 def _tile(row: dict) -> str:
     args = [a.strip() for a in row["name"].split("<", 1)[1].rstrip(">").split(",")]
-    split = ", split-KV" if _split(row) else ""
-    if row["family"] == "fwd_mma":        # <T, d, block_m, block_n, warps, stages, lazy_rescale[, kSplit]>
+    split = ", split-KV" if _split(row) else ", whole K/V blocks" if _whole_kv(row) else ""
+    if row["family"] == "fwd_mma":        # <T, d, block_m, block_n, warps, stages, lazy_rescale[, kSplit[, kWholeKV]]>
         lazy = ", lazy rescale" if args[6] == "true" else ""
         return f"{args[2]}×{args[3]}, {args[4]} warps, {args[5]} stage{'s' * (args[5] != '1')}{lazy}{split}"
     if row["family"] == "fwd_wgmma":      # <T, d, block_n, warpgroups, lazy_rescale[, kSplit]>
@@ -142,7 +149,8 @@ def _family_table(rows: list[dict], family: str, archs: list[str], picked: set) 
     keys: dict[tuple, dict[str, dict]] = {}
     for r in rows:
         if family in ("fwd_mma", "fwd_wgmma"):
-            key = (DTYPE_ORDER[r["dtype"]], r["head_dim"], "split" if _split(r) else "", r["dtype"])
+            key = (DTYPE_ORDER[r["dtype"]], r["head_dim"],
+                   "split" if _split(r) else "whole" if _whole_kv(r) else "", r["dtype"])
         elif family == "fwd_tf32":   # one line per pass count (the tile says which)
             key = (DTYPE_ORDER[r["dtype"]], r["head_dim"], _tile(r), r["dtype"])
         elif family == "bwd_tf32":   # one line per kernel and pass count
