@@ -186,8 +186,9 @@ def variant_rows(kind: str, head_dim: int, variant, dtype: str = "bfloat16"):
     else:
         use_bwd(head_dim, *variant)
         family = "bwd_mma"
-    if kind == "bwd":   # the kernels sm_90 launches, in launch order
-        return [_kernels.by_name()[n] for n in _kernels.bwd_mma_name_expressions(dtype, head_dim, 90)]
+    if kind == "bwd":   # the kernels sm_90 launches for the sweep's shape (whole streamed blocks)
+        return [_kernels.by_name()[n]
+                for n in _kernels.bwd_mma_name_expressions(dtype, head_dim, 90, whole_q=True, whole_k=True)]
     return [r for r in _kernels.instantiations()
             if r.family == family and r.dtype == dtype and r.head_dim == head_dim and not r.split
             and r.whole_kv == whole_kv

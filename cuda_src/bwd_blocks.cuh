@@ -48,8 +48,10 @@ __device__ __forceinline__ void query_stats(float& lse_log2, float& delta, const
 // The dK/dV kernels' streamed query blocks: per stage a Q and a dO tile
 // (Tr::StreamTile, copied by cp.async) at `tiles`, and the rows' lse * log2(e)
 // and delta (one float each per row, written by the thread of that row) at
-// `stats`.  kBlockM = Tr::kBlockStream rows per block.
-template <class Tr, typename T>
+// `stats`.  kBlockM = Tr::kBlockStream rows per block.  kWhole: every query
+// block is complete and d is the bucket (bwd_mma's whole-stream instantiations:
+// Lq a multiple of the block): the copies skip the bounds (cp_async_tile's kWhole).
+template <class Tr, typename T, bool kWhole = false>
 struct QueryStream {
     static constexpr int kBlockM = Tr::kBlockStream;
     static_assert(kBlockM <= Tr::kThreads, "one thread per streamed row loads its statistics");
@@ -74,9 +76,9 @@ struct QueryStream {
         const int rows = static_cast<int>(min64(kBlockM, p.seqlen_q - m0));
         const HeadSlice<T, float> qo(p, batch, head);
         const GradSlice<T, float> grad(params, batch, head);
-        cp_async_tile<Tr::kThreads, typename Tr::StreamTile>(q(stage), qo.q, m0, p.q_row_stride, rows, d);
-        cp_async_tile<Tr::kThreads, typename Tr::StreamTile>(dout(stage), grad.dout, m0, params.dout_row_stride,
-                                                             rows, d);
+        cp_async_tile<Tr::kThreads, typename Tr::StreamTile, kWhole>(q(stage), qo.q, m0, p.q_row_stride, rows, d);
+        cp_async_tile<Tr::kThreads, typename Tr::StreamTile, kWhole>(dout(stage), grad.dout, m0,
+                                                                     params.dout_row_stride, rows, d);
         cp_async_commit();
         if (threadIdx.x < kBlockM)
             query_stats(lse_log2, delta, qo.lse, p.lse_row_stride, grad.delta, params.delta_row_stride,
@@ -90,7 +92,8 @@ struct QueryStream {
 
 // The dQ kernels' streamed key blocks: per stage a K and a V tile
 // (Tr::StreamTile, copied by cp.async) at `tiles`; Tr::kBlockStream keys per block.
-template <class Tr, typename T>
+// kWhole: every key block complete and d the bucket (Lk a multiple of the block).
+template <class Tr, typename T, bool kWhole = false>
 struct KeyStream {
     const FwdParams& p;
     const T* k_src;  // the head's K and V
@@ -105,8 +108,8 @@ struct KeyStream {
     __device__ void issue(int stage, int64_t n_block) const {
         const int64_t n0 = n_block * Tr::kBlockStream;
         const int keys = QueryBlock::keys_in(p, n0, Tr::kBlockStream);
-        cp_async_tile<Tr::kThreads, typename Tr::StreamTile>(k(stage), k_src, n0, p.k_row_stride, keys, d);
-        cp_async_tile<Tr::kThreads, typename Tr::StreamTile>(v(stage), v_src, n0, p.v_row_stride, keys, d);
+        cp_async_tile<Tr::kThreads, typename Tr::StreamTile, kWhole>(k(stage), k_src, n0, p.k_row_stride, keys, d);
+        cp_async_tile<Tr::kThreads, typename Tr::StreamTile, kWhole>(v(stage), v_src, n0, p.v_row_stride, keys, d);
     }
 };
 

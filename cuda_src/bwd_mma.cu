@@ -36,7 +36,10 @@
 //
 // Tiles are mma_tile.cuh's swizzled tiles, filled by cp.async with tails and
 // columns beyond the run-time d zero-filled; the dispatcher guarantees
-// 16-byte aligned rows (cupyflash/_gpu.py rows_aligned).  Gradients are
+// 16-byte aligned rows (cupyflash/_gpu.py rows_aligned).  kWholeStream (both
+// kernels' whole-stream instantiations, which the dispatcher picks when the
+// streamed length -- Lq for dK/dV, Lk for dQ -- is a multiple of the streamed
+// block and d is the bucket): the streamed copies skip the bounds.  Gradients are
 // float32 and written straight from the accumulators.
 #pragma once
 
@@ -188,7 +191,8 @@ __device__ __forceinline__ void add_dq_atomically(float* dq, int64_t row_stride,
 // ---- kernels ---------------------------------------------------------------------------------
 
 // dK and/or dV (kGrads) of kBlockN keys of one (batch, kv head).
-template <typename T, int kHeadDim, int kBlockN, int kBlockM, int kWarps, int kGrads, int kStages>
+template <typename T, int kHeadDim, int kBlockN, int kBlockM, int kWarps, int kGrads, int kStages,
+          bool kWholeStream = false>
 __global__ void __launch_bounds__(
     (MmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarps, kGrads, kStages>::kThreads),
     (MmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarps, kGrads, kStages>::kMinBlocksPerSm))
@@ -209,8 +213,9 @@ bwd_mma_dkdv_kernel(const BwdParams params) {
     T* sK = reinterpret_cast<T*>(dynamic_smem());
     T* sV = sK + Tr::kOwnElems;  // only when kDK
     // kStages x (Q, dO), then kStages x (lse, delta)
-    const QueryStream<Tr, T> queries{params, tile.batch, d, sK + (Tr::kNeedsV ? 2 : 1) * Tr::kOwnElems,
-                                     reinterpret_cast<float*>(dynamic_smem() + Tr::kStatsOffset)};
+    const QueryStream<Tr, T, kWholeStream> queries{
+        params, tile.batch, d, sK + (Tr::kNeedsV ? 2 : 1) * Tr::kOwnElems,
+        reinterpret_cast<float*>(dynamic_smem() + Tr::kStatsOffset)};
 
     // The query blocks that see these keys, head by head through the kv head's group.
     const int64_t m_begin = block.m_begin(kBlockM), m_end = block.m_end(kBlockM);
@@ -300,7 +305,7 @@ bwd_mma_dkdv_kernel(const BwdParams params) {
 }
 
 // dQ of kBlockM query rows of one (batch, query head).
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kWholeStream = false>
 __global__ void __launch_bounds__(
     (MmaBwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps, kGradDV | kGradDK, kStages>::kThreads),
     (MmaBwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps, kGradDV | kGradDK, kStages>::kMinBlocksPerSm))
@@ -320,7 +325,7 @@ bwd_mma_dq_kernel(const BwdParams params) {
 
     T* sQ = reinterpret_cast<T*>(dynamic_smem());
     T* sdO = sQ + Tr::kOwnElems;
-    const KeyStream<Tr, T> keys{p, head.k, head.v, d, sdO + Tr::kOwnElems};  // kStages x (K, V)
+    const KeyStream<Tr, T, kWholeStream> keys{p, head.k, head.v, d, sdO + Tr::kOwnElems};  // kStages x (K, V)
 
     const int64_t n_begin = block.n_begin(kBlockN), n_end = block.n_end(kBlockN);
     cp_async_tile<Tr::kThreads, Own>(sQ, head.q, block.m0, p.q_row_stride, block.rows, d);

@@ -462,7 +462,8 @@ def _cupyflash_kernel(case: Case, q, k, v, deterministic: bool = True, wgmma: bo
     if case.backward:
         # the delta pre-pass is always bwd_simt's; the family is that of the last launch
         rows = _gpu_bwd.select(q.dtype, case.head_dim, case.head_dim, arch, aligned=aligned,
-                               deterministic=deterministic, wgmma=wgmma, dmma=dmma, precision=precision)
+                               deterministic=deterministic, wgmma=wgmma, dmma=dmma, precision=precision,
+                               seqlen_q=case.seqlen_q, seqlen_k=case.seqlen_k)
         atomic = not any(r.name_expression.split("<")[0].endswith("_dq_kernel") for r in rows)
         return rows[-1].family + (", atomic dQ" if atomic else "")
     inst = select(q.dtype, case.head_dim, case.head_dim, arch, aligned=aligned, wgmma=wgmma, dmma=dmma,

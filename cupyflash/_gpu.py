@@ -38,8 +38,8 @@ wgmma_override: bool | None = None
 # Set by tests and benchmarks to force the forward's split-KV count (None: the
 # heuristic, cupyflash._launch.num_splits).
 split_override: int | None = None
-# Set to False by the benchmarks to time fwd_mma's bounds-checked K/V copies where the
-# whole-KV instantiation would run (None: use it where it applies).
+# Set to False by the benchmarks to time fwd_mma's (and bwd_mma's) bounds-checked copies
+# where the whole-KV (whole-stream) instantiations would run (None: use them where they apply).
 whole_kv_override: bool | None = None
 
 # fwd_dmma and bwd_dmma (the FP64 tensor cores) have not run on a GPU yet: opt-in

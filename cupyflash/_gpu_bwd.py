@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _gpu
 from ._gpu import _accumulator_dtype, _array_module, mma_head_dim, rows_aligned, simt_bucket, use_dmma, use_wgmma
 from ._kernels import (DMMA_DTYPES, DMMA_HEAD_DIMS, TF32_HEAD_DIMS, TF32_PASSES, WGMMA_BWD_HEAD_DIMS, Instantiation,
-                       bwd_dmma_name_expressions, bwd_mma_name_expressions, bwd_tf32_name_expressions,
+                       bwd_dmma_name_expressions, bwd_mma_name_expressions, bwd_mma_streamed, bwd_tf32_name_expressions,
                        bwd_wgmma_name_expressions, by_name, instantiations)
 from ._launch import backward_kernel, backward_launch_config
 from ._params_bwd import bwd_params
@@ -41,7 +42,8 @@ _SIMT_KERNELS = ("bwd_simt_dot_do_o_kernel", "bwd_simt_dkdv_kernel", "bwd_simt_d
 def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = False,
            deterministic: bool = True, wgmma: bool | None = None,
            dq_aligned: bool = True, dmma: bool | None = None,
-           precision: str = "ieee") -> tuple[Instantiation, ...]:
+           precision: str = "ieee", seqlen_q: int | None = None,
+           seqlen_k: int | None = None) -> tuple[Instantiation, ...]:
     """The instantiations :func:`backward` launches for these arguments, in launch order.
 
     bwd_wgmma (Hopper's wgmma, ``cuda_src/bwd_wgmma.cu``) where bwd_mma would run
@@ -84,6 +86,12 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
     blocks of a multiple of 16 rows: buckets up to 64 for float64, 128 for
     the others).
 
+    ``seqlen_q`` / ``seqlen_k``: bwd_mma's dK/dV (dQ) kernels run their whole-stream
+    instantiations (``kWholeStream``: streamed copies without bounds) where Lq (Lk) is a
+    multiple of their streamed block (:func:`~cupyflash._kernels.bwd_mma_streamed`) and
+    ``head_dim`` is the bucket itself, unless ``cupyflash._gpu.whole_kv_override`` is
+    False.  None (unknown) never picks them.
+
     Raises
     ------
     TypeError
@@ -109,7 +117,12 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
         if mma_dim in WGMMA_BWD_HEAD_DIMS and use_wgmma(arch, wgmma):
             names = bwd_wgmma_name_expressions(name, mma_dim, deterministic or not dq_aligned)
         else:
-            names = bwd_mma_name_expressions(name, mma_dim, arch, deterministic)
+            streamed, streamed_dq = bwd_mma_streamed(mma_dim)
+            whole = d == mma_dim and _gpu.whole_kv_override is not False
+            names = bwd_mma_name_expressions(
+                name, mma_dim, arch, deterministic,
+                whole_q=whole and seqlen_q is not None and int(seqlen_q) % streamed == 0,
+                whole_k=whole and seqlen_k is not None and int(seqlen_k) % streamed_dq == 0)
         return (simt["bwd_simt_dot_do_o_kernel"],) + tuple(by_name()[n] for n in names)
     if not deterministic and atomic:
         return (simt["bwd_simt_dot_do_o_kernel"], atomic[0])
@@ -160,7 +173,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, *, scale, window_left, window_
                  seqlen_k=seqlen_k)
     # dq_aligned: always so for attention_backward's own dq
     kernels = select(q.dtype, head_dim, head_dim_v, executor.arch, aligned=rows_aligned(q, k, v, dout),
-                     deterministic=deterministic, dq_aligned=rows_aligned(dq, boundary=8), precision=precision)
+                     deterministic=deterministic, dq_aligned=rows_aligned(dq, boundary=8), precision=precision,
+                     seqlen_q=seqlen_q, seqlen_k=seqlen_k)
     if not any(backward_kernel(r).endswith("_dq_kernel") for r in kernels):
         dq.fill(0)   # the dK/dV kernel adds dQ into it (float atomics)
     # delta first (the others read it); a dK/dV launch needs keys, the others query rows.

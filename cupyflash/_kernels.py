@@ -9,11 +9,13 @@ properties the static report prints.  The dispatcher, ``precompile`` and
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 from dataclasses import dataclass
 
 __all__ = ["Instantiation", "instantiations", "HEAD_DIM_BUCKETS", "MMA_HEAD_DIMS", "mma_arch_class",
-           "mma_tiles", "mma_name_expression", "bwd_mma_name_expressions", "bwd_mma_shared_bytes",
+           "mma_tiles", "mma_name_expression", "bwd_mma_name_expressions", "bwd_mma_shared_bytes", "bwd_mma_streamed",
            "launchable", "by_name", "WGMMA_HEAD_DIMS", "wgmma_tiles", "wgmma_name_expression",
            "compile_target", "WGMMA_BWD_HEAD_DIMS", "bwd_wgmma_tiles", "bwd_wgmma_name_expressions",
            "bwd_wgmma_shared_bytes", "combine_name_expression", "COMBINE_THREADS", "mma_split_tiles",
@@ -36,7 +38,10 @@ class Instantiation:
     kv_stages: int = 0     # fwd_mma/fwd_wgmma: K/V buffer pairs, bwd_mma: streamed tile buffers (1 or 2)
     lazy_rescale: bool = False  # fwd_mma/fwd_wgmma: rescale the output only when a row max moves far
     split: bool = False    # fwd_mma/fwd_wgmma: the split-KV instantiation (kSplit; fwd_simt splits at run time)
-    whole_kv: bool = False  # fwd_mma: K/V copies without bounds (kWholeKV: Lk a multiple of block_n, d the bucket)
+    # fwd_mma: K/V copies without bounds (kWholeKV: Lk a multiple of block_n, d the bucket);
+    # bwd_mma: streamed copies without bounds (kWholeStream: the streamed length a multiple
+    # of the streamed block, d the bucket)
+    whole_kv: bool = False
     passes: int = 0        # fwd_tf32: TF32 MMAs per product (1: precision "tf32", 3: "tf32x3")
 
 
@@ -283,8 +288,8 @@ def launchable(arch: int) -> frozenset[str]:
                 names.add(mma_name_expression(dtype, d, *tiles[d]))
                 names.add(mma_name_expression(dtype, d, *tiles[d], whole_kv=True))
                 names.add(mma_name_expression(dtype, d, *mma_split_tiles(arch)[d], split=True))
-                for deterministic in (True, False):
-                    names.update(bwd_mma_name_expressions(dtype, d, arch, deterministic))
+                for deterministic, whole in itertools.product((True, False), (False, True)):
+                    names.update(bwd_mma_name_expressions(dtype, d, arch, deterministic, whole, whole))
     return frozenset(names)
 
 
@@ -539,13 +544,23 @@ def bwd_mma_shared_bytes(head_dim: int, own: int, streamed: int, needs_v: bool, 
             + (own * streamed * 2 if atomic_dq else 0))
 
 
-def bwd_mma_name_expressions(dtype: str, head_dim: int, arch: int, deterministic: bool = True
-                             ) -> list[str]:
+def bwd_mma_streamed(head_dim: int) -> tuple[int, int]:
+    """Rows per streamed block of bwd_mma's dK/dV kernels (query rows) and of its dQ
+    kernel (keys) at compile-time ``head_dim``."""
+    streamed, _, *dq_streamed = _BWD_MMA_TILES[head_dim]
+    return streamed, (dq_streamed[0] if dq_streamed else streamed)
+
+
+def bwd_mma_name_expressions(dtype: str, head_dim: int, arch: int, deterministic: bool = True,
+                             whole_q: bool = False, whole_k: bool = False) -> list[str]:
     """bwd_mma's kernels for ``dtype`` (float16 / bfloat16) and compile-time ``head_dim`` on
     ``arch`` (>= 80), in launch order: dK/dV (or dV, then dK), then dQ.  Not
     ``deterministic``: the launch computing dK also adds dQ by float atomics (into a
     zeroed dq), and there is no dQ kernel -- except at d = 256, whose atomic dK kernel
-    would pass the 99 KB of shared memory every row keeps within."""
+    would pass the 99 KB of shared memory every row keeps within.  ``whole_q`` /
+    ``whole_k``: the dK/dV / dQ kernels' whole-stream instantiations (a trailing
+    ``true``, kWholeStream: streamed copies without bounds, for Lq / Lk a multiple of
+    :func:`bwd_mma_streamed`'s blocks and the head dim equal to the bucket)."""
     tile_class = mma_arch_class(arch)
     if tile_class is None or head_dim not in _BWD_MMA_TILES:
         raise ValueError(f"bwd_mma has no kernel for head_dim={head_dim} on sm_{arch}")
@@ -564,10 +579,11 @@ def bwd_mma_name_expressions(dtype: str, head_dim: int, arch: int, deterministic
         if grads & BWD_GRAD_DK and not deterministic:
             grads |= BWD_GRAD_DQ_ATOMIC
         names.append(f"cf::bwd_mma_dkdv_kernel<{cxx}, {head_dim}, {own}, {streamed}, {warps}, {grads}, "
-                     f"{stages(streamed, bool(grads & BWD_GRAD_DK), bool(grads & BWD_GRAD_DQ_ATOMIC))}>")
+                     f"{stages(streamed, bool(grads & BWD_GRAD_DK), bool(grads & BWD_GRAD_DQ_ATOMIC))}"
+                     f"{', true' if whole_q else ''}>")
     if deterministic:
         names.append(f"cf::bwd_mma_dq_kernel<{cxx}, {head_dim}, {own}, {streamed_dq}, {warps}, "
-                     f"{stages(streamed_dq, True)}>")
+                     f"{stages(streamed_dq, True)}{', true' if whole_k else ''}>")
     return names
 
 
@@ -599,8 +615,8 @@ def _backward_instantiations() -> list[Instantiation]:
     for dtype in ("float16", "bfloat16"):
         for d in _BWD_MMA_TILES:
             for arch in _CLASS_ARCH.values():
-                for deterministic in (True, False):
-                    for name in bwd_mma_name_expressions(dtype, d, arch, deterministic):
+                for deterministic, whole in itertools.product((True, False), (False, True)):
+                    for name in bwd_mma_name_expressions(dtype, d, arch, deterministic, whole, whole):
                         if name not in mma:
                             mma[name] = _bwd_mma_row(dtype, d, name)
     return (rows + list(mma.values()) + _bwd_wgmma_instantiations() + _bwd_dmma_instantiations()
@@ -804,6 +820,10 @@ _CLASS_ARCH = {"sm80": 80, "sm86": 86, "sm90": 90}
 
 
 def _bwd_mma_row(dtype: str, head_dim: int, name: str) -> Instantiation:
-    args = [int(a) for a in name.split("<", 1)[1].rstrip(">").split(",")[1:]]
+    args = [a.strip() for a in name.split("<", 1)[1].rstrip(">").split(",")[1:]]
+    whole = args[-1] == "true"          # kWholeStream
+    args = [int(a) for a in (args[:-1] if whole else args)]
     own, streamed, warps, stages = args[1], args[2], args[3], args[-1]
-    return _backward_row("bwd_mma", name, dtype, head_dim, own, streamed, 32 * warps, kv_stages=stages)
+    return dataclasses.replace(
+        _backward_row("bwd_mma", name, dtype, head_dim, own, streamed, 32 * warps, kv_stages=stages),
+        whole_kv=whole)

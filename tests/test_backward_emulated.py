@@ -520,6 +520,12 @@ def test_mma_catalogue_covers_every_fwd_mma_head_dim_for_both_dtypes():
                     # two stages only where two CTAs still fit on an SM of the class; every
                     # row within sm_86/89's 99 KB (the static report launches each everywhere)
                     assert shared <= (limit_kb if r.kv_stages == 2 else 99) * 1024, (arch, r)
+                # the whole-stream rows, for Lq and Lk multiples of every streamed block
+                whole = _gpu_bwd.select(dtype, d, d, arch, aligned=True, deterministic=deterministic,
+                                        seqlen_q=4096, seqlen_k=4096)[1:]
+                assert all(r.whole_kv and by_name[r.name_expression] == r for r in whole)
+                assert [r.name_expression for r in whole] == [r.name_expression[:-1] + ", true>" for r in rows]
+                used.update(r.name_expression for r in whole)
     assert used == set(by_name)   # no row that no architecture launches
 
 
@@ -581,6 +587,41 @@ def test_mma_every_instantiation_matches_oracle(executor, dtype, bucket, head_di
     assert _families(case) == {"bwd_simt", "bwd_mma"}
     assert {r.head_dim for r in _gpu_bwd.select(dtype, head_dim, head_dim, 80, aligned=True)[1:]} == {bucket}
     case.check(case.run(executor))
+
+
+def _whole_stream_cases():
+    """(arch, head dim, deterministic) launches that run every whole-stream bwd_mma row
+    (kWholeStream: streamed copies without bounds) of float16 at least once, for Lq = 128
+    and Lk = 192 (multiples of every streamed block); bfloat16's rows differ only in the
+    mma, which the cases above run."""
+    whole = {r.name_expression for r in MMA_ROWS if r.whole_kv and r.dtype == "float16"}
+    cases, covered = [], set()
+    for d, arch, deterministic in itertools.product(MMA_HEAD_DIMS, (80, 86, 90), (True, False)):
+        rows = {r.name_expression for r in _gpu_bwd.select(np.float16, d, d, arch, aligned=True,
+                                                            deterministic=deterministic,
+                                                            seqlen_q=128, seqlen_k=192)[1:]}
+        if (rows - covered) & whole:
+            cases.append((arch, d, deterministic))
+            covered |= rows
+    assert covered >= whole
+    return cases
+
+
+WHOLE_STREAM_CASES = _whole_stream_cases()
+
+
+@needs_emulator
+@pytest.mark.parametrize("arch, head_dim, deterministic", WHOLE_STREAM_CASES,
+                         ids=[f"sm{a}-d{d}{'' if det else '-atomic'}" for a, d, det in WHOLE_STREAM_CASES])
+def test_mma_whole_stream_rows_match_oracle(arch, head_dim, deterministic):
+    rng = np.random.default_rng(arch * 1000 + head_dim * 2 + deterministic)
+    q, k, v = qkv(rng, np.float16, heads_kv=1, gqa_ratio=2, seqlen_q=128, seqlen_k=192, head_dim=head_dim)
+    case = Case(rng, q, k, v, gqa_ratio=2, window=(None, 0) if head_dim % 64 else (None, None))
+    rows = _gpu_bwd.select(np.float16, head_dim, head_dim, arch, aligned=True, deterministic=deterministic,
+                           seqlen_q=128, seqlen_k=192)
+    assert all(r.whole_kv for r in rows[1:])
+    ex = EmulatorExecutor(arch=arch, seed=head_dim, shuffle=True, race_check=True)
+    case.check(case.run(ex, deterministic=deterministic))
 
 
 # deterministic=False: dQ by float atomics inside the dK/dV kernel, no dQ kernel.

@@ -380,6 +380,10 @@ def test_launchable_is_what_the_dispatchers_pick_on_each_architecture():
                     for dmma in (False, True):   # bwd_dmma, opt-in
                         picked.update(r.name_expression for r in _gpu_bwd.select(
                             dtype, d, d, arch, aligned=True, deterministic=deterministic, dmma=dmma))
+                    # bwd_mma's whole-stream rows (Lq and Lk multiples of every streamed block)
+                    picked.update(r.name_expression for r in _gpu_bwd.select(
+                        dtype, d, d, arch, aligned=True, deterministic=deterministic, seqlen_q=4096,
+                        seqlen_k=4096))
                     for precision in ("tf32", "tf32x3"):   # bwd_tf32
                         picked.update(r.name_expression for r in _gpu_bwd.select(
                             dtype, d, d, arch, aligned=True, deterministic=deterministic, precision=precision))

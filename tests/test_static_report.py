@@ -374,13 +374,20 @@ def test_every_kernel_compiles_with_the_oldest_nvrtc():
               for dtype in ("float16", "bfloat16") for d in MMA_HEAD_DIMS for whole_kv in (False, True)}
     picked |= {r.name_expression for r in instantiations()
                if r.family.startswith("bwd_") or r.family == "fwd_wgmma"}
-    # One known exception, pinned to its size: the whole-KV row of d = 128's tile.
-    # NVRTC 13.0 keeps 13 loop-invariant values of it in local memory (52 B: 13 LDL
-    # per key block of ~1,200 instructions, L1 hits); 13.5 keeps them in registers.
-    # benchmarks/gpu_variants.py times it against the bounds-checked row, which
-    # 13.0 compiles without spills.
+    # Known exceptions, each pinned to its (spill, stack) bytes; 13.5 spills none of them.
+    # - fwd_mma's whole-KV row of d = 128's tile: NVRTC 13.0 keeps 13 loop-invariant
+    #   values in local memory (52 B: 13 LDL per key block of ~1,200 instructions, L1
+    #   hits). benchmarks/gpu_variants.py times it against the bounds-checked row,
+    #   which 13.0 compiles without spills.
+    # - bwd_mma's whole-stream dK/dV rows at d = 128 (both stage counts) and d = 224's
+    #   dK launch: one register (two at 224), stored once and reloaded once per query
+    #   head, outside the streamed loop.
     known = {mma_name_expression(dtype, 128, *mma_tiles(90)[128], whole_kv=True): (52, 56)
              for dtype in ("float16", "bfloat16")}
+    for cxx in ("__half", "__nv_bfloat16"):
+        known.update({f"cf::bwd_mma_dkdv_kernel<{cxx}, 128, 64, 32, 4, 3, {stages}, true>": (4, 8)
+                      for stages in (1, 2)})
+        known[f"cf::bwd_mma_dkdv_kernel<{cxx}, 224, 64, 32, 4, 2, 1, true>"] = (8, 8)
     bad = [(r["name"], r["spill_stores"], r["stack_bytes"]) for r in rows
            if r["arch"] == "sm_90" and r["name"] in picked and (r["spill_stores"] or r["stack_bytes"])
            and known.get(r["name"]) != (r["spill_stores"], r["stack_bytes"])]

@@ -83,8 +83,9 @@ def _picked_mma(rows: list[dict]) -> set[tuple[str, str]]:
                 picked.add((arch, mma_name_expression(dtype, d, *tiles[d])))
                 picked.add((arch, mma_name_expression(dtype, d, *tiles[d], whole_kv=True)))
                 picked.add((arch, mma_name_expression(dtype, d, *mma_split_tiles(number)[d], split=True)))
-                for deterministic in (True, False):
-                    picked.update((arch, n) for n in bwd_mma_name_expressions(dtype, d, number, deterministic))
+                for deterministic, whole in ((True, False), (False, False), (True, True), (False, True)):
+                    picked.update((arch, n) for n in bwd_mma_name_expressions(dtype, d, number, deterministic,
+                                                                               whole, whole))
     return picked
 
 
@@ -106,8 +107,11 @@ def _split(row: dict) -> bool:
 
 
 def _whole_kv(row: dict) -> bool:
-    """fwd_mma's whole-KV instantiation (kWholeKV, the ninth argument)."""
+    """fwd_mma's whole-KV instantiation (kWholeKV, the ninth argument) or bwd_mma's
+    whole-stream one (kWholeStream, a trailing ``true``)."""
     args = row["name"].split("<", 1)[1].rstrip(">").split(",")
+    if row["family"] == "bwd_mma":
+        return args[-1].strip() == "true"
     return row["family"] == "fwd_mma" and len(args) == 9 and args[8].strip() == "true"
 
 
@@ -120,8 +124,11 @@ def _tile(row: dict) -> str:
     if row["family"] == "fwd_wgmma":      # <T, d, block_n, warpgroups, lazy_rescale[, kSplit]>
         lazy = ", lazy rescale" if args[4] == "true" else ""
         return f"{64 * int(args[3])}×{args[2]}, {args[3]} warpgroups{lazy}{split}"
-    if row["family"] == "bwd_mma":        # <T, d, own, streamed, warps[, kGrads], stages>
-        return f"{args[2]}×{args[3]}, {args[4]} warps, {args[-1]} stage{'s' * (args[-1] != '1')}"
+    if row["family"] == "bwd_mma":        # <T, d, own, streamed, warps[, kGrads], stages[, kWholeStream]>
+        whole = _whole_kv(row)
+        stages = args[-2] if whole else args[-1]
+        return (f"{args[2]}×{args[3]}, {args[4]} warps, {stages} stage{'s' * (stages != '1')}"
+                f"{', whole streamed blocks' if whole else ''}")
     if row["family"] == "bwd_wgmma":      # <T, d, own, streamed, warpgroups, kGrads>
         return f"{args[2]}×{args[3]}, {args[4]} warpgroups"
     if row["family"] in ("fwd_dmma", "bwd_dmma"):   # <d, block_m, block_n, warps[, float]>
@@ -155,6 +162,8 @@ def _family_table(rows: list[dict], family: str, archs: list[str], picked: set) 
             key = (DTYPE_ORDER[r["dtype"]], r["head_dim"], _tile(r), r["dtype"])
         elif family == "bwd_tf32":   # one line per kernel and pass count
             key = (DTYPE_ORDER[r["dtype"]], r["head_dim"], _kernel(r), r["dtype"], _tile(r))
+        elif family == "bwd_mma":    # one line per kernel, bounds-checked or whole-stream
+            key = (DTYPE_ORDER[r["dtype"]], r["head_dim"], _kernel(r), r["dtype"], _whole_kv(r))
         else:
             key = (DTYPE_ORDER[r["dtype"]], r["head_dim"], _kernel(r), r["dtype"])
         keys.setdefault(key, {})[r["arch"]] = r
@@ -165,7 +174,7 @@ def _family_table(rows: list[dict], family: str, archs: list[str], picked: set) 
                   [f"{arch} regs", f"{arch} smem KB", f"{arch} blocks/SM"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for key in sorted(keys, key=lambda k: (k[0], k[1], list(SHORT_KERNEL.values()).index(k[2])
-                                            if k[2] in SHORT_KERNEL.values() else 0)):
+                                            if k[2] in SHORT_KERNEL.values() else 0, str(k[4:]))):
         by_arch = keys[key]
         any_row = next(iter(by_arch.values()))
         cells = [key[3], str(key[1])]
