@@ -376,9 +376,9 @@ def test_every_kernel_compiles_with_the_oldest_nvrtc():
                if r.family.startswith("bwd_") or r.family == "fwd_wgmma"}
     # Known exceptions, each pinned to its (spill, stack) bytes; 13.5 spills none of them.
     # - fwd_mma's whole-KV row of d = 128's tile: NVRTC 13.0 keeps 13 loop-invariant
-    #   values in local memory (52 B: 13 LDL per key block of ~1,200 instructions, L1
-    #   hits). benchmarks/gpu_variants.py times it against the bounds-checked row,
-    #   which 13.0 compiles without spills.
+    #   values in local memory (52 B: 13 LDL per key block of ~1,200 instructions,
+    #   cached in L1). benchmarks/gpu_variants.py times it against the bounds-checked
+    #   row, which 13.0 compiles without spills.
     # - bwd_mma's whole-stream dK/dV rows at d = 128 (both stage counts) and d = 224's
     #   dK launch: one register (two at 224), stored once and reloaded once per query
     #   head, outside the streamed loop.
