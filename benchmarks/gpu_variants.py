@@ -44,10 +44,11 @@ FWD_VARIANTS = {
     64: [(128, 64, 4, 2, True), (128, 64, 4, 2, True, False), (128, 64, 4, 2, False),
          (128, 64, 4, 1, True), (64, 128, 4, 2, True), (128, 128, 8, 2, True), (128, 128, 4, 2, True)],
 }
-# bwd_mma: head dim -> [(own, streamed, warps[, keys streamed by the dQ kernel])],
-# the catalogue's first
+# bwd_mma: head dim -> [(own, streamed, warps[, keys streamed by the dQ kernel][, whole])],
+# the catalogue's first.  The sweep's shape runs the whole-stream instantiations
+# (kWholeStream); a trailing False times the bounds-checked copies instead.
 BWD_VARIANTS = {
-    128: [(64, 32, 4), (64, 64, 4), (64, 32, 4, 64)],
+    128: [(64, 32, 4), (64, 32, 4, False), (64, 64, 4), (64, 32, 4, 64)],
 }
 # fwd_wgmma (sm_90 only, timed first: it carries issue 4's target): head dim ->
 # [(block_n, warpgroups, lazy_rescale)], the catalogue's first.  Registers (NVRTC
@@ -184,15 +185,24 @@ def variant_rows(kind: str, head_dim: int, variant, dtype: str = "bfloat16"):
         use_fwd(head_dim, variant)
         family = "fwd_mma"
     else:
+        variant, whole = bwd_whole(variant)
         use_bwd(head_dim, *variant)
         family = "bwd_mma"
-    if kind == "bwd":   # the kernels sm_90 launches for the sweep's shape (whole streamed blocks)
+    if kind == "bwd":   # the kernels sm_90 launches for the sweep's shape
         return [_kernels.by_name()[n]
-                for n in _kernels.bwd_mma_name_expressions(dtype, head_dim, 90, whole_q=True, whole_k=True)]
+                for n in _kernels.bwd_mma_name_expressions(dtype, head_dim, 90, whole_q=whole, whole_k=whole)]
     return [r for r in _kernels.instantiations()
             if r.family == family and r.dtype == dtype and r.head_dim == head_dim and not r.split
             and r.whole_kv == whole_kv
             and (r.block_m, r.block_n, r.threads // 32, r.kv_stages, r.lazy_rescale) == tuple(variant)]
+
+
+def bwd_whole(variant) -> tuple[tuple, bool]:
+    """A bwd_mma variant's tile and whether it runs the whole-stream rows (a trailing
+    bool, default True)."""
+    if isinstance(variant[-1], bool):
+        return tuple(variant[:-1]), variant[-1]
+    return tuple(variant), True
 
 
 def all_variants(wgmma: bool = True):
@@ -283,7 +293,9 @@ def main() -> int:
     for kind, d, variant in jobs:
         variant_rows(kind, d, variant)   # installs the variant in the catalogue
         _gpu.wgmma_override = kind in ("wfwd", "wbwd")
-        _gpu.whole_kv_override = False if kind == "fwd" and len(variant) > 5 and not variant[5] else None
+        bounds = ((kind == "fwd" and len(variant) > 5 and not variant[5])
+                  or (kind == "bwd" and not bwd_whole(variant)[1]))
+        _gpu.whole_kv_override = False if bounds else None
         _gpu.dmma_override = kind in ("dfwd", "dbwd")
         simt, dmma, tf32 = kind in ("sfwd", "sbwd"), kind in ("dfwd", "dbwd"), kind == "tfwd"
         dtype = variant[0] if simt else "float64" if dmma else "float32" if tf32 else "bfloat16"

@@ -222,6 +222,9 @@ def test_gpu_variants_name_catalogue_rows(monkeypatch, request):
         if kind == "wfwd":
             (row,) = rows
             assert (row.block_n, row.threads // 128, row.lazy_rescale) == tuple(tile)
+        if kind == "bwd":   # the whole-stream rows, unless a trailing False
+            _, whole = variants.bwd_whole(tile)
+            assert all(r.whole_kv == whole for r in rows), (tile, rows)
         if kind == "wbwd":
             (launch,), groups, streamed_dq = tile
             assert (rows[0].block_m, rows[0].threads // 128, rows[1].block_n) == (launch[1], groups, streamed_dq)
