@@ -33,8 +33,9 @@ from cupyflash import _kernels  # noqa: E402
 # catalogue's sm90 row first.  The lazy rescale is new since the last GPU run:
 # each head dim times it against the rescale of every block.  d = 64's last row is
 # FlashAttention-2's 128 x 128 tile of 4 warps: with the lazy rescale and two
-# stages it fits 255 registers under NVRTC 13.5 (0 B spilled, sm_90), but spills
-# 28 B under 13.0 (the H200 machines' NVRTC); without the lazy rescale, 48 B under 13.5.
+# stages it fits 255 registers under NVRTC 13.5 (0 B spilled, sm_90); under 13.0
+# (the H200 machines' NVRTC) its bounds-checked row spills 28 B and the whole-KV
+# row the sweep runs none.  Without the lazy rescale: 48 B under 13.5.
 # The sweep's shape runs the whole-KV instantiations (kWholeKV: no bounds in the K/V
 # copies); a sixth element False times the same tile with the bounds-checked copies
 # (as measured in sweep B) instead.
