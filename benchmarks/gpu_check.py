@@ -262,10 +262,10 @@ def child(spec_path: str) -> int:
             emit(budget_spent=[i for i, _ in cases[n:]])
             break
         where["case"] = index
-        per_impl = max(0.5, min(5.0, left / (len(cases) - n) / 8))
         try:
             _bench.run_case(case, device, exclude=spec["exclude"], repeat=spec["repeat"],
-                            warmup=spec["warmup"], memory=spec["memory"], max_seconds=per_impl,
+                            warmup=spec["warmup"], memory=spec["memory"],
+                            max_seconds=_bench.per_impl_seconds(left, len(cases) - n),
                             settle_s=0.0, on_start=on_start, on_row=on_row)
         except ContextLost as lost:
             emit(lost=str(lost), case=index)
@@ -336,10 +336,9 @@ def bench_watched(cases: list, *, budget: float, repeat: int, work: Path, log=pr
                     header = item["header"]
                 elif "gemm" in item:
                     gemm = item["gemm"]
-                elif "start" in item:
+                elif "start" in item:   # a restarted case times its implementations again
                     running = (item["case"], item["start"])
-                    rows.setdefault(item["case"], [])
-                    rows[item["case"]] = [r for r in rows[item["case"]] if r["impl"] != item["start"]]
+                    rows[item["case"]] = [r for r in rows.get(item["case"], []) if r["impl"] != item["start"]]
                 elif "row" in item:
                     rows.setdefault(item["case"], []).append(item["row"])
                     log(_bench._progress(item["row"]))
@@ -383,13 +382,7 @@ def bench_watched(cases: list, *, budget: float, repeat: int, work: Path, log=pr
         index = running[0]
         case_rows = rows.setdefault(index, [])
         if not any(r["impl"] == culprit for r in case_rows):
-            row = dict.fromkeys(_bench.ROW_KEYS)
-            case = cases[index]
-            row.update(impl=culprit, device=device, dtype=case.dtype, B=case.batch, H=case.heads,
-                       Lq=case.seqlen_q, Lk=case.seqlen_k, d=case.head_dim, causal=case.causal,
-                       flops=case.flops, error=why)
-            row["pass"] = case.pass_name
-            case_rows.append(row)
+            case_rows.append(_bench.blank_row(cases[index], culprit, device) | {"error": why})
         notes.append(f"{culprit}: {why} (at {_case_name(cases[index])}); left out of every later case")
         log(f"gpu_check: {culprit}: {why}; restarting without it")
     else:

@@ -180,30 +180,27 @@ def variant_rows(kind: str, head_dim: int, variant, dtype: str = "bfloat16"):
         names = _kernels.bwd_wgmma_name_expressions(dtype, head_dim, True)
         names += _kernels.bwd_wgmma_name_expressions(dtype, head_dim, False)
         return [_kernels.by_name()[n] for n in dict.fromkeys(names)]
-    whole_kv = False
-    if kind == "fwd":   # the sweep's shape runs the whole-KV row unless a sixth element says not
-        variant, whole_kv = variant[:5], len(variant) < 6 or variant[5]
+    variant, whole = whole_flag(kind, variant)
+    if kind == "fwd":
         use_fwd(head_dim, variant)
-        family = "fwd_mma"
     else:
-        variant, whole = bwd_whole(variant)
         use_bwd(head_dim, *variant)
-        family = "bwd_mma"
     if kind == "bwd":   # the kernels sm_90 launches for the sweep's shape
         return [_kernels.by_name()[n]
                 for n in _kernels.bwd_mma_name_expressions(dtype, head_dim, 90, whole_q=whole, whole_k=whole)]
     return [r for r in _kernels.instantiations()
-            if r.family == family and r.dtype == dtype and r.head_dim == head_dim and not r.split
-            and r.whole_kv == whole_kv
+            if r.family == "fwd_mma" and r.dtype == dtype and r.head_dim == head_dim and not r.split
+            and r.whole_kv == whole
             and (r.block_m, r.block_n, r.threads // 32, r.kv_stages, r.lazy_rescale) == tuple(variant)]
 
 
-def bwd_whole(variant) -> tuple[tuple, bool]:
-    """A bwd_mma variant's tile and whether it runs the whole-stream rows (a trailing
-    bool, default True)."""
-    if isinstance(variant[-1], bool):
-        return tuple(variant[:-1]), variant[-1]
-    return tuple(variant), True
+def whole_flag(kind: str, variant) -> tuple[tuple, bool]:
+    """A fwd_mma / bwd_mma variant's tile and whether the sweep's shape runs its whole-KV
+    (whole-stream) rows: True unless the variant ends in an extra False -- a sixth
+    element for fwd_mma (whose fifth, lazy_rescale, is a bool too), a trailing bool for
+    bwd_mma."""
+    extra = len(variant) > 5 if kind == "fwd" else isinstance(variant[-1], bool)
+    return (tuple(variant[:-1]), bool(variant[-1])) if extra else (tuple(variant), True)
 
 
 def all_variants(wgmma: bool = True):
@@ -294,8 +291,7 @@ def main() -> int:
     for kind, d, variant in jobs:
         variant_rows(kind, d, variant)   # installs the variant in the catalogue
         _gpu.wgmma_override = kind in ("wfwd", "wbwd")
-        bounds = ((kind == "fwd" and len(variant) > 5 and not variant[5])
-                  or (kind == "bwd" and not bwd_whole(variant)[1]))
+        bounds = kind in ("fwd", "bwd") and not whole_flag(kind, variant)[1]
         _gpu.whole_kv_override = False if bounds else None
         _gpu.dmma_override = kind in ("dfwd", "dbwd")
         simt, dmma, tf32 = kind in ("sfwd", "sbwd"), kind in ("dfwd", "dbwd"), kind == "tfwd"

@@ -73,7 +73,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Case", "flop_count", "cases", "bench", "run_case", "peer_ratios", "gemm_shares",
+__all__ = ["Case", "flop_count", "cases", "bench", "run_case", "blank_row", "per_impl_seconds",
+           "peer_ratios", "gemm_shares",
            "environment", "markdown", "merge",
            "gpu_available", "cuda_context_alive", "gemm_tflops", "main_bench", "COLUMNS", "REQUIRED_KEYS", "ROW_KEYS"]
 
@@ -762,10 +763,7 @@ def run_case(case: Case, device: str, *, impls=None, exclude=(), repeat: int, wa
     reference = None
     rows = []
     for name in names:
-        row = dict.fromkeys(ROW_KEYS)
-        row.update({"impl": name, "device": device, "pass": case.pass_name, "dtype": case.dtype,
-                    "B": case.batch, "H": case.heads, "Lq": case.seqlen_q, "Lk": case.seqlen_k,
-                    "d": case.head_dim, "causal": case.causal, "flops": case.flops})
+        row = blank_row(case, name, device)
         if on_start:
             on_start(case, name)
         try:
@@ -798,6 +796,21 @@ def run_case(case: Case, device: str, *, impls=None, exclude=(), repeat: int, wa
             on_row(row)
     peer_ratios(rows)
     return rows
+
+
+def blank_row(case: Case, impl: str, device: str) -> dict:
+    """A row of :data:`ROW_KEYS` for ``impl`` on ``case``: the case's keys set, no time."""
+    row = dict.fromkeys(ROW_KEYS)
+    row.update({"impl": impl, "device": device, "pass": case.pass_name, "dtype": case.dtype,
+                "B": case.batch, "H": case.heads, "Lq": case.seqlen_q, "Lk": case.seqlen_k,
+                "d": case.head_dim, "causal": case.causal, "flops": case.flops})
+    return row
+
+
+def per_impl_seconds(seconds_left: float, cases_left: int) -> float:
+    """Timing budget of each implementation of the next case: an eighth of an even share
+    of what is left, between 0.5 and 5 s."""
+    return max(0.5, min(5.0, seconds_left / cases_left / 8))
 
 
 def peer_ratios(rows) -> None:
@@ -902,7 +915,7 @@ def bench(case_list, *, device: str = "auto", impls=None, exclude=(), repeat: in
                                 f"case(s) not run")
             break
         left = math.inf if budget_s is None else budget_s - (time.perf_counter() - start)
-        per_impl = max(0.5, min(5.0, left / (len(case_list) - i) / 8))
+        per_impl = per_impl_seconds(left, len(case_list) - i)
         case_rows = run_case(case, device, impls=impls, exclude=exclude, repeat=repeat,
                              warmup=warmup, memory=memory, seed=seed, max_seconds=per_impl,
                              settle_s=settle_s, on_start=on_start, on_row=on_row)

@@ -26,7 +26,7 @@ from ._launch import launch_config, num_splits, v1_block_sizes
 from ._params import data_pointer, fwd_params
 
 __all__ = ["forward", "forward_v1", "select", "rows_aligned", "wgmma_enabled", "use_wgmma", "dmma_enabled",
-           "use_dmma"]
+           "use_dmma", "whole_blocks"]
 
 # The wgmma kernels (fwd_wgmma, bwd_wgmma) have not run on a GPU yet: they are
 # opt-in until the GPU tier has checked them.
@@ -91,6 +91,15 @@ def use_wgmma(arch: int, wgmma: bool | None = None) -> bool:
 
 def _dtype_name(dtype) -> str:
     return np.dtype(dtype).name
+
+
+def whole_blocks(seqlen: int | None, block: int, head_dim: int, bucket: int) -> bool:
+    """Whether every streamed block of ``seqlen`` rows is complete and the head dim fills
+    its bucket -- the condition of fwd_mma's whole-KV and bwd_mma's whole-stream
+    instantiations (copies without bounds) -- and ``whole_kv_override`` allows them.
+    An unknown length (None) never qualifies."""
+    return (seqlen is not None and int(seqlen) % block == 0 and head_dim == bucket
+            and whole_kv_override is not False)
 
 
 def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = False,
@@ -158,9 +167,7 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
             wanted = wgmma_name_expression(name, bucket, *wgmma_tiles()[bucket], split=split)
         else:
             tiles = mma_split_tiles(arch) if split else mma_tiles(arch)
-            block_n = tiles[bucket][1]
-            whole_kv = (not split and seqlen_k is not None and int(seqlen_k) % block_n == 0
-                        and d == bucket and whole_kv_override is not False)
+            whole_kv = not split and whole_blocks(seqlen_k, tiles[bucket][1], d, bucket)
             wanted = mma_name_expression(name, bucket, *tiles[bucket], split=split, whole_kv=whole_kv)
         return by_name()[wanted]
     if (precision in TF32_PASSES and name == "float32" and arch >= 80 and scale > 0 and d == dv

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _gpu
-from ._gpu import _accumulator_dtype, _array_module, mma_head_dim, rows_aligned, simt_bucket, use_dmma, use_wgmma
+from ._gpu import (_accumulator_dtype, _array_module, mma_head_dim, rows_aligned, simt_bucket, use_dmma, use_wgmma,
+                   whole_blocks)
 from ._kernels import (DMMA_DTYPES, DMMA_HEAD_DIMS, TF32_HEAD_DIMS, TF32_PASSES, WGMMA_BWD_HEAD_DIMS, Instantiation,
                        bwd_dmma_name_expressions, bwd_mma_name_expressions, bwd_mma_streamed, bwd_tf32_name_expressions,
                        bwd_wgmma_name_expressions, by_name, instantiations)
@@ -118,11 +118,9 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
             names = bwd_wgmma_name_expressions(name, mma_dim, deterministic or not dq_aligned)
         else:
             streamed, streamed_dq = bwd_mma_streamed(mma_dim)
-            whole = d == mma_dim and _gpu.whole_kv_override is not False
-            names = bwd_mma_name_expressions(
-                name, mma_dim, arch, deterministic,
-                whole_q=whole and seqlen_q is not None and int(seqlen_q) % streamed == 0,
-                whole_k=whole and seqlen_k is not None and int(seqlen_k) % streamed_dq == 0)
+            names = bwd_mma_name_expressions(name, mma_dim, arch, deterministic,
+                                             whole_q=whole_blocks(seqlen_q, streamed, d, mma_dim),
+                                             whole_k=whole_blocks(seqlen_k, streamed_dq, d, mma_dim))
         return (simt["bwd_simt_dot_do_o_kernel"],) + tuple(by_name()[n] for n in names)
     if not deterministic and atomic:
         return (simt["bwd_simt_dot_do_o_kernel"], atomic[0])

@@ -223,7 +223,7 @@ def test_gpu_variants_name_catalogue_rows(monkeypatch, request):
             (row,) = rows
             assert (row.block_n, row.threads // 128, row.lazy_rescale) == tuple(tile)
         if kind == "bwd":   # the whole-stream rows, unless a trailing False
-            _, whole = variants.bwd_whole(tile)
+            _, whole = variants.whole_flag(kind, tile)
             assert all(r.whole_kv == whole for r in rows), (tile, rows)
         if kind == "wbwd":
             (launch,), groups, streamed_dq = tile
