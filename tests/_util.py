@@ -106,6 +106,33 @@ def assert_compiled_clean(report, rows, archs):
         assert r["occupancy"] >= 1 and r["registers"] <= 255
 
 
+def wgmma_hazard_notes(log: str) -> list[str]:
+    """The lines of a ptxas log (``-v``) in which ptxas says it repaired a wgmma ordering
+    hazard itself: where the compiler has moved a read of wgmma accumulators (or a
+    write of its A registers) above the wgmma.wait_group that retires them, ptxas
+    inserts a wait of its own (C7517, 'wgmma.wait_group is injected') or serializes
+    the wgmma (C7514, ...), and says so only at info level.  The results stay right
+    and the overlap is lost; one injected wait is too little for the SASS counts to
+    show."""
+    import re
+
+    return [line for line in log.splitlines() if re.search(r"\(C75\d\d\)", line)]
+
+
+def wgmma_module_log(rows) -> str:
+    """The ptxas log of the wgmma kernels ``rows`` (one entry file) compiled for sm_90a as
+    cupyflash._report.kernel_report compiles them (its in-process cache: no second compile
+    after the report fixture)."""
+    from cupyflash import _report
+    from cupyflash._kernels import compile_target
+    from cupyflash._loader import module_source
+
+    (entry,) = {r.entry for r in rows}
+    return _report.compile_report(module_source(entry), [r.name_expression for r in rows],
+                                  compile_target(entry, "sm_90"), sass=True,
+                                  filename=f"cuda_src/{entry}").log
+
+
 def poisoned(shape, dtype):
     """An output buffer full of NaN, so that an element the code under test forgets shows."""
     return np.full(shape, np.nan, dtype=dtype)

@@ -33,7 +33,7 @@ from cupyflash._kernels import (WGMMA_BWD_HEAD_DIMS, bwd_wgmma_tiles, compile_ta
 from cupyflash._launch import backward_kernel, backward_launch_config
 from cupyflash.emulator import EmulatorExecutor, emulator_available
 
-from _util import HALF, accum_dtype, poisoned, random_array
+from _util import HALF, accum_dtype, poisoned, random_array, wgmma_hazard_notes, wgmma_module_log
 from test_backward_emulated import Case, qkv
 
 ROWS = [r for r in instantiations() if r.family == "bwd_wgmma"]
@@ -154,6 +154,11 @@ def test_sass_issues_the_hgmma_of_each_product_and_no_ldmatrix(report):
         assert sass.get("WARPGROUP", 0) < expected // 2, (r["name"], sass.get("WARPGROUP"))
         assert not sass.get("HMMA") and not sass.get("LDSM"), r["name"]
         assert sass.get("LDGSTS", 0) > 0 and sass.get("MUFU", 0) > 0, r["name"]
+
+
+def test_ptxas_repairs_no_wgmma_ordering_hazard(report):
+    # as tests/test_fwd_wgmma.py (which shows the check firing on a planted kernel)
+    assert not wgmma_hazard_notes(wgmma_module_log(ROWS))
 
 
 # ---- emulated: the kernels -------------------------------------------------------------------------

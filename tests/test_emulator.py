@@ -60,7 +60,7 @@ PLANTED_KERNELS = [
     "warp_exchange<true>", "warp_exchange<false>", "cp_async_neighbour<true>", "cp_async_neighbour<false>",
     "cp_async_no_barrier", "divergent_barrier", "barrier_vs_shuffle", "shuffle_after_exit",
     "divergent_collectives", "smem_out_of_bounds", "order_probe", "block_sum", "block_votes",
-    "wild_global_write", "stack_overflow",
+    "wild_global_write", "stack_overflow", "shared_window",
 ]
 
 
@@ -594,6 +594,22 @@ def test_thread_order_changes_with_seed_but_results_do_not():
     np.testing.assert_allclose(sums[0][1::2], expected, rtol=1e-5)
     _, _, ticket = run_planted(EmulatorExecutor(shuffle=False), "order_probe")
     np.testing.assert_array_equal(ticket[:256], np.arange(256))
+
+
+def test_shuffled_launches_place_shared_memory_off_1024_byte_boundaries():
+    # the wgmma kernels align their tiles themselves (swizzle atoms of 1024 bytes); a
+    # GPU need not start dynamic shared memory on such a boundary, and neither does a
+    # shuffled launch here, so their alignment code runs on the emulator too
+    windows = set()
+    for seed in range(6):
+        _, out, _ = run_planted(EmulatorExecutor(seed=seed), "shared_window", smem=16 * 128)
+        window = int(out[0])
+        np.testing.assert_array_equal(out[:128], window + 16 * np.arange(128))
+        assert window % 16 == 0 and 16 <= window <= 1008
+        windows.add(window)
+    assert len(windows) > 1
+    _, out, _ = run_planted(EmulatorExecutor(shuffle=False), "shared_window", smem=16 * 128)
+    assert out[0] == 0
 
 
 @pytest.mark.parametrize("sign", ["mixed", "positive"])

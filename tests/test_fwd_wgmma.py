@@ -27,11 +27,19 @@ from cupyflash._kernels import WGMMA_HEAD_DIMS, compile_target, instantiations, 
 from cupyflash._launch import launch_config
 from cupyflash.emulator import EmulatorError, EmulatorExecutor, emulator_available
 
-from _util import bfloat16, poisoned, random_array
+from _util import bfloat16, poisoned, random_array, wgmma_hazard_notes, wgmma_module_log
 from test_fwd_mma import HALF_DTYPES, HALF_IDS, Recorder, qkv, run_mma
 
 WGMMA_ROWS = [r for r in instantiations() if r.family == "fwd_wgmma"]
 PROBE = str(Path(__file__).resolve().parent / "emulator_planted" / "wgmma_planted.cu")
+PROBE_SHARED = 2 * 64 * 64 * 2 + 1024   # A and B pages, and the slack to align them
+# Each wgmma product of fwd_wgmma.cu and bwd_wgmma.cu as the kernels call it (its
+# header lists what it covers beyond PROBE's single instruction).
+PRODUCTS = str(Path(__file__).resolve().parent / "emulator_planted" / "wgmma_products.cu")
+PRODUCT_FORMS = {0: "fwd-S=QKt", 1: "fwd-O=PV", 2: "bwd-own-stream", 3: "bwd-accumulate",
+                 4: "bwd-atomic-dq-d128", 5: "bwd-atomic-dq-d64"}
+PRODUCT_THREADS = 256
+PRODUCT_SHARED = 2 * 128 * 128 * 2 + 1024
 
 _OK, _WHY = emulator_available()
 needs_emulator = pytest.mark.skipif(not _OK, reason=f"CPU emulator unavailable: {_WHY}")
@@ -113,6 +121,45 @@ def test_sass_issues_hgmma_per_key_block_and_no_ldmatrix(report):
         assert sass.get("LDGSTS", 0) > 0 and sass.get("MUFU", 0) > 0, r["name"]
 
 
+def test_ptxas_repairs_no_wgmma_ordering_hazard(report):
+    # C7517 / C7514 in the ptxas log: the compiler moved an accumulator read above its
+    # wait, and ptxas waited (or serialized) on its own
+    assert not wgmma_hazard_notes(wgmma_module_log(WGMMA_ROWS))
+
+
+def compile_planted_sm90a(source: str, names) -> tuple[str, bytes, dict]:
+    """(ptxas log, cubin, lowered names) of a planted file compiled by NVRTC for sm_90a with
+    the loader's options (tests/test_gpu_wgmma.py loads the cubin)."""
+    from cupyflash._loader import COMPILE_OPTIONS
+    from cupyflash._report import _include_options, _nvrtc
+    from cupyflash._source import cuda_src_dir
+
+    options = COMPILE_OPTIONS + _include_options() + (
+        f"-I{cuda_src_dir()}", "-arch=sm_90a", "--device-as-default-execution-space", "-ftz=true",
+        "--ptxas-options=-v")
+    with open(source) as f:
+        return _nvrtc().compile(f.read(), list(names), options, Path(source).name)
+
+
+def test_a_hoisted_accumulator_read_shows_in_the_ptxas_log():
+    # the probe's run-time fault flags read accumulators (and change A registers) before
+    # wgmma.wait_group: ptxas must say so, or the test above could never fail
+    log, _cubin, _lowered = compile_planted_sm90a(PROBE, ["wgmma_probe<false>"])
+    notes = wgmma_hazard_notes(log)
+    assert any("C7517" in line for line in notes), log
+
+
+def test_the_products_probe_compiles_for_sm90a_as_the_kernels_do():
+    # what tests/test_gpu_wgmma.py loads first on a device: no spills, and no wait or
+    # serialization ptxas added (the products would then be timed as nothing else runs)
+    log, _cubin, lowered = compile_planted_sm90a(PRODUCTS, [f"wgmma_products<{f}>" for f in PRODUCT_FORMS])
+    stats = _report.parse_ptxas_log(log)
+    assert len(lowered) == len(PRODUCT_FORMS)
+    for name, mangled in lowered.items():
+        assert not (stats[mangled]["spill_stores"] or stats[mangled]["stack_bytes"]), name
+    assert not wgmma_hazard_notes(log)
+
+
 # ---- emulated: the wgmma instruction and its ordering rules -------------------------------------
 
 @pytest.fixture(scope="module")
@@ -129,7 +176,7 @@ def _probe(executor, regs_a: bool, flags: int = 0):
     inp = rng.standard_normal(2048).astype(np.float32)
     out = np.full(64 * 64, np.nan, np.float32)
     executor.launch(PROBE, f"wgmma_probe<{'true' if regs_a else 'false'}>", 1, 128,
-                    2 * 64 * 64 * 2, planted_params(inp, out, None, 0, flags))
+                    PROBE_SHARED, planted_params(inp, out, None, 0, flags))
     return inp, out.reshape(64, 64)
 
 
@@ -137,6 +184,39 @@ def _bf16_round(x):
     bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
     bits = (bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff0000
     return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def product_case(form: int, seed: int = 0):
+    """Inputs of wgmma_products<form> (two row-major float32 matrices, one after the other),
+    its output buffer as the kernel needs it (NaN, or zero for the atomic dQ forms), and
+    the float64 product NumPy expects from the inputs rounded to bfloat16."""
+    rng = np.random.default_rng(seed + form)
+    shapes = {0: ((128, 128), (128, 128)), 1: ((128, 128), (128, 128)), 2: ((128, 128), (64, 128)),
+              3: ((128, 64), (64, 128)), 4: ((128, 64), (128, 128)), 5: ((128, 128), (128, 64))}[form]
+    a, b = (rng.standard_normal(shape).astype(np.float32) for shape in shapes)
+    ar, br = _bf16_round(a), _bf16_round(b)
+    if form in (0, 2):          # S = Q K^T, X = A B^T: both K-major
+        expected, bound = ar @ br.T, np.abs(ar) @ np.abs(br).T
+    elif form in (1, 3):        # O = P V, G = X Z: B MN-major
+        expected, bound = ar @ br, np.abs(ar) @ np.abs(br)
+    else:                       # dq = 0.5 dS K, the tile holding dS^T
+        expected, bound = 0.5 * ar.T @ br, 0.5 * np.abs(ar).T @ np.abs(br)
+    out = np.zeros(expected.size, np.float32) if form >= 4 else np.full(expected.size, np.nan, np.float32)
+    return np.concatenate([a.ravel(), b.ravel()]), out, expected, bound
+
+
+def check_product(out, expected, bound):
+    """float32 accumulation of exact bfloat16 products: within 8 units of float32 rounding
+    per term summed (tensor cores need not round to nearest); a misread layout or
+    descriptor is off by the size of the terms."""
+    terms = 128
+    out = out.reshape(expected.shape)
+    assert np.isfinite(out).all(), f"{np.isnan(out).sum()} elements never written"
+    err = np.abs(out - expected)
+    worst = np.unravel_index(np.argmax(err / (bound + 1e-30)), err.shape)
+    assert (err <= terms * 2.0 ** -21 * bound).all(), \
+        (f"element {worst}: {out[worst]} vs {expected[worst]}; "
+         f"{int((err > terms * 2.0 ** -21 * bound).sum())} of {err.size} elements wrong")
 
 
 @needs_emulator
@@ -161,6 +241,18 @@ def test_wgmma_product_matches_numpy(probe_ex, regs_a, flags):
 def test_broken_ordering_rules_are_reported(probe_ex, regs_a, flags, match):
     with pytest.raises(EmulatorError, match=match):
         _probe(probe_ex, regs_a, flags)
+
+
+@needs_emulator
+@pytest.mark.parametrize("form", sorted(PRODUCT_FORMS), ids=list(PRODUCT_FORMS.values()))
+def test_each_kernel_product_matches_numpy(form):
+    from test_emulator import planted_params
+
+    e = EmulatorExecutor(arch=90, seed=30 + form, shuffle=True, race_check=True)
+    inp, out, expected, bound = product_case(form)
+    e.launch(PRODUCTS, f"wgmma_products<{form}>", 1, PRODUCT_THREADS, PRODUCT_SHARED,
+             planted_params(inp, out, None, 0, form))
+    check_product(out, expected, bound)
 
 
 @needs_emulator

@@ -8,7 +8,9 @@ no key, and (B, H, L, d) = (4, 16, 8192, 128) against a float32 reference,
 bit-identical across runs; outputs poisoned with NaN before each launch, and
 a check that fwd_wgmma is the kernel that ran.  First, one wgmma of each
 operand form the kernels use (tests/emulator_planted/wgmma_planted.cu)
-against NumPy, which isolates a misread descriptor or layout.  The backward: bwd_wgmma's
+against NumPy, then each product of the kernels as they call it
+(tests/emulator_planted/wgmma_products.cu): together they isolate a misread
+descriptor or layout.  The backward: bwd_wgmma's
 head dims (padded ones too) with GQA, tails, causal and window masks, both
 deterministic and with dQ by atomics, against the float64 oracle
 (tests/test_gpu_backward.py's criterion); deterministic runs bit-identical and
@@ -16,6 +18,8 @@ dK, dV the same bit for bit either way.  Skipped on other GPUs.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +29,7 @@ from cupyflash import _gpu, _gpu_bwd
 
 from _util import random_array, random_qkv
 from test_fwd_mma import HALF_DTYPES, HALF_IDS, check_against_oracle
+from test_fwd_wgmma import PRODUCT_FORMS, PROBE_SHARED
 from test_gpu_backward import _check
 from test_gpu_mma import (MASK_LENGTHS, MASK_WINDOWS, attention_on_gpu, check_head_dim, check_long_sequence,
                           check_masks, launched)  # noqa: F401
@@ -51,23 +56,30 @@ def wgmma_on(monkeypatch):
 # layouts) against the hardware, one instruction at a time: if the kernels below
 # fail, these say which operand form is misread.
 
+def _planted_sm90a(tmp_path_factory, source: str, names: list[str]) -> dict:
+    """``{name: cupy Function}`` of the planted file ``source`` compiled by NVRTC for sm_90a
+    and loaded as a cubin (as cupyflash's loader does for the wgmma kernels)."""
+    from test_fwd_wgmma import compile_planted_sm90a
+
+    _log, cubin, lowered = compile_planted_sm90a(source, names)
+    path = tmp_path_factory.mktemp("wgmma_planted") / (Path(source).stem + ".cubin")
+    path.write_bytes(cubin)
+    module = cp.RawModule(path=str(path))
+    return {n: module.get_function(lowered[n]) for n in names}
+
+
 @pytest.fixture(scope="module")
 def probe_module(tmp_path_factory):
     from test_fwd_wgmma import PROBE
 
-    from cupyflash._loader import COMPILE_OPTIONS
-    from cupyflash._report import _include_options, _nvrtc
-    from cupyflash._source import cuda_src_dir
+    return _planted_sm90a(tmp_path_factory, PROBE, ["wgmma_probe<true>", "wgmma_probe<false>"])
 
-    names = ["wgmma_probe<true>", "wgmma_probe<false>"]
-    options = COMPILE_OPTIONS + _include_options() + (
-        f"-I{cuda_src_dir()}", "-arch=sm_90a", "--device-as-default-execution-space", "-ftz=true")
-    with open(PROBE) as f:
-        _log, cubin, lowered = _nvrtc().compile(f.read(), names, options, "wgmma_planted.cu")
-    path = tmp_path_factory.mktemp("wgmma_probe") / "probe.cubin"
-    path.write_bytes(cubin)
-    module = cp.RawModule(path=str(path))
-    return {n: module.get_function(lowered[n]) for n in names}
+
+@pytest.fixture(scope="module")
+def products_module(tmp_path_factory):
+    from test_fwd_wgmma import PRODUCTS
+
+    return _planted_sm90a(tmp_path_factory, PRODUCTS, [f"wgmma_products<{f}>" for f in PRODUCT_FORMS])
 
 
 @pytest.mark.parametrize("regs_a, flags", [(False, 0), (True, 0), (False, 64)],
@@ -82,10 +94,28 @@ def test_one_wgmma_of_each_operand_form_matches_numpy(probe_module, regs_a, flag
     out_d = cp.full(64 * 64, cp.nan, dtype=cp.float32)
     params = np.array((inp_d.data.ptr, out_d.data.ptr, 0, 0, flags), dtype=PLANTED_DTYPE)[()]
     kernel = probe_module[f"wgmma_probe<{'true' if regs_a else 'false'}>"]
-    kernel((1,), (128,), (params,), shared_mem=2 * 64 * 64 * 2)
+    kernel((1,), (128,), (params,), shared_mem=PROBE_SHARED)
     out = cp.asnumpy(out_d).reshape(64, 64)
     a, b = _bf16_round(inp[:1024]).reshape(64, 16), _bf16_round(inp[1024:]).reshape(16, 64)
     np.testing.assert_allclose(out, a @ b, rtol=1e-6, atol=1e-6)
+
+
+# Then each product of the kernels, called as the kernels call it (page-crossing k-steps,
+# the second warpgroup's rows, N = 64 and 128, MN-major operands over two pages, the
+# atomic dQ's page offsets): if a kernel below fails and the one-instruction forms
+# pass, these say which product is misread.
+@pytest.mark.parametrize("form", sorted(PRODUCT_FORMS), ids=list(PRODUCT_FORMS.values()))
+def test_each_kernel_product_matches_numpy(products_module, form):
+    from test_emulator import PLANTED_DTYPE
+    from test_fwd_wgmma import PRODUCT_SHARED, PRODUCT_THREADS, check_product, product_case
+
+    inp, out, expected, bound = product_case(form)
+    inp_d, out_d = cp.asarray(inp), cp.asarray(out)
+    kernel = products_module[f"wgmma_products<{form}>"]
+    kernel.max_dynamic_shared_size_bytes = PRODUCT_SHARED
+    params = np.array((inp_d.data.ptr, out_d.data.ptr, 0, 0, form), dtype=PLANTED_DTYPE)[()]
+    kernel((1,), (PRODUCT_THREADS,), (params,), shared_mem=PRODUCT_SHARED)
+    check_product(cp.asnumpy(out_d), expected, bound)
 
 
 # ---- fwd_wgmma ---------------------------------------------------------------------------------

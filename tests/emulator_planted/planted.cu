@@ -193,3 +193,10 @@ __device__ __noinline__ float stack_hog(float x) {
     return big[0];
 }
 __global__ void stack_overflow(const PlantedParams p) { p.out[threadIdx.x] = stack_hog(p.in[threadIdx.x]); }
+
+// out[t] = the shared-window address (smem_addr) of the dynamic shared memory's
+// 16-byte slot t: where a GPU puts dynamic shared memory is its own business, so
+// the shuffled emulator puts it at an address that is not 1024-byte aligned.
+__global__ void shared_window(const PlantedParams p) {
+    p.out[threadIdx.x] = static_cast<float>(cf::smem_addr(cf::dynamic_smem() + 16 * threadIdx.x));
+}

@@ -32,7 +32,9 @@ __global__ void wgmma_probe(const PlantedParams p) {
     using VTile = cf::SwizzledTile<16, 64>;   // B ([k][n], MN-major) for the rs form
     const int t = threadIdx.x, flags = p.arg;
     const bool mn_major = !kRegsA && (flags & 64);   // A ([k][m]) and B ([k][n]) MN-major: ss_mn
-    bf16* sA = reinterpret_cast<bf16*>(cf::dynamic_smem());
+    char* smem = cf::dynamic_smem();  // as the kernels: 1024-byte aligned tiles (1 KB of slack)
+    smem += (1024 - (cf::smem_addr(smem) & 1023)) & 1023;
+    bf16* sA = reinterpret_cast<bf16*>(smem);
     bf16* sB = sA + ATile::kElements;
     for (int i = t; i < 64 * 16; i += 128) {
         const int r = i / 16, k = i % 16;

@@ -30,6 +30,11 @@ struct cfemu_thread_ctx {
     cfemu_xyz block_dim;
     cfemu_xyz grid_dim;
     char* smem;  // the block's dynamic shared memory
+    // smem's address in the shared window (what smem_addr adds to an offset).  A
+    // GPU's dynamic shared memory need not start 1024-byte aligned, so with a
+    // shuffled thread order it does not start so here either: a 16-byte multiple
+    // from 16 to 1008, drawn per launch (0 otherwise).
+    uint32_t smem_window;
 };
 
 // The thread (fiber) that is running on this OS thread; set by the scheduler.

@@ -107,9 +107,11 @@ __device__ __forceinline__ uint32_t to_tf32(float x) {
 // Matrix i's rows are at the addresses of lanes 8i..8i+7 (16-byte aligned rows).
 // Without .trans: d[i] = {M_i[g][2t], M_i[g][2t+1]}; with .trans: {M_i[2t][g], M_i[2t+1][g]}.
 
-// Offset of p in the block's shared memory (the shared-window address on a GPU).
+// Shared-window address of p: its offset in the block's shared memory plus the
+// window address of that memory (cfemu_thread_ctx::smem_window).
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
-    return static_cast<uint32_t>(static_cast<const char*>(p) - cfemu_current_ctx->smem);
+    return static_cast<uint32_t>(static_cast<const char*>(p) - cfemu_current_ctx->smem) +
+           cfemu_current_ctx->smem_window;
 }
 
 __device__ __forceinline__ void ldmatrix_x1(uint32_t (&d)[1], const void* row) { cfemu_ldmatrix(1, 0, d, row); }

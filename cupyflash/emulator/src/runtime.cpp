@@ -352,6 +352,7 @@ struct Launch {
     size_t smem_alloc_size = 0, redzone = 0;
     char* smem = nullptr;
     size_t smem_size = 0;
+    uint32_t smem_window = 0;  // smem's shared-window address (cfemu_thread_ctx::smem_window)
     uintptr_t chk_lo = 0, chk_hi = 0;
     std::vector<Shadow> shadow;
     uint32_t epoch = 0;
@@ -863,15 +864,17 @@ struct Launch {
                         "block (got layout %u, base offset %u, start %llu)%s",
                         who(f.tid).c_str(), what, operand, static_cast<unsigned long long>(desc), layout, base_offset,
                         static_cast<unsigned long long>(start), location(f.op_pc).c_str()));
+        // a: the element's shared-window address, swizzled by its own bits, as the
+        // hardware does; its offset in the block's memory is a - smem_window.
         uint64_t a = mn_major ? start + (row / 64) * lbo + (k / 8) * sbo + (k % 8) * 128 + (row % 64) * 2
                               : start + (row / 8) * sbo + (row % 8) * 128 + k * 2;
         a ^= ((a >> 7) & 7) << 4;
-        if (a + 2 > smem_size)
-            fail(format("%s: %s %s element (%d, k %d) at shared offset %llu is outside the %zu bytes of dynamic "
-                        "shared memory (descriptor 0x%016llx)%s",
+        if (a < smem_window || a - smem_window + 2 > smem_size)
+            fail(format("%s: %s %s element (%d, k %d) at shared address %llu is outside the %zu bytes of dynamic "
+                        "shared memory at address %u (descriptor 0x%016llx)%s",
                         who(f.tid).c_str(), what, operand, row, k, static_cast<unsigned long long>(a), smem_size,
-                        static_cast<unsigned long long>(desc), location(f.op_pc).c_str()));
-        return static_cast<size_t>(a);
+                        smem_window, static_cast<unsigned long long>(desc), location(f.op_pc).c_str()));
+        return static_cast<size_t>(a - smem_window);
     }
 
     // One element read by the tensor core: recorded for the retirement check;
@@ -1250,6 +1253,7 @@ struct Launch {
         }
         smem_alloc = static_cast<char*>(sm);
         smem = smem_alloc + redzone;
+        smem_window = shuffle ? static_cast<uint32_t>(16 * (1 + next_random() % 63)) : 0;
         chk_lo = reinterpret_cast<uintptr_t>(smem_alloc);
         chk_hi = chk_lo + smem_alloc_size;
         if (race) shadow.assign(smem_size, Shadow{});
@@ -1266,6 +1270,7 @@ struct Launch {
             f.ctx.block_dim = cfemu_xyz{d.block[0], d.block[1], d.block[2]};
             f.ctx.grid_dim = cfemu_xyz{d.grid[0], d.grid[1], d.grid[2]};
             f.ctx.smem = smem;
+            f.ctx.smem_window = smem_window;
         }
         return true;
     }
