@@ -34,6 +34,14 @@
 //    after its writes have landed and before the barrier that publishes them;
 //  * nothing writes that shared memory until the wgmma's group has retired in
 //    every thread of the warpgroup.
+//
+// Sources of this reading: the PTX ISA's wgmma sections -- "Register Fragments
+// and Shared Memory Matrix Layouts" (fragments, swizzle atoms, the leading and
+// stride byte offsets of K- and MN-major operands, the matrix descriptor
+// format), wgmma.mma_async's operands and immediates, "Async Proxy" and
+// wgmma.fence -- cross-checked against CUTLASS/CuTe's GmmaDescriptor and
+// make_gmma_desc.  tests/emulator_planted/wgmma_products.cu runs every product
+// the kernels issue, as they issue it, on the emulator and on a device.
 #pragma once
 
 #include "ptx.cuh"
