@@ -36,10 +36,18 @@ PROBE_SHARED = 2 * 64 * 64 * 2 + 1024   # A and B pages, and the slack to align 
 # Each wgmma product of fwd_wgmma.cu and bwd_wgmma.cu as the kernels call it (its
 # header lists what it covers beyond PROBE's single instruction).
 PRODUCTS = str(Path(__file__).resolve().parent / "emulator_planted" / "wgmma_products.cu")
-PRODUCT_FORMS = {0: "fwd-S=QKt", 1: "fwd-O=PV", 2: "bwd-own-stream", 3: "bwd-accumulate",
-                 4: "bwd-atomic-dq-d128", 5: "bwd-atomic-dq-d64"}
+PRODUCT_FORMS = {0: "fwd-S=QKt-d128", 1: "fwd-O=PV-d128", 2: "bwd-own-stream-d128", 3: "bwd-accumulate-d128",
+                 4: "bwd-atomic-dq-d128", 5: "bwd-atomic-dq-d64", 6: "fwd-S=QKt-d256", 7: "fwd-O=PV-d256",
+                 8: "bwd-own-stream-d256", 9: "bwd-accumulate-d256"}
+# form -> (shape of the first input, of the second, how they multiply): "abt" A B^T,
+# "ab" A B, "dq" 0.5 A^T B (the tile holds dS^T)
+_PRODUCT_SHAPES = {0: ((128, 128), (128, 128), "abt"), 1: ((128, 128), (128, 128), "ab"),
+                   2: ((128, 128), (64, 128), "abt"), 3: ((128, 64), (64, 128), "ab"),
+                   4: ((128, 64), (128, 128), "dq"), 5: ((128, 128), (128, 64), "dq"),
+                   6: ((128, 256), (64, 256), "abt"), 7: ((128, 64), (64, 256), "ab"),
+                   8: ((128, 256), (32, 256), "abt"), 9: ((128, 32), (32, 256), "ab")}
 PRODUCT_THREADS = 256
-PRODUCT_SHARED = 2 * 128 * 128 * 2 + 1024
+PRODUCT_SHARED = (128 * 256 + 64 * 256) * 2 + 1024   # the largest form's tiles (6), and the alignment slack
 
 _OK, _WHY = emulator_available()
 needs_emulator = pytest.mark.skipif(not _OK, reason=f"CPU emulator unavailable: {_WHY}")
@@ -188,35 +196,33 @@ def _bf16_round(x):
 
 def product_case(form: int, seed: int = 0):
     """Inputs of wgmma_products<form> (two row-major float32 matrices, one after the other),
-    its output buffer as the kernel needs it (NaN, or zero for the atomic dQ forms), and
-    the float64 product NumPy expects from the inputs rounded to bfloat16."""
+    its output buffer as the kernel needs it (NaN, or zero for the atomic dQ forms), the
+    float64 product NumPy expects from the inputs rounded to bfloat16, the same product
+    of absolute values, and the number of terms each element sums."""
     rng = np.random.default_rng(seed + form)
-    shapes = {0: ((128, 128), (128, 128)), 1: ((128, 128), (128, 128)), 2: ((128, 128), (64, 128)),
-              3: ((128, 64), (64, 128)), 4: ((128, 64), (128, 128)), 5: ((128, 128), (128, 64))}[form]
-    a, b = (rng.standard_normal(shape).astype(np.float32) for shape in shapes)
+    shape_a, shape_b, how = _PRODUCT_SHAPES[form]
+    a, b = (rng.standard_normal(shape).astype(np.float32) for shape in (shape_a, shape_b))
     ar, br = _bf16_round(a), _bf16_round(b)
-    if form in (0, 2):          # S = Q K^T, X = A B^T: both K-major
-        expected, bound = ar @ br.T, np.abs(ar) @ np.abs(br).T
-    elif form in (1, 3):        # O = P V, G = X Z: B MN-major
-        expected, bound = ar @ br, np.abs(ar) @ np.abs(br)
-    else:                       # dq = 0.5 dS K, the tile holding dS^T
-        expected, bound = 0.5 * ar.T @ br, 0.5 * np.abs(ar).T @ np.abs(br)
-    out = np.zeros(expected.size, np.float32) if form >= 4 else np.full(expected.size, np.nan, np.float32)
-    return np.concatenate([a.ravel(), b.ravel()]), out, expected, bound
+    if how == "abt":            # S = Q K^T, X = A B^T: both K-major
+        expected, bound, terms = ar @ br.T, np.abs(ar) @ np.abs(br).T, shape_a[1]
+    elif how == "ab":           # O = P V, G = X Z: B MN-major
+        expected, bound, terms = ar @ br, np.abs(ar) @ np.abs(br), shape_a[1]
+    else:                       # dq = 0.5 dS K
+        expected, bound, terms = 0.5 * ar.T @ br, 0.5 * np.abs(ar).T @ np.abs(br), shape_a[0]
+    out = np.zeros(expected.size, np.float32) if how == "dq" else np.full(expected.size, np.nan, np.float32)
+    return np.concatenate([a.ravel(), b.ravel()]), out, expected, bound, terms
 
 
-def check_product(out, expected, bound):
+def check_product(out, expected, bound, terms):
     """float32 accumulation of exact bfloat16 products: within 8 units of float32 rounding
     per term summed (tensor cores need not round to nearest); a misread layout or
     descriptor is off by the size of the terms."""
-    terms = 128
     out = out.reshape(expected.shape)
     assert np.isfinite(out).all(), f"{np.isnan(out).sum()} elements never written"
-    err = np.abs(out - expected)
+    err, tol = np.abs(out - expected), terms * 2.0 ** -21 * bound
     worst = np.unravel_index(np.argmax(err / (bound + 1e-30)), err.shape)
-    assert (err <= terms * 2.0 ** -21 * bound).all(), \
-        (f"element {worst}: {out[worst]} vs {expected[worst]}; "
-         f"{int((err > terms * 2.0 ** -21 * bound).sum())} of {err.size} elements wrong")
+    assert (err <= tol).all(), (f"element {worst}: {out[worst]} vs {expected[worst]}; "
+                                f"{int((err > tol).sum())} of {err.size} elements wrong")
 
 
 @needs_emulator
@@ -249,10 +255,10 @@ def test_each_kernel_product_matches_numpy(form):
     from test_emulator import planted_params
 
     e = EmulatorExecutor(arch=90, seed=30 + form, shuffle=True, race_check=True)
-    inp, out, expected, bound = product_case(form)
+    inp, out, expected, bound, terms = product_case(form)
     e.launch(PRODUCTS, f"wgmma_products<{form}>", 1, PRODUCT_THREADS, PRODUCT_SHARED,
              planted_params(inp, out, None, 0, form))
-    check_product(out, expected, bound)
+    check_product(out, expected, bound, terms)
 
 
 @needs_emulator

@@ -101,21 +101,21 @@ def test_one_wgmma_of_each_operand_form_matches_numpy(probe_module, regs_a, flag
 
 
 # Then each product of the kernels, called as the kernels call it (page-crossing k-steps,
-# the second warpgroup's rows, N = 64 and 128, MN-major operands over two pages, the
-# atomic dQ's page offsets): if a kernel below fails and the one-instruction forms
+# the second warpgroup's rows, N = 32 to 256, MN-major operands over two and four pages,
+# the atomic dQ's page offsets): if a kernel below fails and the one-instruction forms
 # pass, these say which product is misread.
 @pytest.mark.parametrize("form", sorted(PRODUCT_FORMS), ids=list(PRODUCT_FORMS.values()))
 def test_each_kernel_product_matches_numpy(products_module, form):
     from test_emulator import PLANTED_DTYPE
     from test_fwd_wgmma import PRODUCT_SHARED, PRODUCT_THREADS, check_product, product_case
 
-    inp, out, expected, bound = product_case(form)
+    inp, out, expected, bound, terms = product_case(form)
     inp_d, out_d = cp.asarray(inp), cp.asarray(out)
     kernel = products_module[f"wgmma_products<{form}>"]
     kernel.max_dynamic_shared_size_bytes = PRODUCT_SHARED
     params = np.array((inp_d.data.ptr, out_d.data.ptr, 0, 0, form), dtype=PLANTED_DTYPE)[()]
     kernel((1,), (PRODUCT_THREADS,), (params,), shared_mem=PRODUCT_SHARED)
-    check_product(cp.asnumpy(out_d), expected, bound)
+    check_product(cp.asnumpy(out_d), expected, bound, terms)
 
 
 # ---- fwd_wgmma ---------------------------------------------------------------------------------

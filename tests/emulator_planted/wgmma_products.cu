@@ -6,11 +6,11 @@
 // out, so that a misread descriptor shows up here before it shows up as a wrong
 // attention output:
 //   * k16 steps that start 32, 64 and 96 bytes into a swizzled 128-byte line,
-//     and steps into the next 64-column page (d = 128: 8 steps over two pages);
+//     and steps into the next 64-column pages (d = 128 and 256: two and four);
 //   * the second warpgroup's rows, 64 rows into the A tile;
-//   * N = 64 and N = 128 (B over 8 and 16 eight-row groups);
-//   * MN-major B over two 64-column pages, i.e. the leading byte offset
-//     (O += P V and the backward's gradient products with d = 128);
+//   * N = 32, 64, 128 and 256;
+//   * MN-major B over two and four 64-column pages, i.e. the leading byte
+//     offset (O += P V and the backward's gradient products, d = 128 and 256);
 //   * MN-major A and B at page offsets (atomic dQ: a warpgroup's query slice or
 //     head-dim slice is the tile's second page).
 // p.arg picks the product (kForm); the inputs are row-major float matrices,
@@ -29,17 +29,17 @@ struct PlantedParams {
 namespace probe {
 
 using bf16 = __nv_bfloat16;
-// fwd_wgmma's d = 128 row (128 x 128 tile, two warpgroups)
-using Fwd = cf::WgmmaFwdTraits<bf16, 128, 128, 2, false>;
+// fwd_wgmma's d = 128 and d = 256 rows (two warpgroups; 128 and 64 keys per block)
+using Fwd128 = cf::WgmmaFwdTraits<bf16, 128, 128, 2, false>;
+using Fwd256 = cf::WgmmaFwdTraits<bf16, 256, 64, 2, true>;
 // bwd_wgmma's dK/dV kernels with dQ by atomics: d = 128 streams 64 query rows (dQ
-// in two head-dim slices of 64 columns), d = 64 streams 128 (two query slices)
+// in two head-dim slices of 64 columns), d = 64 streams 128 (two query slices);
+// d = 256's dK launch streams 32 (N = 32, and MN-major operands over four pages)
 using Bwd128 = cf::WgmmaBwdTraits<bf16, 128, 128, 64, 2, 7>;
 using Bwd64 = cf::WgmmaBwdTraits<bf16, 64, 128, 128, 2, 7>;
+using Bwd256 = cf::WgmmaBwdTraits<bf16, 256, 128, 32, 2, cf::kGradDK>;
 
 constexpr int kThreads = 256;
-
-template <int kForm> struct DqTraits { using type = Bwd64; };
-template <> struct DqTraits<4> { using type = Bwd128; };
 
 // Tile <- the row-major Tile::kRows x Tile::kCols floats at src.
 template <class Tile>
@@ -74,47 +74,63 @@ __device__ void publish() {
 }  // namespace probe
 
 // kForm (matrices named as the kernels name them; NumPy computes the same):
-//   0  fwd_wgmma's wgmma_qk:        S (128 x 128) = Q (128 x 128) K^T, K 128 x 128
-//   1  fwd_wgmma's wgmma_pv:        O (128 x 128) = P (128 x 128) V, V 128 x 128
-//   2  bwd_wgmma's wgmma_own_stream: X (128 x 64) = A (128 x 128) B^T, B 64 x 128
-//   3  bwd_wgmma's wgmma_accumulate: G (128 x 128) = X (128 x 64) Z, Z 64 x 128
+//   0  fwd_wgmma's wgmma_qk, d = 128:  S (128 x 128) = Q (128 x 128) K^T, K 128 x 128
+//   1  fwd_wgmma's wgmma_pv, d = 128:  O (128 x 128) = P (128 x 128) V, V 128 x 128
+//   2  bwd_wgmma's wgmma_own_stream, d = 128: X (128 x 64) = A (128 x 128) B^T, B 64 x 128
+//   3  bwd_wgmma's wgmma_accumulate, d = 128: G (128 x 128) = X (128 x 64) Z, Z 64 x 128
 //   4  add_dq_atomically, d = 128:  dq (64 x 128) += 0.5 dS K, dS 64 x 128, K 128 x 128
 //   5  add_dq_atomically, d = 64:   dq (128 x 64) += 0.5 dS K, dS 128 x 128, K 128 x 64
+//   6  wgmma_qk, d = 256:           S (128 x 64) = Q (128 x 256) K^T, K 64 x 256
+//   7  wgmma_pv, d = 256:           O (128 x 256) = P (128 x 64) V, V 64 x 256
+//   8  wgmma_own_stream, d = 256:   X (128 x 32) = A (128 x 256) B^T, B 32 x 256
+//   9  wgmma_accumulate, d = 256:   G (128 x 256) = X (128 x 32) Z, Z 32 x 256
 // (forms 4 and 5 add to p.out, which starts at zero; dS^T is what the tile holds).
+template <int kForm> struct Form;
+template <> struct Form<0> { using Tr = probe::Fwd128; };
+template <> struct Form<1> { using Tr = probe::Fwd128; };
+template <> struct Form<2> { using Tr = probe::Bwd128; };
+template <> struct Form<3> { using Tr = probe::Bwd128; };
+template <> struct Form<4> { using Tr = probe::Bwd128; };
+template <> struct Form<5> { using Tr = probe::Bwd64; };
+template <> struct Form<6> { using Tr = probe::Fwd256; };
+template <> struct Form<7> { using Tr = probe::Fwd256; };
+template <> struct Form<8> { using Tr = probe::Bwd256; };
+template <> struct Form<9> { using Tr = probe::Bwd256; };
+
 template <int kForm>
 __global__ void __launch_bounds__(probe::kThreads, 1) wgmma_products(const PlantedParams p) {
     using namespace probe;
+    using Tr = typename Form<kForm>::Tr;
     char* smem = cf::dynamic_smem();
     smem += (1024 - (cf::smem_addr(smem) & 1023)) & 1023;  // as the kernels: 1024-byte aligned tiles
     bf16* const s0 = reinterpret_cast<bf16*>(smem);
     const int wg_row0 = (cf::warp_id() >> 2) * 64;
 
-    if constexpr (kForm == 0) {
-        bf16* const sK = s0 + Fwd::QTile::kElements;
-        fill<Fwd::QTile>(s0, p.in);
-        fill<Fwd::KVTile>(sK, p.in + Fwd::QTile::kElements);
+    if constexpr (kForm == 0 || kForm == 6) {
+        bf16* const sK = s0 + Tr::QTile::kElements;
+        fill<typename Tr::QTile>(s0, p.in);
+        fill<typename Tr::KVTile>(sK, p.in + Tr::QTile::kElements);
         publish();
-        float s[2][Fwd::kSCols];
+        float s[2][Tr::kSCols];
         cf::wgmma_fence();
-        cf::wgmma_qk<Fwd>(s, s0, sK, wg_row0);
+        cf::wgmma_qk<Tr>(s, s0, sK, wg_row0);
         cf::wgmma_wait<0>();
-        store(p.out, Fwd::kBlockN, wg_row0, s);
-    } else if constexpr (kForm == 1) {
-        fill<Fwd::KVTile>(s0, p.in + Fwd::kBlockM * Fwd::kBlockN);
+        store(p.out, Tr::kBlockN, wg_row0, s);
+    } else if constexpr (kForm == 1 || kForm == 7) {
+        fill<typename Tr::KVTile>(s0, p.in + Tr::kBlockM * Tr::kBlockN);
         publish();
-        float s[2][Fwd::kSCols], o[2][Fwd::kOCols] = {};
-        uint32_t a[Fwd::kKeySteps][1][4];
-        load(s, p.in, Fwd::kBlockN, wg_row0);
-        cf::scores_to_a<Fwd, bf16>(a, s);
+        float s[2][Tr::kSCols], o[2][Tr::kOCols] = {};
+        uint32_t a[Tr::kKeySteps][1][4];
+        load(s, p.in, Tr::kBlockN, wg_row0);
+        cf::scores_to_a<Tr, bf16>(a, s);
         cf::wgmma_fence();
-        cf::wgmma_pv<Fwd>(o, a, s0);
+        cf::wgmma_pv<Tr>(o, a, s0);
         cf::wgmma_wait<0>();
-        store(p.out, Fwd::kHeadDim, wg_row0, o);
-    } else if constexpr (kForm == 2) {
-        using Tr = Bwd128;
+        store(p.out, Tr::kHeadDim, wg_row0, o);
+    } else if constexpr (kForm == 2 || kForm == 8) {
         bf16* const sB = s0 + Tr::OwnTile::kElements;
-        fill<Tr::OwnTile>(s0, p.in);
-        fill<Tr::StreamTile>(sB, p.in + Tr::OwnTile::kElements);
+        fill<typename Tr::OwnTile>(s0, p.in);
+        fill<typename Tr::StreamTile>(sB, p.in + Tr::OwnTile::kElements);
         publish();
         float x[2][Tr::kSCols];
         cf::wgmma_fence();
@@ -122,9 +138,8 @@ __global__ void __launch_bounds__(probe::kThreads, 1) wgmma_products(const Plant
         cf::wgmma_commit();
         cf::wgmma_wait<0>();
         store(p.out, Tr::kBlockStream, wg_row0, x);
-    } else if constexpr (kForm == 3) {
-        using Tr = Bwd128;
-        fill<Tr::StreamTile>(s0, p.in + Tr::kBlockOwn * Tr::kBlockStream);
+    } else if constexpr (kForm == 3 || kForm == 9) {
+        fill<typename Tr::StreamTile>(s0, p.in + Tr::kBlockOwn * Tr::kBlockStream);
         publish();
         float x[2][Tr::kSCols], g[2][Tr::kGCols] = {};
         uint32_t a[Tr::kStreamSteps][4];
@@ -134,7 +149,6 @@ __global__ void __launch_bounds__(probe::kThreads, 1) wgmma_products(const Plant
         cf::wgmma_wait<0>();
         store(p.out, Tr::kHeadDim, wg_row0, g);
     } else {
-        using Tr = typename DqTraits<kForm>::type;
         bf16* const sK = s0 + Tr::DsTile::kElements;
         fill<typename Tr::DsTile>(s0, p.in);
         fill<typename Tr::OwnTile>(sK, p.in + Tr::DsTile::kElements);
