@@ -140,13 +140,11 @@ def compile_planted_sm90a(source: str, names) -> tuple[str, bytes, dict]:
     the loader's options (tests/test_gpu_wgmma.py loads the cubin)."""
     from cupyflash._loader import COMPILE_OPTIONS
     from cupyflash._report import _include_options, _nvrtc
-    from cupyflash._source import cuda_src_dir
+    from cupyflash._source import assemble
 
     options = COMPILE_OPTIONS + _include_options() + (
-        f"-I{cuda_src_dir()}", "-arch=sm_90a", "--device-as-default-execution-space", "-ftz=true",
-        "--ptxas-options=-v")
-    with open(source) as f:
-        return _nvrtc().compile(f.read(), list(names), options, Path(source).name)
+        "-arch=sm_90a", "--device-as-default-execution-space", "-ftz=true", "--ptxas-options=-v")
+    return _nvrtc().compile(assemble(source), list(names), options, Path(source).name)
 
 
 def test_a_hoisted_accumulator_read_shows_in_the_ptxas_log():

@@ -2,14 +2,7 @@
 // a template flag (or a params value) whose other setting is the correct kernel, so
 // that the emulator's checks are shown to fire on the bug and stay quiet on the fix.
 #include "ptx.cuh"
-
-struct PlantedParams {
-    const float* in;
-    float* out;
-    int32_t* ticket;
-    int32_t n;
-    int32_t arg;
-};
+#include "planted_params.cuh"
 
 // out[t] = in[t] + in[t+1 mod n] through shared memory.  kSync = false drops the
 // __syncthreads() between each thread's write and its neighbour's read (a

@@ -13,14 +13,7 @@
 #include "mma_tile.cuh"
 #include "ptx.cuh"
 #include "wgmma.cuh"
-
-struct PlantedParams {
-    const float* in;
-    float* out;
-    int32_t* ticket;
-    int32_t n;
-    int32_t arg;
-};
+#include "planted_params.cuh"
 
 // out (64 x 64, row-major) = A B with A = in[0, 1024) (64 x 16, row-major) and
 // B = in[1024, 2048) (16 x 64, row-major), both rounded to bfloat16.

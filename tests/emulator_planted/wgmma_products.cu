@@ -17,14 +17,7 @@
 // rounded to bfloat16 here, one after the other in p.in.
 #include "fwd_wgmma.cu"
 #include "bwd_wgmma.cu"
-
-struct PlantedParams {
-    const float* in;
-    float* out;
-    int32_t* ticket;
-    int32_t n;
-    int32_t arg;
-};
+#include "planted_params.cuh"
 
 namespace probe {
 
