@@ -52,12 +52,14 @@ BWD_VARIANTS = {
     128: [(64, 32, 4), (64, 32, 4, False), (64, 64, 4), (64, 32, 4, 64)],
 }
 # fwd_wgmma (sm_90 only, timed first: it carries issue 4's target): head dim ->
-# [(block_n, warpgroups, lazy_rescale)], the catalogue's first.  Registers (NVRTC
+# [(block_n, warpgroups, lazy_rescale[, whole])], the catalogue's first; as for fwd_mma,
+# the sweep's shape runs the whole-KV rows, and a fourth element False times the
+# bounds-checked copies instead.  Registers (NVRTC
 # 13.5): d = 128 (64, 2) 152, (64, 3) 148 (192 query rows, 12 warps); d = 64
 # (64, 2) 127, which leaves room for two CTAs per SM, (64, 3) 125, (192, 2) 255.
 # At d = 128, (192, 2) spills and (128, 3) does not fit the registers.
 WGMMA_FWD_VARIANTS = {
-    128: [(128, 2, True), (128, 2, False), (64, 2, True), (64, 3, True)],
+    128: [(128, 2, True), (128, 2, True, False), (128, 2, False), (64, 2, True), (64, 3, True)],
     64: [(128, 2, True), (64, 2, True), (64, 3, True), (192, 2, True)],
 }
 # bwd_wgmma: head dim -> [(((kGrads, dK/dV streamed rows), ...), warpgroups, dQ streamed
@@ -173,8 +175,9 @@ def variant_rows(kind: str, head_dim: int, variant, dtype: str = "bfloat16"):
             return [_gpu.select(dtype, head_dim, head_dim, 90)]
         return list(_gpu_bwd.select(dtype, head_dim, head_dim, 90, deterministic=True))
     if kind == "wfwd":
+        variant, whole = whole_flag(kind, variant)
         use_wgmma(_kernels._WGMMA_TILES, head_dim, variant)
-        return [_kernels.by_name()[_kernels.wgmma_name_expression(dtype, head_dim, *variant)]]
+        return [_kernels.by_name()[_kernels.wgmma_name_expression(dtype, head_dim, *variant, whole_kv=whole)]]
     if kind == "wbwd":
         use_wgmma(_kernels._BWD_WGMMA_TILES, head_dim, variant)
         names = _kernels.bwd_wgmma_name_expressions(dtype, head_dim, True)
@@ -195,11 +198,11 @@ def variant_rows(kind: str, head_dim: int, variant, dtype: str = "bfloat16"):
 
 
 def whole_flag(kind: str, variant) -> tuple[tuple, bool]:
-    """A fwd_mma / bwd_mma variant's tile and whether the sweep's shape runs its whole-KV
-    (whole-stream) rows: True unless the variant ends in an extra False -- a sixth
-    element for fwd_mma (whose fifth, lazy_rescale, is a bool too), a trailing bool for
-    bwd_mma."""
-    extra = len(variant) > 5 if kind == "fwd" else isinstance(variant[-1], bool)
+    """A fwd_mma / fwd_wgmma / bwd_mma variant's tile and whether the sweep's shape runs its
+    whole-KV (whole-stream) rows: True unless the variant ends in an extra False -- a
+    sixth element for fwd_mma and a fourth for fwd_wgmma (whose last, lazy_rescale, is
+    a bool too), a trailing bool for bwd_mma."""
+    extra = {"fwd": len(variant) > 5, "wfwd": len(variant) > 3}.get(kind, isinstance(variant[-1], bool))
     return (tuple(variant[:-1]), bool(variant[-1])) if extra else (tuple(variant), True)
 
 
@@ -291,7 +294,7 @@ def main() -> int:
     for kind, d, variant in jobs:
         variant_rows(kind, d, variant)   # installs the variant in the catalogue
         _gpu.wgmma_override = kind in ("wfwd", "wbwd")
-        bounds = kind in ("fwd", "bwd") and not whole_flag(kind, variant)[1]
+        bounds = kind in ("fwd", "wfwd", "bwd") and not whole_flag(kind, variant)[1]
         _gpu.whole_kv_override = False if bounds else None
         _gpu.dmma_override = kind in ("dfwd", "dbwd")
         simt, dmma, tf32 = kind in ("sfwd", "sbwd"), kind in ("dfwd", "dbwd"), kind == "tfwd"

@@ -111,7 +111,13 @@ __device__ __forceinline__ void wgmma_pv(float (&o)[Tr::kRows][Tr::kOCols],
 
 // kSplit: the split-KV instantiation, as in fwd_mma (a run-time test tipped
 // the 255-register d = 64 variant with 192-key blocks into spills).
-template <typename T, int kHeadDim, int kBlockN, int kWarpGroups, bool kLazyRescale, bool kSplit = false>
+//
+// kWholeKV: the whole-KV instantiation, as in fwd_mma (Lk a multiple of
+// kBlockN, d the bucket; cupyflash/_gpu.py checks both): K/V copies without
+// bounds.  Bounds-checked, the copies of a key block take 279 of the ~780
+// instructions a warp issues per block on the common path (d = 128).
+template <typename T, int kHeadDim, int kBlockN, int kWarpGroups, bool kLazyRescale, bool kSplit = false,
+          bool kWholeKV = false>
 __global__ void __launch_bounds__((WgmmaFwdTraits<T, kHeadDim, kBlockN, kWarpGroups, kLazyRescale>::kThreads), 1)
 fwd_wgmma_kernel(const FwdParams params) {
     using Tr = WgmmaFwdTraits<T, kHeadDim, kBlockN, kWarpGroups, kLazyRescale>;
@@ -130,7 +136,7 @@ fwd_wgmma_kernel(const FwdParams params) {
     int n_begin, n_end;
     const UnmaskedBlocks unmasked = key_blocks<Tr>(params, m_block, n_begin, n_end);
     if constexpr (kSplit) split_key_blocks(params, blockIdx.y, n_begin, n_end);
-    KVPipeline<Tr, T> kv(params, in.k, in.v, sQ + Tr::QTile::kElements, n_end);  // its buffers and copies
+    KVPipeline<Tr, T, kWholeKV> kv(params, in.k, in.v, sQ + Tr::QTile::kElements, n_end);  // buffers, copies
     if (n_begin < n_end) {  // Q and the first block's K; its V comes with the next K
         const int64_t m0 = static_cast<int64_t>(m_block) * Tr::kBlockM;
         cp_async_tile<Tr::kThreads, typename Tr::QTile>(sQ, in.q, m0, params.q_row_stride,

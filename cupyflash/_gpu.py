@@ -38,7 +38,7 @@ wgmma_override: bool | None = None
 # Set by tests and benchmarks to force the forward's split-KV count (None: the
 # heuristic, cupyflash._launch.num_splits).
 split_override: int | None = None
-# Set to False by the benchmarks to time fwd_mma's (and bwd_mma's) bounds-checked copies
+# Set to False by the benchmarks to time fwd_mma's, fwd_wgmma's and bwd_mma's bounds-checked copies
 # where the whole-KV (whole-stream) instantiations would run (None: use them where they apply).
 whole_kv_override: bool | None = None
 
@@ -95,8 +95,9 @@ def _dtype_name(dtype) -> str:
 
 def whole_blocks(seqlen: int | None, block: int, head_dim: int, bucket: int) -> bool:
     """Whether every streamed block of ``seqlen`` rows is complete and the head dim fills
-    its bucket -- the condition of fwd_mma's whole-KV and bwd_mma's whole-stream
-    instantiations (copies without bounds) -- and ``whole_kv_override`` allows them.
+    its bucket -- the condition of fwd_mma's and fwd_wgmma's whole-KV and bwd_mma's
+    whole-stream instantiations (copies without bounds) -- and ``whole_kv_override``
+    allows them.
     An unknown length (None) never qualifies."""
     return (seqlen is not None and int(seqlen) % block == 0 and head_dim == bucket
             and whole_kv_override is not False)
@@ -147,10 +148,10 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
     :func:`~cupyflash._kernels.mma_split_tiles`); fwd_simt splits at run time, so the
     same row.
 
-    ``seqlen_k``: where it is a multiple of the fwd_mma tile's ``block_n`` and
-    ``head_dim`` is the bucket itself, the tile's whole-KV instantiation (``kWholeKV``:
-    its K/V copies check no bounds; not for ``split``), unless ``whole_kv_override`` is
-    False.  None (unknown) never picks it.
+    ``seqlen_k``: where it is a multiple of the fwd_mma (fwd_wgmma) tile's ``block_n``
+    and ``head_dim`` is the bucket itself, the tile's whole-KV instantiation
+    (``kWholeKV``: its K/V copies check no bounds; not for ``split``), unless
+    ``whole_kv_override`` is False.  None (unknown) never picks it.
 
     Raises
     ------
@@ -164,7 +165,9 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
     bucket = mma_head_dim(name, d, dv, arch, aligned=aligned) if scale > 0 else None
     if bucket is not None:
         if bucket in WGMMA_HEAD_DIMS and use_wgmma(arch, wgmma):
-            wanted = wgmma_name_expression(name, bucket, *wgmma_tiles()[bucket], split=split)
+            tile = wgmma_tiles()[bucket]
+            whole_kv = not split and whole_blocks(seqlen_k, tile[0], d, bucket)
+            wanted = wgmma_name_expression(name, bucket, *tile, split=split, whole_kv=whole_kv)
         else:
             tiles = mma_split_tiles(arch) if split else mma_tiles(arch)
             whole_kv = not split and whole_blocks(seqlen_k, tiles[bucket][1], d, bucket)

@@ -38,7 +38,7 @@ class Instantiation:
     kv_stages: int = 0     # fwd_mma/fwd_wgmma: K/V buffer pairs, bwd_mma: streamed tile buffers (1 or 2)
     lazy_rescale: bool = False  # fwd_mma/fwd_wgmma: rescale the output only when a row max moves far
     split: bool = False    # fwd_mma/fwd_wgmma: the split-KV instantiation (kSplit; fwd_simt splits at run time)
-    # fwd_mma: K/V copies without bounds (kWholeKV: Lk a multiple of block_n, d the bucket);
+    # fwd_mma, fwd_wgmma: K/V copies without bounds (kWholeKV: Lk a multiple of block_n, d the bucket);
     # bwd_mma: streamed copies without bounds (kWholeStream: the streamed length a multiple
     # of the streamed block, d the bucket)
     whole_kv: bool = False
@@ -360,23 +360,30 @@ def wgmma_tiles() -> dict[int, tuple[int, int, bool]]:
 
 
 def wgmma_name_expression(dtype: str, head_dim: int, block_n: int, warpgroups: int,
-                          lazy_rescale: bool, split: bool = False) -> str:
+                          lazy_rescale: bool, split: bool = False, whole_kv: bool = False) -> str:
     """``cf::fwd_wgmma_kernel<T, head_dim, block_n, warpgroups, lazy_rescale[, true]>`` (the
-    trailing ``true``: the split-KV instantiation, ``kSplit``, same tile)."""
+    trailing ``true``: the split-KV instantiation, ``kSplit``, same tile), or ``...,
+    lazy_rescale, false, true>`` (the whole-KV instantiation, ``kWholeKV``, as fwd_mma's:
+    K/V copies without bounds; never split)."""
+    if split and whole_kv:
+        raise ValueError("fwd_wgmma has no split-KV instantiation with whole K/V blocks")
+    suffix = ", true" if split else ", false, true" if whole_kv else ""
     return (f"cf::fwd_wgmma_kernel<{_CXX_TYPE[dtype]}, {head_dim}, {block_n}, {warpgroups}, "
-            f"{'true' if lazy_rescale else 'false'}{', true' if split else ''}>")
+            f"{'true' if lazy_rescale else 'false'}{suffix}>")
 
 
 def _wgmma_instantiations() -> list[Instantiation]:
     rows = []
-    for split in (False, True):
+    for split, whole_kv in ((False, False), (True, False), (False, True)):
         for dtype in _MMA_DTYPES:
             for head_dim, (block_n, groups, lazy) in _WGMMA_TILES.items():
                 rows.append(Instantiation(
                     family="fwd_wgmma", entry="fwd_wgmma.cu",
-                    name_expression=wgmma_name_expression(dtype, head_dim, block_n, groups, lazy, split),
+                    name_expression=wgmma_name_expression(dtype, head_dim, block_n, groups, lazy, split,
+                                                          whole_kv),
                     dtype=dtype, head_dim=head_dim, head_dim_v=head_dim, threads=128 * groups,
-                    block_m=64 * groups, block_n=block_n, kv_stages=2, lazy_rescale=lazy, split=split))
+                    block_m=64 * groups, block_n=block_n, kv_stages=2, lazy_rescale=lazy, split=split,
+                    whole_kv=whole_kv))
     return rows
 
 # ---- fwd_dmma: float64 on the FP64 tensor cores (mma.sync m8n8k4 .f64), sm_80 / sm_90 -----------

@@ -77,10 +77,31 @@ def test_select_picks_fwd_wgmma_only_on_sm90_when_enabled(monkeypatch):
     assert _gpu.select("bfloat16", 128, 128, 90, aligned=True).family == "fwd_mma"
 
 
+def test_select_picks_the_whole_kv_row_only_for_whole_key_blocks_at_the_bucket(monkeypatch):
+    # as fwd_mma's: K/V copies without bounds need every key block whole and d = the bucket
+    for d in WGMMA_HEAD_DIMS:
+        plain = _gpu.select("bfloat16", d, d, 90, aligned=True, wgmma=True)
+        whole = _gpu.select("bfloat16", d, d, 90, aligned=True, wgmma=True, seqlen_k=3 * plain.block_n)
+        assert plain.family == whole.family == "fwd_wgmma" and not plain.whole_kv and whole.whole_kv
+        assert whole.name_expression == plain.name_expression[:-1] + ", false, true>"
+        assert (whole.block_m, whole.block_n, whole.threads, whole.lazy_rescale) == \
+            (plain.block_m, plain.block_n, plain.threads, plain.lazy_rescale)
+        for seqlen_k in (plain.block_n + 1, 3 * plain.block_n - 8, None):
+            assert _gpu.select("bfloat16", d, d, 90, aligned=True, wgmma=True, seqlen_k=seqlen_k) == plain
+        assert not _gpu.select("bfloat16", d - 8, d - 8, 90, aligned=True, wgmma=True, seqlen_k=4096).whole_kv
+        assert _gpu.select("bfloat16", d, d, 90, aligned=True, wgmma=True, split=True, seqlen_k=4096).split
+        assert not _gpu.select("bfloat16", d, d, 90, aligned=True, wgmma=True, split=True, seqlen_k=4096).whole_kv
+        monkeypatch.setattr(_gpu, "whole_kv_override", False)
+        assert _gpu.select("bfloat16", d, d, 90, aligned=True, wgmma=True, seqlen_k=4096) == plain
+        monkeypatch.setattr(_gpu, "whole_kv_override", None)
+
+
 def test_only_sm90_compiles_and_launches_fwd_wgmma():
     names = {r.name_expression for r in WGMMA_ROWS}
-    assert len(WGMMA_ROWS) == 2 * 2 * len(WGMMA_HEAD_DIMS)   # two dtypes, and each split-KV row
+    assert len(WGMMA_ROWS) == 2 * 3 * len(WGMMA_HEAD_DIMS)   # two dtypes; each split-KV and whole-KV row
     assert sum(r.split for r in WGMMA_ROWS) == 2 * len(WGMMA_HEAD_DIMS)
+    assert sum(r.whole_kv for r in WGMMA_ROWS) == 2 * len(WGMMA_HEAD_DIMS)
+    assert not any(r.split and r.whole_kv for r in WGMMA_ROWS)
     assert names <= launchable(90)
     for arch in (80, 86, 89, 100, 120):
         assert not names & launchable(arch)
@@ -278,16 +299,18 @@ def wgmma_on(monkeypatch):
 
 
 @needs_emulator
-@pytest.mark.parametrize("inst", WGMMA_ROWS, ids=lambda r: f"{r.dtype}-d{r.head_dim}{'-split' if r.split else ''}")
+@pytest.mark.parametrize("inst", WGMMA_ROWS, ids=lambda r: f"{r.dtype}-d{r.head_dim}{'-split' if r.split else ''}"
+                                                         f"{'-whole' if r.whole_kv else ''}")
 def test_every_instantiation_matches_oracle_with_tails_and_causal_mask(ex90, wgmma_on, inst):
     if inst.dtype == "bfloat16" and bfloat16 is None:
         pytest.skip("needs ml_dtypes")
     dtype = bfloat16 if inst.dtype == "bfloat16" else np.dtype(inst.dtype)
     rng = np.random.default_rng(inst.head_dim)
     # Tails in both axes: a partial query block and a partial key block (three key
-    # blocks: a split-KV row runs one per split, the causal case with some empty).
-    q, k, v = qkv(rng, dtype, seqlen_q=inst.block_m + 19, seqlen_k=2 * inst.block_n + 21,
-                  head_dim=inst.head_dim)
+    # blocks: a split-KV row runs one per split, the causal case with some empty);
+    # a whole-KV row three whole key blocks (the dispatcher's condition for it).
+    seqlen_k = 3 * inst.block_n if inst.whole_kv else 2 * inst.block_n + 21
+    q, k, v = qkv(rng, dtype, seqlen_q=inst.block_m + 19, seqlen_k=seqlen_k, head_dim=inst.head_dim)
     splits = 3 if inst.split else 1
     for window in ((None, None), (None, 0)):
         recorder = Recorder(ex90)

@@ -107,12 +107,13 @@ def _split(row: dict) -> bool:
 
 
 def _whole_kv(row: dict) -> bool:
-    """fwd_mma's whole-KV instantiation (kWholeKV, the ninth argument) or bwd_mma's
-    whole-stream one (kWholeStream, a trailing ``true``)."""
+    """fwd_mma's whole-KV instantiation (kWholeKV, the ninth argument), fwd_wgmma's (the
+    seventh) or bwd_mma's whole-stream one (kWholeStream, a trailing ``true``)."""
     args = row["name"].split("<", 1)[1].rstrip(">").split(",")
     if row["family"] == "bwd_mma":
         return args[-1].strip() == "true"
-    return row["family"] == "fwd_mma" and len(args) == 9 and args[8].strip() == "true"
+    position = {"fwd_mma": 9, "fwd_wgmma": 7}.get(row["family"])
+    return len(args) == position and args[-1].strip() == "true"
 
 
 def _tile(row: dict) -> str:
@@ -121,7 +122,7 @@ def _tile(row: dict) -> str:
     if row["family"] == "fwd_mma":        # <T, d, block_m, block_n, warps, stages, lazy_rescale[, kSplit[, kWholeKV]]>
         lazy = ", lazy rescale" if args[6] == "true" else ""
         return f"{args[2]}×{args[3]}, {args[4]} warps, {args[5]} stage{'s' * (args[5] != '1')}{lazy}{split}"
-    if row["family"] == "fwd_wgmma":      # <T, d, block_n, warpgroups, lazy_rescale[, kSplit]>
+    if row["family"] == "fwd_wgmma":      # <T, d, block_n, warpgroups, lazy_rescale[, kSplit[, kWholeKV]]>
         lazy = ", lazy rescale" if args[4] == "true" else ""
         return f"{64 * int(args[3])}×{args[2]}, {args[3]} warpgroups{lazy}{split}"
     if row["family"] == "bwd_mma":        # <T, d, own, streamed, warps[, kGrads], stages[, kWholeStream]>
