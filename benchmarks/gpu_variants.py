@@ -180,8 +180,9 @@ def variant_rows(kind: str, head_dim: int, variant, dtype: str = "bfloat16"):
         return [_kernels.by_name()[_kernels.wgmma_name_expression(dtype, head_dim, *variant, whole_kv=whole)]]
     if kind == "wbwd":
         use_wgmma(_kernels._BWD_WGMMA_TILES, head_dim, variant)
-        names = _kernels.bwd_wgmma_name_expressions(dtype, head_dim, True)
-        names += _kernels.bwd_wgmma_name_expressions(dtype, head_dim, False)
+        # the sweep's shape runs the dQ kernel's whole-stream row (Lk a multiple of its block)
+        names = _kernels.bwd_wgmma_name_expressions(dtype, head_dim, True, whole_k=True)
+        names += _kernels.bwd_wgmma_name_expressions(dtype, head_dim, False, whole_k=True)
         return [_kernels.by_name()[n] for n in dict.fromkeys(names)]
     variant, whole = whole_flag(kind, variant)
     if kind == "fwd":

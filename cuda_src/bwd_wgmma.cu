@@ -193,7 +193,9 @@ __device__ __forceinline__ void add_dq_atomically(float* dq, int64_t row_stride,
 // ---- kernels ---------------------------------------------------------------------------------
 
 // dK and/or dV (kGrads; with kGradDQAtomic, dQ by atomics too) of kBlockN keys
-// of one (batch, kv head).
+// of one (batch, kv head).  No whole-stream instantiation (bwd_mma's kWholeStream):
+// at 255 registers, dropping the Q and dO copies' bounds made ptxas spend more
+// instructions than it saved (d = 128: 1,538 -> 1,631 per streamed block).
 template <typename T, int kHeadDim, int kBlockN, int kBlockM, int kWarpGroups, int kGrads>
 __global__ void __launch_bounds__((WgmmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarpGroups, kGrads>::kThreads), 1)
 bwd_wgmma_dkdv_kernel(const BwdParams params) {
@@ -307,8 +309,10 @@ bwd_wgmma_dkdv_kernel(const BwdParams params) {
                            keys_valid, static_cast<int>(p.head_dim_v));
 }
 
-// dQ of kBlockM query rows of one (batch, query head).
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarpGroups>
+// dQ of kBlockM query rows of one (batch, query head).  kWholeStream: every
+// key block complete and d the bucket (Lk a multiple of kBlockN): the K and V
+// copies skip their bounds.
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarpGroups, bool kWholeStream = false>
 __global__ void __launch_bounds__(
     (WgmmaBwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarpGroups, kGradDV | kGradDK>::kThreads), 1)
 bwd_wgmma_dq_kernel(const BwdParams params) {
@@ -330,7 +334,7 @@ bwd_wgmma_dq_kernel(const BwdParams params) {
     smem += (1024 - (smem_addr(smem) & 1023)) & 1023;
     T* const sQ = reinterpret_cast<T*>(smem);
     T* const sdO = sQ + Own::kElements;
-    const KeyStream<Tr, T> keys{p, head.k, head.v, d, sdO + Own::kElements};  // 2 x (K, V)
+    const KeyStream<Tr, T, kWholeStream> keys{p, head.k, head.v, d, sdO + Own::kElements};  // 2 x (K, V)
 
     const int64_t n_begin = block.n_begin(kBlockN), n_end = block.n_end(kBlockN);
     cp_async_tile<Tr::kThreads, Own>(sQ, head.q, block.m0, p.q_row_stride, block.rows, d);

@@ -29,7 +29,7 @@ from ._gpu import (_accumulator_dtype, _array_module, mma_head_dim, rows_aligned
                    whole_blocks)
 from ._kernels import (DMMA_DTYPES, DMMA_HEAD_DIMS, TF32_HEAD_DIMS, TF32_PASSES, WGMMA_BWD_HEAD_DIMS, Instantiation,
                        bwd_dmma_name_expressions, bwd_mma_name_expressions, bwd_mma_streamed, bwd_tf32_name_expressions,
-                       bwd_wgmma_name_expressions, by_name, instantiations)
+                       bwd_wgmma_dq_keys, bwd_wgmma_name_expressions, by_name, instantiations)
 from ._launch import backward_kernel, backward_launch_config
 from ._params_bwd import bwd_params
 
@@ -90,7 +90,8 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
     instantiations (``kWholeStream``: streamed copies without bounds) where Lq (Lk) is a
     multiple of their streamed block (:func:`~cupyflash._kernels.bwd_mma_streamed`) and
     ``head_dim`` is the bucket itself, unless ``cupyflash._gpu.whole_kv_override`` is
-    False.  None (unknown) never picks them.
+    False; bwd_wgmma's dQ kernel likewise where Lk is a multiple of its key block
+    (:func:`~cupyflash._kernels.bwd_wgmma_dq_keys`).  None (unknown) never picks them.
 
     Raises
     ------
@@ -115,7 +116,8 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
     mma_dim = mma_head_dim(name, d, dv, arch, aligned=aligned)
     if mma_dim is not None:
         if mma_dim in WGMMA_BWD_HEAD_DIMS and use_wgmma(arch, wgmma):
-            names = bwd_wgmma_name_expressions(name, mma_dim, deterministic or not dq_aligned)
+            names = bwd_wgmma_name_expressions(name, mma_dim, deterministic or not dq_aligned,
+                                               whole_k=whole_blocks(seqlen_k, bwd_wgmma_dq_keys(mma_dim), d, mma_dim))
         else:
             streamed, streamed_dq = bwd_mma_streamed(mma_dim)
             names = bwd_mma_name_expressions(name, mma_dim, arch, deterministic,

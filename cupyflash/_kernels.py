@@ -39,8 +39,8 @@ class Instantiation:
     lazy_rescale: bool = False  # fwd_mma/fwd_wgmma: rescale the output only when a row max moves far
     split: bool = False    # fwd_mma/fwd_wgmma: the split-KV instantiation (kSplit; fwd_simt splits at run time)
     # fwd_mma, fwd_wgmma: K/V copies without bounds (kWholeKV: Lk a multiple of block_n, d the bucket);
-    # bwd_mma: streamed copies without bounds (kWholeStream: the streamed length a multiple
-    # of the streamed block, d the bucket)
+    # bwd_mma (bwd_wgmma's dQ kernel): streamed copies without bounds (kWholeStream: the
+    # streamed length a multiple of the streamed block, d the bucket)
     whole_kv: bool = False
     passes: int = 0        # fwd_tf32: TF32 MMAs per product (1: precision "tf32", 3: "tf32x3")
 
@@ -681,11 +681,16 @@ def _wgmma_atomic_dq(head_dim: int, streamed: int, groups: int) -> bool:
     return cols % 64 == 0 and bwd_wgmma_shared_bytes(head_dim, 64 * groups, streamed, True, True) <= 227 * 1024
 
 
-def bwd_wgmma_name_expressions(dtype: str, head_dim: int, deterministic: bool = True) -> list[str]:
+def bwd_wgmma_name_expressions(dtype: str, head_dim: int, deterministic: bool = True,
+                               whole_k: bool = False) -> list[str]:
     """bwd_wgmma's kernels for ``dtype`` and ``head_dim`` (one of
     :data:`WGMMA_BWD_HEAD_DIMS`), in launch order: dK/dV (or dV, then dK), then dQ --
     or, not ``deterministic``, where the dK launch can (:func:`_wgmma_atomic_dq`), no
-    dQ kernel: that launch adds dQ by float atomics."""
+    dQ kernel: that launch adds dQ by float atomics.  ``whole_k``: the dQ kernel's
+    whole-stream instantiation (a trailing ``true``, kWholeStream: K/V copies without
+    bounds, for Lk a multiple of its key block and the head dim equal to the bucket).
+    The dK/dV kernels have none: at 255 registers, ptxas spent more instructions
+    without their bounds than with them."""
     if head_dim not in _BWD_WGMMA_TILES:
         raise ValueError(f"bwd_wgmma has no kernel for head_dim={head_dim}")
     cxx = _CXX_TYPE[dtype]
@@ -699,8 +704,14 @@ def bwd_wgmma_name_expressions(dtype: str, head_dim: int, deterministic: bool = 
             grads |= BWD_GRAD_DQ_ATOMIC
         names.append(f"cf::bwd_wgmma_dkdv_kernel<{cxx}, {head_dim}, {own}, {streamed}, {groups}, {grads}>")
     if not atomic:
-        names.append(f"cf::bwd_wgmma_dq_kernel<{cxx}, {head_dim}, {own}, {streamed_dq}, {groups}>")
+        names.append(f"cf::bwd_wgmma_dq_kernel<{cxx}, {head_dim}, {own}, {streamed_dq}, {groups}"
+                     f"{', true' if whole_k else ''}>")
     return names
+
+
+def bwd_wgmma_dq_keys(head_dim: int) -> int:
+    """Keys per block of bwd_wgmma's dQ kernel at compile-time ``head_dim``."""
+    return _BWD_WGMMA_TILES[head_dim][2]
 
 
 def _backward_row(family: str, name: str, dtype: str, head_dim: int, own: int, streamed: int, threads: int,
@@ -717,11 +728,12 @@ def _bwd_wgmma_instantiations() -> list[Instantiation]:
     rows = []
     for dtype in _MMA_DTYPES:
         for d in _BWD_WGMMA_TILES:
-            for deterministic in (True, False):
-                for name in bwd_wgmma_name_expressions(dtype, d, deterministic):
+            for deterministic, whole in itertools.product((True, False), (False, True)):
+                for name in bwd_wgmma_name_expressions(dtype, d, deterministic, whole_k=whole):
                     args = [a.strip() for a in name.split("<", 1)[1].rstrip(">").split(",")]
                     own, streamed, groups = int(args[2]), int(args[3]), int(args[4])
-                    row = _backward_row("bwd_wgmma", name, dtype, d, own, streamed, 128 * groups, kv_stages=2)
+                    row = _backward_row("bwd_wgmma", name, dtype, d, own, streamed, 128 * groups, kv_stages=2,
+                                        whole_kv=args[-1] == "true")
                     if row not in rows:
                         rows.append(row)
     return rows

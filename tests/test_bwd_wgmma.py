@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 
 from cupyflash import _gpu, _gpu_bwd, _report
-from cupyflash._kernels import (WGMMA_BWD_HEAD_DIMS, bwd_wgmma_tiles, compile_target, instantiations,
-                                launchable)
+from cupyflash._kernels import (WGMMA_BWD_HEAD_DIMS, bwd_wgmma_dq_keys, bwd_wgmma_tiles, compile_target,
+                                instantiations, launchable)
 from cupyflash._launch import backward_kernel, backward_launch_config
 from cupyflash.emulator import EmulatorExecutor, emulator_available
 
@@ -86,9 +86,11 @@ def test_select_picks_bwd_wgmma_only_on_sm90_when_enabled(monkeypatch):
 
 def test_only_sm90_compiles_and_launches_bwd_wgmma():
     names = {r.name_expression for r in ROWS}
-    # per dtype and head dim three rows: dK/dV (deterministic and atomic-dQ) and dQ, or
-    # (192, 256) dV, dK and dQ
-    assert len(ROWS) == 2 * len(WGMMA_BWD_HEAD_DIMS) * 3 == len(names)
+    # per dtype and head dim four rows: dK/dV (deterministic and atomic-dQ) and dQ, or
+    # (192, 256) dV, dK and dQ -- and the dQ kernel's whole-stream row
+    assert len(ROWS) == 2 * len(WGMMA_BWD_HEAD_DIMS) * 4 == len(names)
+    assert sum(r.whole_kv for r in ROWS) == 2 * len(WGMMA_BWD_HEAD_DIMS)
+    assert all(backward_kernel(r) == "bwd_wgmma_dq_kernel" for r in ROWS if r.whole_kv)
     assert set(bwd_wgmma_tiles()) == set(WGMMA_BWD_HEAD_DIMS)
     assert names <= launchable(90)
     for arch in (80, 86, 89, 100, 120):
@@ -115,6 +117,25 @@ def test_launch_config_and_shared_memory():
             assert r.threads == 2 * own and grid == (2 * 6 * math.ceil(1000 / own), 1, 1)
             assert shared == 2 * own * d * 2 + 2 * 2 * streamed * d * 2 + 2 * 2 * streamed * 4 + 1024
         assert shared <= 227 * 1024
+
+
+def test_select_picks_the_whole_stream_dq_row_only_for_whole_key_blocks_at_the_bucket(monkeypatch):
+    # the dQ kernel's K/V copies without bounds (kWholeStream) need every key block whole
+    # and d = the bucket; the dK/dV kernels have no such rows (ptxas did worse without
+    # their bounds at 255 registers)
+    for d in WGMMA_BWD_HEAD_DIMS:
+        keys = bwd_wgmma_dq_keys(d)
+        plain = _gpu_bwd.select("bfloat16", d, d, 90, aligned=True, wgmma=True)
+        whole = _gpu_bwd.select("bfloat16", d, d, 90, aligned=True, wgmma=True, seqlen_q=4096, seqlen_k=3 * keys)
+        assert whole[:-1] == plain[:-1] and not any(r.whole_kv for r in plain)
+        assert whole[-1].whole_kv and whole[-1].name_expression == plain[-1].name_expression[:-1] + ", true>"
+        for seqlen_k in (keys + 1, 3 * keys - 8, None):
+            assert _gpu_bwd.select("bfloat16", d, d, 90, aligned=True, wgmma=True, seqlen_k=seqlen_k) == plain
+        assert not any(r.whole_kv for r in _gpu_bwd.select("bfloat16", d - 8, d - 8, 90, aligned=True, wgmma=True,
+                                                           seqlen_k=4096))
+        monkeypatch.setattr(_gpu, "whole_kv_override", False)
+        assert _gpu_bwd.select("bfloat16", d, d, 90, aligned=True, wgmma=True, seqlen_k=4096) == plain
+        monkeypatch.setattr(_gpu, "whole_kv_override", None)
 
 
 # ---- static: NVRTC for sm_90a -------------------------------------------------------------------
@@ -213,6 +234,24 @@ def test_every_instantiation_matches_oracle_and_atomic_dq_leaves_dk_dv_alone(ex9
     fast = _run(case, ex90, deterministic=False)   # dq poisoned: zeroed, then added to
     case.check(fast)
     assert np.array_equal(fast[1], exact[1]) and np.array_equal(fast[2], exact[2])
+
+
+@needs_emulator
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype, head_dim", [(dtype, d) for dtype in HALF for d in WGMMA_BWD_HEAD_DIMS],
+                         ids=[f"{np.dtype(dtype).name}-d{d}" for dtype in HALF for d in WGMMA_BWD_HEAD_DIMS])
+def test_whole_stream_dq_rows_match_oracle(ex90, wgmma_on, dtype, head_dim, causal):
+    from test_fwd_mma import Recorder
+
+    rng = np.random.default_rng(head_dim + 3 * causal + 1)
+    # Lk two whole key blocks of the dQ kernel, Lq a tail: the dQ kernel's whole-stream row
+    keys = bwd_wgmma_dq_keys(head_dim)
+    q, k, v = qkv(rng, dtype, heads_kv=1, gqa_ratio=2, seqlen_q=90, seqlen_k=2 * keys, head_dim=head_dim)
+    case = Case(rng, q, k, v, gqa_ratio=2, window=(None, 0) if causal else (None, None))
+    recorder = Recorder(ex90)
+    case.check(_run(case, recorder))
+    dq_launches = [n for n in recorder.launched if n.startswith("cf::bwd_wgmma_dq_kernel")]
+    assert len(dq_launches) == 1 and dq_launches[0].endswith(", true>"), recorder.launched
 
 
 @needs_emulator

@@ -108,9 +108,10 @@ def _split(row: dict) -> bool:
 
 def _whole_kv(row: dict) -> bool:
     """fwd_mma's whole-KV instantiation (kWholeKV, the ninth argument), fwd_wgmma's (the
-    seventh) or bwd_mma's whole-stream one (kWholeStream, a trailing ``true``)."""
+    seventh) or bwd_mma's or bwd_wgmma's whole-stream one (kWholeStream, a trailing
+    ``true``)."""
     args = row["name"].split("<", 1)[1].rstrip(">").split(",")
-    if row["family"] == "bwd_mma":
+    if row["family"] in ("bwd_mma", "bwd_wgmma"):
         return args[-1].strip() == "true"
     position = {"fwd_mma": 9, "fwd_wgmma": 7}.get(row["family"])
     return len(args) == position and args[-1].strip() == "true"
@@ -130,8 +131,8 @@ def _tile(row: dict) -> str:
         stages = args[-2] if whole else args[-1]
         return (f"{args[2]}×{args[3]}, {args[4]} warps, {stages} stage{'s' * (stages != '1')}"
                 f"{', whole streamed blocks' if whole else ''}")
-    if row["family"] == "bwd_wgmma":      # <T, d, own, streamed, warpgroups, kGrads>
-        return f"{args[2]}×{args[3]}, {args[4]} warpgroups"
+    if row["family"] == "bwd_wgmma":      # <T, d, own, streamed, warpgroups, kGrads | [kWholeStream]>
+        return f"{args[2]}×{args[3]}, {args[4]} warpgroups{', whole streamed blocks' if _whole_kv(row) else ''}"
     if row["family"] in ("fwd_dmma", "bwd_dmma"):   # <d, block_m, block_n, warps[, float]>
         return f"{args[1]}×{args[2]}, {args[3]} warps"
     if row["family"] in ("fwd_tf32", "bwd_tf32"):   # <d, block_m | own, block_n | streamed, warps, passes>
@@ -163,7 +164,7 @@ def _family_table(rows: list[dict], family: str, archs: list[str], picked: set) 
             key = (DTYPE_ORDER[r["dtype"]], r["head_dim"], _tile(r), r["dtype"])
         elif family == "bwd_tf32":   # one line per kernel and pass count
             key = (DTYPE_ORDER[r["dtype"]], r["head_dim"], _kernel(r), r["dtype"], _tile(r))
-        elif family == "bwd_mma":    # one line per kernel, bounds-checked or whole-stream
+        elif family in ("bwd_mma", "bwd_wgmma"):   # one line per kernel, bounds-checked or whole-stream
             key = (DTYPE_ORDER[r["dtype"]], r["head_dim"], _kernel(r), r["dtype"], _whole_kv(r))
         else:
             key = (DTYPE_ORDER[r["dtype"]], r["head_dim"], _kernel(r), r["dtype"])
