@@ -219,15 +219,17 @@ def test_gpu_variants_name_catalogue_rows(monkeypatch, request):
             (row,) = rows
             assert (row.block_m, row.block_n, row.threads // 32, row.kv_stages, row.lazy_rescale) == tuple(tile[:5])
             assert row.whole_kv == (len(tile) < 6 or tile[5])
-        if kind == "wfwd":
+        if kind == "wfwd":  # the whole-KV row, unless a fourth element is False
             (row,) = rows
-            assert (row.block_n, row.threads // 128, row.lazy_rescale) == tuple(tile)
+            assert (row.block_n, row.threads // 128, row.lazy_rescale) == tuple(tile[:3])
+            assert row.whole_kv == (len(tile) < 4 or tile[3])
         if kind == "bwd":   # the whole-stream rows, unless a trailing False
             _, whole = variants.whole_flag(kind, tile)
             assert all(r.whole_kv == whole for r in rows), (tile, rows)
-        if kind == "wbwd":
+        if kind == "wbwd":  # the dQ kernel's whole-stream row (the sweep's Lk is whole blocks)
             (launch,), groups, streamed_dq = tile
             assert (rows[0].block_m, rows[0].threads // 128, rows[1].block_n) == (launch[1], groups, streamed_dq)
+            assert [r.whole_kv for r in rows] == [False, True, False]
         if kind == "sfwd":
             (row,) = rows
             assert (row.dtype, row.block_m, row.block_n) == tuple(tile)
