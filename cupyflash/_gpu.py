@@ -38,8 +38,8 @@ wgmma_override: bool | None = None
 # Set by tests and benchmarks to force the forward's split-KV count (None: the
 # heuristic, cupyflash._launch.num_splits).
 split_override: int | None = None
-# Set to False by the benchmarks to time fwd_mma's, fwd_wgmma's and bwd_mma's bounds-checked copies
-# where the whole-KV (whole-stream) instantiations would run (None: use them where they apply).
+# Set to False by the benchmarks to time the bounds-checked copies (fwd_mma, fwd_wgmma, bwd_mma,
+# bwd_wgmma's dQ) where the whole-KV (whole-stream) instantiations would run (None: use them).
 whole_kv_override: bool | None = None
 
 # fwd_dmma and bwd_dmma (the FP64 tensor cores) have not run on a GPU yet: opt-in
@@ -95,10 +95,9 @@ def _dtype_name(dtype) -> str:
 
 def whole_blocks(seqlen: int | None, block: int, head_dim: int, bucket: int) -> bool:
     """Whether every streamed block of ``seqlen`` rows is complete and the head dim fills
-    its bucket -- the condition of fwd_mma's and fwd_wgmma's whole-KV and bwd_mma's
-    whole-stream instantiations (copies without bounds) -- and ``whole_kv_override``
-    allows them.
-    An unknown length (None) never qualifies."""
+    its bucket -- the condition of fwd_mma's and fwd_wgmma's whole-KV and bwd_mma's and
+    bwd_wgmma's (dQ) whole-stream instantiations (copies without bounds) -- and
+    ``whole_kv_override`` allows them.  An unknown length (None) never qualifies."""
     return (seqlen is not None and int(seqlen) % block == 0 and head_dim == bucket
             and whole_kv_override is not False)
 

@@ -29,7 +29,9 @@ from cupyflash import _gpu, _gpu_bwd
 
 from _util import random_array, random_qkv
 from test_fwd_mma import HALF_DTYPES, HALF_IDS, check_against_oracle
-from test_fwd_wgmma import PRODUCT_FORMS, PROBE_SHARED
+from test_emulator import PLANTED_DTYPE
+from test_fwd_wgmma import (PROBE, PROBE_SHARED, PRODUCT_FORMS, PRODUCT_SHARED, PRODUCT_THREADS, PRODUCTS,
+                            _bf16_round, check_product, compile_planted_sm90a, product_case)
 from test_gpu_backward import _check
 from test_gpu_mma import (MASK_LENGTHS, MASK_WINDOWS, attention_on_gpu, check_head_dim, check_long_sequence,
                           check_masks, launched)  # noqa: F401
@@ -59,8 +61,6 @@ def wgmma_on(monkeypatch):
 def _planted_sm90a(tmp_path_factory, source: str, names: list[str]) -> dict:
     """``{name: cupy Function}`` of the planted file ``source`` compiled by NVRTC for sm_90a
     and loaded as a cubin (as cupyflash's loader does for the wgmma kernels)."""
-    from test_fwd_wgmma import compile_planted_sm90a
-
     _log, cubin, lowered = compile_planted_sm90a(source, names)
     path = tmp_path_factory.mktemp("wgmma_planted") / (Path(source).stem + ".cubin")
     path.write_bytes(cubin)
@@ -70,24 +70,17 @@ def _planted_sm90a(tmp_path_factory, source: str, names: list[str]) -> dict:
 
 @pytest.fixture(scope="module")
 def probe_module(tmp_path_factory):
-    from test_fwd_wgmma import PROBE
-
     return _planted_sm90a(tmp_path_factory, PROBE, ["wgmma_probe<true>", "wgmma_probe<false>"])
 
 
 @pytest.fixture(scope="module")
 def products_module(tmp_path_factory):
-    from test_fwd_wgmma import PRODUCTS
-
     return _planted_sm90a(tmp_path_factory, PRODUCTS, [f"wgmma_products<{f}>" for f in PRODUCT_FORMS])
 
 
 @pytest.mark.parametrize("regs_a, flags", [(False, 0), (True, 0), (False, 64)],
                          ids=["ss-K-major", "rs-B-MN-major", "ss-A-and-B-MN-major"])
 def test_one_wgmma_of_each_operand_form_matches_numpy(probe_module, regs_a, flags):
-    from test_emulator import PLANTED_DTYPE
-    from test_fwd_wgmma import _bf16_round
-
     rng = np.random.default_rng(21)
     inp = rng.standard_normal(2048).astype(np.float32)
     inp_d = cp.asarray(inp)
@@ -106,9 +99,6 @@ def test_one_wgmma_of_each_operand_form_matches_numpy(probe_module, regs_a, flag
 # pass, these say which product is misread.
 @pytest.mark.parametrize("form", sorted(PRODUCT_FORMS), ids=list(PRODUCT_FORMS.values()))
 def test_each_kernel_product_matches_numpy(products_module, form):
-    from test_emulator import PLANTED_DTYPE
-    from test_fwd_wgmma import PRODUCT_SHARED, PRODUCT_THREADS, check_product, product_case
-
     inp, out, expected, bound, terms = product_case(form)
     inp_d, out_d = cp.asarray(inp), cp.asarray(out)
     kernel = products_module[f"wgmma_products<{form}>"]
