@@ -96,11 +96,17 @@ struct SimtBwdTraits {
     static constexpr bool kPipelined = kStages == 2;
     static constexpr int kSmemBytes = kOwnBytes + kStages * kStageBytes;
     // Occupancy target, which sets the register cap (65536 / (128 * n)): 4
-    // CTAs per SM (128 registers) up to 32 KB, 3 (168) up to 48 KB, 2 (255)
-    // up to 72 KB; the one tile above (float64, bucket 256) runs 1 per SM on
-    // an A100.
-    static constexpr int kMinBlocksPerSm =
-        kSmemBytes > 72 * 1024 ? 1 : kSmemBytes > 48 * 1024 ? 2 : kSmemBytes > 32 * 1024 ? 3 : 4;
+    // CTAs per SM (128 registers) up to 32 KB, 3 (168) up to 48 KB -- up to
+    // 53 KB for the pipelined tiles, which is the float d = 64 tile (three
+    // such CTAs, with the 1 KB the driver reserves for each, fit an A100's
+    // 164 KB; left to itself ptxas gives its dK/dV kernel 212 registers, 2
+    // CTAs), while the 16-bit d = 128 tile (51 KB) spills at 168 under NVRTC
+    // 13.0 -- 2 (255) up to 72 KB; the one tile above (float64, bucket 256)
+    // runs 1 per SM on an A100.
+    static constexpr int kMinBlocksPerSm = kSmemBytes > 72 * 1024                       ? 1
+                                           : kSmemBytes > (kPipelined ? 53 : 48) * 1024 ? 2
+                                           : kSmemBytes > 32 * 1024                     ? 3
+                                                                                        : 4;
 
     static_assert(kBlockOwn % kRowGroups == 0, "own block: a multiple of 16 rows");
     static_assert(kBlockStream % kLanesPerRow == 0, "streamed block: a multiple of 8 rows");
@@ -156,50 +162,76 @@ __device__ __forceinline__ void dot_rows(Acc (&s)[Tr::kRowsPerThread][Tr::kColsP
 }
 
 // acc[ii] += sum_c s[ii][c] * Z[c]: this thread's chunks of its own rows'
-// gradient, summed over the streamed rows c.  s goes through the scratch
-// tile: each thread stores its entries, then reads its own rows' values
-// back, kStep streamed rows at a time (the 8 lanes of a row group read the
-// same address, a broadcast): a 16-byte vector of them where the kStep rows'
-// Z chunks leave room in registers, one value at a time for the 256-wide
-// tiles.  Own rows are private to their row group, so warp barriers order
-// the stores and the loads (and the loads before the next call's stores).
+// gradient, summed over the streamed rows c in order.  s goes through the
+// scratch tile: each thread stores its entries, then reads its own rows'
+// values back by 16-byte vectors (the 8 lanes of a row group read the same
+// address, a broadcast).  Own rows are private to their row group, so warp
+// barriers order the stores and the loads (and the loads before the next
+// call's stores).
+//
+// float: 8 streamed rows per iteration.  Z is a SwizzledRows tile, whose XOR
+// pattern repeats every 8 rows: for row c8 + e with c8 a multiple of 8,
+// (row & 7) == e, so this thread's chunk qq * 8 + lane_in_group of that row
+// lies at
+//     c8 * kRowElements + Layout::chunk(e, lane_in_group) + qq * 8 * kVec.
+// The eight Layout::chunk(e, lane_in_group) are fixed for the whole loop, so
+// each Z load costs at most one add (computing Layout::chunk(c + e, chunk(qq))
+// per load took 4-5 integer instructions: 118 instructions per 64 FFMA at
+// d = 64, now 170 per 128).
+// double: kVec = 2 rows per iteration (one for the 256-wide tiles), addresses
+// computed per load, as before.  The
+// 8-row form hoists twice as many 16-byte Z loads, which costs the d = 32
+// dK/dV and d = 64 dQ tiles a CTA per SM on an H100, and a DFMA issues at
+// most every other cycle, which leaves room for the address arithmetic.
 template <class Tr, class Layout, int kChunks, typename Acc>
 __device__ __forceinline__ void accumulate_rows(
     Acc (&acc)[Tr::kRowsPerThread][kChunks][Tr::kVec],
     const Acc (&s)[Tr::kRowsPerThread][Tr::kColsPerThread], Acc* sS, const Acc* sZ,
     const SimtBwdThread<Tr>& me) {
     constexpr int TR = Tr::kRowsPerThread;
-    constexpr int kStep = kChunks * Tr::kVec < 32 ? Tr::kVec : 1;
+    // streamed rows per iteration (double: one at a time for the 256-wide tiles,
+    // whose registers have no room for a second row's values)
+    constexpr int kGroup = sizeof(Acc) == 4 ? 8 : kChunks * Tr::kVec < 32 ? Tr::kVec : 1;
+    static_assert(Tr::kStreamRows % kGroup == 0, "whole groups of streamed rows");
     __syncwarp();  // the previous call's loads are done
 #pragma unroll
     for (int ii = 0; ii < TR; ++ii)
 #pragma unroll
         for (int jj = 0; jj < Tr::kColsPerThread; ++jj) sS[me.row(ii) * Tr::kSPitch + me.col(jj)] = s[ii][jj];
     __syncwarp();
-    // One step of streamed rows per iteration keeps TR x kStep values of s live.
+    int lane_offset[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) lane_offset[e] = Layout::chunk(e, me.lane_in_group);
+    // One group of streamed rows per iteration keeps TR x kGroup values of s live.
 #pragma unroll 1
-    for (int c0 = 0; c0 < Tr::kStreamRows; c0 += kStep) {
-        Acc sc[TR][kStep];
+    for (int c0 = 0; c0 < Tr::kStreamRows; c0 += kGroup) {
+        Acc sc[TR][kGroup];
 #pragma unroll
         for (int ii = 0; ii < TR; ++ii) {
             const Acc* src = sS + me.row(ii) * Tr::kSPitch + c0;
-            if constexpr (kStep == Tr::kVec) {
-                const Vec16<Acc> v = load_vec16(src);
-#pragma unroll
-                for (int e = 0; e < kStep; ++e) sc[ii][e] = v.x[e];
-            } else {
+            if constexpr (kGroup == 1) {
                 sc[ii][0] = *src;
+            } else {
+#pragma unroll
+                for (int v = 0; v < kGroup / Tr::kVec; ++v) {
+                    const Vec16<Acc> w = load_vec16(src + v * Tr::kVec);
+#pragma unroll
+                    for (int x = 0; x < Tr::kVec; ++x) sc[ii][v * Tr::kVec + x] = w.x[x];
+                }
             }
         }
 #pragma unroll
-        for (int e = 0; e < kStep; ++e) {
+        for (int e = 0; e < kGroup; ++e) {
 #pragma unroll
             for (int qq = 0; qq < kChunks; ++qq) {
-                const Vec16<Acc> z = load_vec16(sZ + Layout::chunk(c0 + e, me.chunk(qq)));
+                const Acc* z = kGroup == 8
+                    ? sZ + c0 * Layout::kRowElements + lane_offset[e] + qq * Tr::kLanesPerRow * Tr::kVec
+                    : sZ + Layout::chunk(c0 + e, me.chunk(qq));
+                const Vec16<Acc> zv = load_vec16(z);
 #pragma unroll
                 for (int ii = 0; ii < TR; ++ii)
 #pragma unroll
-                    for (int x = 0; x < Tr::kVec; ++x) acc[ii][qq][x] += sc[ii][e] * z.x[x];
+                    for (int x = 0; x < Tr::kVec; ++x) acc[ii][qq][x] += sc[ii][e] * zv.x[x];
             }
         }
     }

@@ -61,6 +61,7 @@ template <typename Acc> __device__ __forceinline__ Vec16<Acc> load_vec16(const A
 // any padding; chunks stay whole, so vector loads still work.
 template <typename Acc, int kCols>
 struct SwizzledRows {
+    static constexpr int kRowElements = kCols;
     static constexpr int kVec = Vec16<Acc>::kSize;
     static_assert(kCols % (8 * kVec) == 0, "SwizzledRows: rows of at least 8 whole 16-byte chunks");
 
