@@ -175,14 +175,13 @@ __device__ __forceinline__ void dot_rows(Acc (&s)[Tr::kRowsPerThread][Tr::kColsP
 // lies at
 //     c8 * kRowElements + Layout::chunk(e, lane_in_group) + qq * 8 * kVec.
 // The eight Layout::chunk(e, lane_in_group) are fixed for the whole loop, so
-// each Z load costs at most one add (computing Layout::chunk(c + e, chunk(qq))
-// per load took 4-5 integer instructions: 118 instructions per 64 FFMA at
-// d = 64, now 170 per 128).
-// double: kVec = 2 rows per iteration (one for the 256-wide tiles), addresses
-// computed per load, as before.  The
-// 8-row form hoists twice as many 16-byte Z loads, which costs the d = 32
-// dK/dV and d = 64 dQ tiles a CTA per SM on an H100, and a DFMA issues at
-// most every other cycle, which leaves room for the address arithmetic.
+// each Z load costs at most one add, where Layout::chunk(c + e, chunk(qq))
+// costs 4-5 integer instructions.
+// double: kVec = 2 rows per iteration (one for the 256-wide tiles), each
+// load's address computed in full.  The 8-row form hoists twice as many
+// 16-byte Z loads, which costs the d = 32 dK/dV and d = 64 dQ tiles a CTA per
+// SM on an H100, and a DFMA issues at most every other cycle, which leaves
+// room for the address arithmetic.
 template <class Tr, class Layout, int kChunks, typename Acc>
 __device__ __forceinline__ void accumulate_rows(
     Acc (&acc)[Tr::kRowsPerThread][kChunks][Tr::kVec],
@@ -199,9 +198,11 @@ __device__ __forceinline__ void accumulate_rows(
 #pragma unroll
         for (int jj = 0; jj < Tr::kColsPerThread; ++jj) sS[me.row(ii) * Tr::kSPitch + me.col(jj)] = s[ii][jj];
     __syncwarp();
-    int lane_offset[8];
+    int lane_offset[8];  // the 8-row form's fixed offsets
+    if constexpr (kGroup == 8) {
 #pragma unroll
-    for (int e = 0; e < 8; ++e) lane_offset[e] = Layout::chunk(e, me.lane_in_group);
+        for (int e = 0; e < 8; ++e) lane_offset[e] = Layout::chunk(e, me.lane_in_group);
+    }
     // One group of streamed rows per iteration keeps TR x kGroup values of s live.
 #pragma unroll 1
     for (int c0 = 0; c0 < Tr::kStreamRows; c0 += kGroup) {
@@ -224,10 +225,9 @@ __device__ __forceinline__ void accumulate_rows(
         for (int e = 0; e < kGroup; ++e) {
 #pragma unroll
             for (int qq = 0; qq < kChunks; ++qq) {
-                const Acc* z = kGroup == 8
-                    ? sZ + c0 * Layout::kRowElements + lane_offset[e] + qq * Tr::kLanesPerRow * Tr::kVec
-                    : sZ + Layout::chunk(c0 + e, me.chunk(qq));
-                const Vec16<Acc> zv = load_vec16(z);
+                const Vec16<Acc> zv = load_vec16(
+                    kGroup == 8 ? sZ + c0 * Layout::kRowElements + lane_offset[e] + qq * Tr::kLanesPerRow * Tr::kVec
+                                : sZ + Layout::chunk(c0 + e, me.chunk(qq)));
 #pragma unroll
                 for (int ii = 0; ii < TR; ++ii)
 #pragma unroll
