@@ -1,4 +1,5 @@
-"""Test configuration: the `gpu` marker skips cleanly where no CUDA GPU is usable."""
+"""Test configuration: the `gpu` marker skips cleanly where no CUDA GPU is usable; the
+static-report tests share one pytest-xdist worker."""
 
 from __future__ import annotations
 
@@ -22,7 +23,22 @@ def gpu_status() -> tuple[bool, str]:
     return (n > 0, f"{n} CUDA device(s)" if n else "no CUDA device")
 
 
+# Under pytest-xdist (the README's `-n auto --dist loadgroup`) two kinds of test
+# share one worker each:
+# - those using a fixture that compiles the catalogue for the static report
+#   (cupyflash._report's in-process cache compiles each entry file once per arch
+#   and process), so that CI's two CPUs compile the catalogue once, not per worker;
+# - the GPU tier, so that one process at a time holds the device and its memory.
+REPORT_FIXTURES = frozenset({"report", "rows"})
+
+
+@pytest.hookimpl(tryfirst=True)   # before pytest-xdist's, which reads xdist_group
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(pytest.mark.xdist_group("gpu"))
+        elif REPORT_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group("static-report"))
     ok, reason = gpu_status()
     if ok:
         return

@@ -343,7 +343,7 @@ OLDEST_NVRTC = os.environ.get("CUPYFLASH_TEST_OLDEST_NVRTC")
 OLDEST_NVRTC_12 = os.environ.get("CUPYFLASH_TEST_OLDEST_NVRTC_12")
 
 
-def _report_with_nvrtc(lib: Path, archs=("sm_80", "sm_90")) -> list[dict]:
+def _report_with_nvrtc(lib: Path, archs=("sm_90",)) -> list[dict]:
     """``python -m cupyflash kernels --json`` for ``archs`` with the libnvrtc ``lib``."""
     from cupyflash._kernels import compile_target, instantiations
 
@@ -364,7 +364,7 @@ def _report_with_nvrtc(lib: Path, archs=("sm_80", "sm_90")) -> list[dict]:
 def test_every_kernel_compiles_with_the_oldest_cuda12_nvrtc():
     from cupyflash._kernels import instantiations
 
-    rows = _report_with_nvrtc(Path(OLDEST_NVRTC_12), archs=("sm_90",))
+    rows = _report_with_nvrtc(Path(OLDEST_NVRTC_12))
     assert {r["entry"] for r in rows} == {i.entry for i in instantiations()}
 
 
@@ -372,6 +372,10 @@ def test_every_kernel_compiles_with_the_oldest_cuda12_nvrtc():
 def test_every_kernel_compiles_with_the_oldest_nvrtc():
     from cupyflash._kernels import MMA_HEAD_DIMS, instantiations, mma_name_expression, mma_tiles
 
+    # sm_90 alone, as for 12.0: the source is the same for every target (only
+    # wgmma.cuh looks at __CUDA_ARCH__), an instruction another target lacks is
+    # caught by the main report's four targets, and sm_90 is where the spills are
+    # checked (sm_80 as well took about 95 s of CI's two cores).
     rows = _report_with_nvrtc(Path(OLDEST_NVRTC))
     # what the sm_90 dispatcher picks (fwd_mma's table and its whole-KV rows, every
     # other forward row but fwd_v1's, every backward row) runs without spills or a
