@@ -709,6 +709,26 @@ def test_modules_are_cached_on_disk(tmp_path):
     assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob("build-*"))
 
 
+def test_modules_are_built_against_the_precompiled_emulation_header(tmp_path):
+    # One cuda_emu.h.gch per flag set (plain, race-checked), and GCC takes it: its -H
+    # trace marks a precompiled header it used with '!' (one it rejected, with 'x').
+    import subprocess
+
+    from cupyflash.emulator import _build
+
+    cache = ModuleCache(tmp_path)
+    for instrument in (False, True):
+        cache.module_for(PLANTED, ["block_sum"], instrument=instrument)
+    assert len(list(tmp_path.glob("pch-*/cuda_emu.h.gch"))) == 2
+    tc = _build.find_toolchain()
+    flags = list(_build._MODULE_FLAGS)
+    pch_dir = cache.precompiled_header(tc, flags)
+    (tmp_path / "tu.cpp").write_text('#include "cuda_emu.h"\nint x;\n')
+    done = subprocess.run([tc.cxx, *flags, "-H", "-fsyntax-only", f"-I{pch_dir}", *_build._include_options(tc),
+                           str(tmp_path / "tu.cpp")], capture_output=True, text=True, check=True)
+    assert f"! {pch_dir / 'cuda_emu.h.gch'}" in done.stderr, done.stderr[:2000]
+
+
 # ---- end to end: an FA2-style forward built from every instruction ------------------------------------
 
 def toy_attention(executor, bug=False, heads=2, L=128):
