@@ -401,3 +401,27 @@ def test_every_kernel_compiles_with_the_oldest_nvrtc():
            if r["arch"] == "sm_90" and r["name"] in picked and (r["spill_stores"] or r["stack_bytes"])
            and known.get(r["name"]) != (r["spill_stores"], r["stack_bytes"])]
     assert not bad, bad
+
+
+def test_report_tests_share_one_xdist_worker(tmp_path):
+    # The README's `-n auto --dist loadgroup` keeps the tests of the report fixtures on
+    # one worker (tests/conftest.py), or CI compiles the catalogue once per worker;
+    # pytest 9.2 broke that silently (pytest-xdist issue 1386).  Six tests of a
+    # `report` fixture and six others, on two workers: every `report` test on one.
+    pytest.importorskip("xdist")
+    shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
+    for name in ("a", "b"):
+        (tmp_path / f"test_{name}.py").write_text(
+            "import time\nimport pytest\n\n"
+            "@pytest.fixture(scope='module')\ndef report():\n    return 1\n\n"
+            "@pytest.mark.parametrize('i', range(3))\ndef test_uses_report(report, i):\n    time.sleep(0.1)\n\n"
+            "@pytest.mark.parametrize('i', range(3))\ndef test_other(i):\n    time.sleep(0.1)\n")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-v",
+                           "-p", "no:cacheprovider", "-o", "addopts=", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False)
+    assert done.returncode == 0, done.stdout[-3000:]
+    ran = re.findall(r"\[(gw\d+)\] .*PASSED .*::(test_\w+)\[\d\](@static-report)?", done.stdout)
+    assert len(ran) == 12, done.stdout[-3000:]
+    assert {(test, group) for _, test, group in ran} == {("test_uses_report", "@static-report"),
+                                                         ("test_other", "")}
+    assert len({worker for worker, test, _ in ran if test == "test_uses_report"}) == 1
