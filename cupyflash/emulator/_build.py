@@ -358,7 +358,7 @@ class ModuleCache:
         Every module's translation unit starts by including ``cuda_emu.h`` (the
         emulation header, with cuda_fp16.h and cuda_bf16.h), which is most of the
         ~0.5 s a module takes to build; with this directory first on the include
-        path GCC loads the precompiled form instead (~0.2 s a module).  Built once
+        path GCC loads the precompiled form instead (~0.25 s a module).  Built once
         per cache directory, header text, toolchain and flag set (one for plain,
         one for race-checked modules).  A stale or mismatched file costs only
         time: GCC then reads the header itself.
