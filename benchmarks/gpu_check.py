@@ -425,6 +425,45 @@ def write_results(doc: dict, out_dir: Path) -> Path:
     return stem
 
 
+def host_time_note(calls: int = 2000) -> str:
+    """Host time per forward call on a problem too small for the GPU to be the limit.
+
+    perf_counter over ``calls`` back-to-back calls without synchronising (then one
+    synchronisation, not counted): validation, dispatch, allocation of the output and
+    the launch, i.e. the floor of a call's latency (benchmarks/bench_host.py times the
+    Python part alone on any machine).  PyTorch's SDPA on the same tensors, where
+    importable.
+    """
+    import cupy
+
+    import cupyflash
+
+    q = cupy.zeros((1, 1, 16, 64), dtype=cupy.float16)
+
+    def per_call(fn) -> float:
+        for _ in range(50):
+            fn()
+        cupy.cuda.get_current_stream().synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        elapsed = time.perf_counter() - start
+        cupy.cuda.get_current_stream().synchronize()
+        return elapsed / calls * 1e6
+
+    parts = [f"cupyflash {per_call(lambda: cupyflash.attention(q, q, q)):.1f} µs"]
+    try:
+        import torch
+        import torch.nn.functional as F
+
+        t = torch.zeros((1, 1, 16, 64), dtype=torch.float16, device="cuda")
+        parts.append(f"PyTorch SDPA {per_call(lambda: F.scaled_dot_product_attention(t, t, t)):.1f} µs")
+    except ImportError:
+        pass
+    return ("Host time per forward call (float16, B=1, H=1, L=16, d=64; perf_counter over "
+            f"{calls} calls without synchronising): " + ", ".join(parts) + ".")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="two small cases, few repeats")
@@ -464,6 +503,10 @@ def main(argv=None) -> int:
                   for dtype, b, h, length, d, causal, backward in EXACT_L_CASES]
     doc = bench_watched(cases, budget=args.budget, repeat=10 if args.quick else 50, work=work,
                         log=lambda line: print(line, flush=True))
+    try:
+        doc["notes"].append(host_time_note())
+    except Exception as error:  # noqa: BLE001 - a note, never a reason to lose the table
+        doc["notes"].append(f"host time per call not measured: {type(error).__name__}: {error}")
     doc["command"] = shlex.join(["benchmarks/gpu_check.py",
                                  *(sys.argv[1:] if argv is None else argv)])
     if args.junit:

@@ -7,7 +7,9 @@
 or :class:`cupyflash.emulator.EmulatorExecutor` on the CPU.  The kernels take
 (B, H, L, d) strided views; this module builds them from the broadcast batch
 dims without copying (a broadcast axis gets stride 0, a transposed
-(B, L, H, d) layout is just other strides).
+(B, L, H, d) layout is just other strides), as
+:class:`~cupyflash._params.KernelView` descriptors rather than array objects:
+host time per call matters where the kernels are short.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import threading
 import numpy as np
 
 from . import _cpu
+from ._params import KernelView
 from ._validation import Problem
 
 __all__ = ["run_forward", "run_backward", "run_forward_v1", "executor_for"]
@@ -112,22 +115,14 @@ def _merge(shape, strides):
     return size, stride
 
 
-def _as_strided(xp, x, shape, strides):
-    if xp is np:
-        return np.lib.stride_tricks.as_strided(x, shape=shape, strides=strides, writeable=x.flags.writeable)
-    import cupy
-
-    return cupy.lib.stride_tricks.as_strided(x, shape=shape, strides=strides)
-
-
 def _kernel_views(problem: Problem, arrays):
     """Split ``arrays`` (full-shape broadcast views) into lists of 4-D/3-D views.
 
     Each array has shape ``outer + (H, ...tail)``.  The outer dims are merged
     into one batch axis when every array's strides allow it; otherwise the
-    first outer dim is looped over.  Yields tuples of views, one per launch.
+    first outer dim is looped over.  Yields tuples of
+    :class:`~cupyflash._params.KernelView` (None stays None), one per launch.
     """
-    xp = _xp(problem.kind)
     n_outer = len(problem.batch_shape) - 1 if problem.batch_shape else 0
     if n_outer <= 1 or all(
         _merge(a.shape[:n_outer], a.strides[:n_outer]) is not None for a in arrays if a is not None
@@ -144,12 +139,17 @@ def _kernel_views(problem: Problem, arrays):
             else:
                 shape = (b,) + a.shape[n_outer:]
                 strides = (sb,) + a.strides[n_outer:]
-            views.append(_as_strided(xp, a, shape, strides))
+            views.append(KernelView(a, shape, strides))
         yield tuple(views)
         return
     for i in range(problem.batch_shape[0]):
         sub = Problem(**{**problem.__dict__, "batch_shape": problem.batch_shape[1:]})
         yield from _kernel_views(sub, [None if a is None else a[i] for a in arrays])
+
+
+def _broadcast_to(xp, x, shape):
+    """``x`` broadcast to ``shape`` (``x`` itself where it has that shape: no view to build)."""
+    return x if x.shape == shape else xp.broadcast_to(x, shape)
 
 
 def _run_kernel(problem: Problem, out, lse, *, sram_size):
@@ -163,9 +163,9 @@ def _run_kernel(problem: Problem, out, lse, *, sram_size):
     def unit_last(x):   # the kernels need a unit stride along the head dim
         return x if x.shape[-1] == 1 or x.strides[-1] == x.itemsize else xp.ascontiguousarray(x)
 
-    q = xp.broadcast_to(unit_last(problem.q), batch + problem.q.shape[-2:])
-    k = xp.broadcast_to(unit_last(problem.k), kv_batch + problem.k.shape[-2:])
-    v = xp.broadcast_to(unit_last(problem.v), kv_batch + problem.v.shape[-2:])
+    q = _broadcast_to(xp, unit_last(problem.q), batch + problem.q.shape[-2:])
+    k = _broadcast_to(xp, unit_last(problem.k), kv_batch + problem.k.shape[-2:])
+    v = _broadcast_to(xp, unit_last(problem.v), kv_batch + problem.v.shape[-2:])
     target = out if out.shape[-1] == 1 or out.strides[-1] == out.itemsize else xp.empty_like(out, order="C")
     executor = executor_for(problem.backend)
     for qv, kv, vv, ov, lv in _kernel_views(problem, [q, k, v, target, lse]):
@@ -200,9 +200,9 @@ def _run_backward_kernels(problem: Problem, dout, out, lse, deterministic: bool)
     def unit_last(x):   # the kernels need a unit stride along the head dim
         return x if x.shape[-1] == 1 or x.strides[-1] == x.itemsize else xp.ascontiguousarray(x)
 
-    q = xp.broadcast_to(unit_last(problem.q), batch + problem.q.shape[-2:])
-    k = xp.broadcast_to(unit_last(problem.k), kv_batch + problem.k.shape[-2:])
-    v = xp.broadcast_to(unit_last(problem.v), kv_batch + problem.v.shape[-2:])
+    q = _broadcast_to(xp, unit_last(problem.q), batch + problem.q.shape[-2:])
+    k = _broadcast_to(xp, unit_last(problem.k), kv_batch + problem.k.shape[-2:])
+    v = _broadcast_to(xp, unit_last(problem.v), kv_batch + problem.v.shape[-2:])
     out, dout = unit_last(out), unit_last(dout)
     lse = lse if lse.dtype == acc else lse.astype(acc)
     # Gradients of the full broadcast shapes in the accumulator type: every

@@ -20,10 +20,10 @@ import numpy as np
 
 from ._kernels import (DMMA_ARCHS, DMMA_DTYPES, DMMA_HEAD_DIMS, MMA_HEAD_DIMS, TF32_HEAD_DIMS, TF32_PASSES,
                        WGMMA_ARCH, WGMMA_HEAD_DIMS, Instantiation, by_name, combine_name_expression,
-                       dmma_name_expression, dmma_tiles, instantiations, mma_name_expression, mma_split_tiles,
+                       dmma_name_expression, dmma_tiles, family_rows, mma_name_expression, mma_split_tiles,
                        mma_tiles, tf32_name_expression, tf32_tiles, wgmma_name_expression, wgmma_tiles)
 from ._launch import launch_config, num_splits, v1_block_sizes
-from ._params import data_pointer, fwd_params
+from ._params import KernelView, data_pointer, fwd_params
 
 __all__ = ["forward", "forward_v1", "select", "rows_aligned", "wgmma_enabled", "use_wgmma", "dmma_enabled",
            "use_dmma", "whole_blocks"]
@@ -180,8 +180,7 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
         bucket = min(m for m in DMMA_HEAD_DIMS if m >= d)
         return by_name()[dmma_name_expression(bucket, *dmma_tiles()[bucket], name)]
     bucket = simt_bucket("fwd_simt", name, d, dv)
-    return next(r for r in instantiations()
-                if r.family == "fwd_simt" and r.dtype == name and r.head_dim == bucket)
+    return next(r for r in family_rows("fwd_simt", name) if r.head_dim == bucket)
 
 
 def mma_head_dim(name: str, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool) -> int | None:
@@ -205,7 +204,7 @@ def simt_bucket(family: str, name: str, head_dim: int, head_dim_v: int) -> int:
     ValueError
         A head dim above the largest bucket.
     """
-    buckets = [r.head_dim for r in instantiations() if r.family == family and r.dtype == name]
+    buckets = [r.head_dim for r in family_rows(family, name)]
     if not buckets:
         raise TypeError(f"no {family} kernels for dtype {name}")
     fits = [b for b in buckets if b >= max(head_dim, head_dim_v)]
@@ -229,20 +228,23 @@ def rows_aligned(*arrays, boundary: int = 16) -> bool:
             continue
         if data_pointer(a) % boundary:
             return False
-        if any(n > 1 and s % boundary for n, s in zip(a.shape[:-1], a.strides[:-1])):
-            return False
+        shape, strides = a.shape, a.strides
+        for i in range(len(shape) - 1):
+            if shape[i] > 1 and strides[i] % boundary:
+                return False
     return True
 
 
 def _v1_instantiation(dtype) -> Instantiation:
     name = _dtype_name(dtype)
-    for r in instantiations():
-        if r.family == "fwd_v1" and r.dtype == name:
-            return r
+    for r in family_rows("fwd_v1", name):
+        return r
     raise TypeError(f"no fwd_v1 kernel for dtype {name}")
 
 
 def _array_module(a):
+    if isinstance(a, KernelView):
+        a = a.base
     return np if isinstance(a, np.ndarray) else importlib.import_module("cupy")
 
 

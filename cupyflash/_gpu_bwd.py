@@ -29,8 +29,9 @@ from ._gpu import (_accumulator_dtype, _array_module, mma_head_dim, rows_aligned
                    whole_blocks)
 from ._kernels import (DMMA_DTYPES, DMMA_HEAD_DIMS, TF32_HEAD_DIMS, TF32_PASSES, WGMMA_BWD_HEAD_DIMS, Instantiation,
                        bwd_dmma_name_expressions, bwd_mma_name_expressions, bwd_mma_streamed, bwd_tf32_name_expressions,
-                       bwd_wgmma_dq_keys, bwd_wgmma_name_expressions, by_name, instantiations)
+                       bwd_wgmma_dq_keys, bwd_wgmma_name_expressions, by_name, family_rows)
 from ._launch import backward_kernel, backward_launch_config
+from ._params import KernelView
 from ._params_bwd import bwd_params
 
 __all__ = ["backward", "select"]
@@ -103,8 +104,7 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
     name = np.dtype(dtype).name
     d, dv = int(head_dim), int(head_dim_v)
     bucket = simt_bucket("bwd_simt", name, d, dv)
-    rows = [r for r in instantiations()
-            if r.family == "bwd_simt" and r.dtype == name and r.head_dim == bucket]
+    rows = [r for r in family_rows("bwd_simt", name) if r.head_dim == bucket]
     simt = {backward_kernel(r): r for r in rows if not r.name_expression.endswith(", true>")}
     atomic = [r for r in rows if r.name_expression.endswith(", true>")]
     if precision in TF32_PASSES and name == "float32" and arch >= 80 and d == dv and d <= TF32_HEAD_DIMS[-1]:
@@ -176,7 +176,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, *, scale, window_left, window_
                      deterministic=deterministic, dq_aligned=rows_aligned(dq, boundary=8), precision=precision,
                      seqlen_q=seqlen_q, seqlen_k=seqlen_k)
     if not any(backward_kernel(r).endswith("_dq_kernel") for r in kernels):
-        dq.fill(0)   # the dK/dV kernel adds dQ into it (float atomics)
+        # the dK/dV kernel adds dQ into it (float atomics)
+        (dq.array() if isinstance(dq, KernelView) else dq).fill(0)
     # delta first (the others read it); a dK/dV launch needs keys, the others query rows.
     for inst in kernels:
         if (seqlen_k if "dkdv" in backward_kernel(inst) else seqlen_q) > 0:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 __all__ = ["Instantiation", "instantiations", "HEAD_DIM_BUCKETS", "MMA_HEAD_DIMS", "mma_arch_class",
            "mma_tiles", "mma_name_expression", "bwd_mma_name_expressions", "bwd_mma_shared_bytes", "bwd_mma_streamed",
-           "launchable", "by_name", "WGMMA_HEAD_DIMS", "wgmma_tiles", "wgmma_name_expression",
+           "launchable", "by_name", "family_rows", "WGMMA_HEAD_DIMS", "wgmma_tiles", "wgmma_name_expression",
            "compile_target", "WGMMA_BWD_HEAD_DIMS", "bwd_wgmma_tiles", "bwd_wgmma_name_expressions",
            "bwd_wgmma_shared_bytes", "combine_name_expression", "COMBINE_THREADS", "mma_split_tiles",
            "DMMA_ARCHS", "DMMA_HEAD_DIMS", "DMMA_DTYPES", "dmma_name_expression", "dmma_tiles",
@@ -108,6 +108,7 @@ def refresh() -> None:
     """Rebuild :func:`instantiations` from the tables on its next call."""
     _catalogue.cache_clear()
     by_name.cache_clear()
+    family_rows.cache_clear()
 
 
 @functools.lru_cache(maxsize=1)
@@ -115,6 +116,13 @@ def by_name() -> dict[str, Instantiation]:
     """The catalogue keyed by name expression (built once, like :func:`instantiations`;
     do not modify)."""
     return {r.name_expression: r for r in _catalogue()}
+
+
+@functools.cache
+def family_rows(family: str, dtype: str) -> tuple[Instantiation, ...]:
+    """The catalogue's rows of one kernel family and dtype name, in catalogue order
+    (built once per pair, like :func:`by_name`; the dispatchers look them up per call)."""
+    return tuple(r for r in _catalogue() if r.family == family and r.dtype == dtype)
 
 
 @functools.lru_cache(maxsize=1)

@@ -12,9 +12,11 @@ every ``offsetof`` with ``BWD_PARAMS.fields``.
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 
-from ._params import FWD_PARAMS, data_pointer, element_strides, fwd_params
+from ._params import _FWD_PACK, FWD_PARAMS, data_pointer, element_strides, fwd_fields
 
 __all__ = ["BWD_PARAMS", "bwd_params"]
 
@@ -28,6 +30,9 @@ BWD_PARAMS = np.dtype(
     align=True,
 )
 assert BWD_PARAMS.itemsize == FWD_PARAMS.itemsize + 20 * 8
+# The fields in one struct.pack format (see cupyflash._params).
+_BWD_PACK = struct.Struct(_FWD_PACK.format + "5Q15q")
+assert _BWD_PACK.size == BWD_PARAMS.itemsize
 
 
 def bwd_params(dout, q, k, v, out, lse, dq, dk, dv, delta, *, scale: float, window_left,
@@ -52,11 +57,10 @@ def bwd_params(dout, q, k, v, out, lse, dq, dk, dv, delta, *, scale: float, wind
     Every array has a unit-stride last axis (where it has one) and is NumPy
     for the emulator, CuPy for the GPU.
     """
-    p = np.zeros((), dtype=BWD_PARAMS)
-    p["fwd"] = fwd_params(q, k, v, out, lse, scale=scale, window_left=window_left,
-                          window_right=window_right, gqa_ratio=gqa_ratio)
-    for name, a in zip(_POINTERS, (dout, dq, dk, dv, delta)):
-        p[name] = data_pointer(a)
-        for axis, s in zip(_AXES, element_strides(a, 3)):
-            p[f"{name}_{axis}_stride"] = s
-    return p[()]
+    strides = []
+    for a in (dout, dq, dk, dv, delta):
+        strides += element_strides(a, 3)
+    fields = fwd_fields(q, k, v, out, lse, scale=scale, window_left=window_left,
+                        window_right=window_right, gqa_ratio=gqa_ratio)
+    pointers = (data_pointer(a) for a in (dout, dq, dk, dv, delta))
+    return np.frombuffer(bytearray(_BWD_PACK.pack(*fields, *pointers, *strides)), BWD_PARAMS)[0]

@@ -120,9 +120,16 @@ def _dtype_name(dtype) -> str:
     return np.dtype(dtype).name
 
 
+# dtype -> whether it is one of _FLOAT_KINDS (a dtype's .name is slow to compute per call)
+_supported: dict = {}
+
+
 def _check_dtype(x, name: str) -> np.dtype:
     dtype = np.dtype(x.dtype)
-    if _dtype_name(dtype) not in _FLOAT_KINDS:
+    ok = _supported.get(dtype)
+    if ok is None:
+        ok = _supported[dtype] = _dtype_name(dtype) in _FLOAT_KINDS
+    if not ok:
         raise TypeError(f"`{name}` must have dtype {SUPPORTED_DTYPES}, got {dtype.name}")
     return dtype
 
@@ -167,6 +174,9 @@ def _check_window(window, causal) -> tuple[int | None, int | None]:
 
 
 def _broadcast(shapes: dict[str, tuple]) -> tuple:
+    first, *rest = shapes.values()
+    if all(s == first for s in rest):      # the common case, without NumPy's general rule
+        return tuple(first)
     try:
         return tuple(np.broadcast_shapes(*shapes.values()))
     except ValueError:

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 from cupyflash import _gpu
-from cupyflash._kernels import HEAD_DIM_BUCKETS, instantiations
+from cupyflash._kernels import HEAD_DIM_BUCKETS, family_rows, instantiations
 from cupyflash._launch import launch_config, representative_shared_bytes, v1_block_sizes
-from cupyflash._params import FWD_PARAMS, UNBOUNDED, fwd_params
+from cupyflash._params import FWD_PARAMS, UNBOUNDED, KernelView, fwd_params
 from cupyflash.emulator import EmulatorExecutor, emulator_available
 from cupyflash.reference import naive_attention
 
@@ -105,6 +105,30 @@ def test_params_hold_pointers_strides_and_sentinel_windows():
     assert (p["window_left"], p["window_right"]) == (UNBOUNDED, 0)
     assert (p["seqlen_q"], p["seqlen_k"], p["head_dim"], p["head_dim_v"]) == (5, 6, 8, 3)
     assert p["scale_log2"] == pytest.approx(0.5 * math.log2(math.e), rel=1e-15)
+
+
+def test_params_from_kernel_views_equal_params_from_the_arrays():
+    """The dispatcher describes its views with KernelView instead of array objects: the
+    params, and the view KernelView.array() makes, must be those of the real view."""
+    base = np.arange(2 * 7 * 4 * 8, dtype=np.float32).reshape(2, 7, 4, 8)   # (B, L, H, d)
+    view = base.swapaxes(1, 2)                                               # (B, H, L, d)
+    views = {name: KernelView(base, view.shape, view.strides) for name in ("q", "k", "v")}
+    out = np.zeros((2, 4, 7, 8), np.float32)
+    lse = np.zeros((2, 4, 7), np.float32)
+    kw = dict(scale=0.25, window_left=3, window_right=None, gqa_ratio=1)
+    from_views = fwd_params(views["q"], views["k"], views["v"], KernelView(out, out.shape, out.strides),
+                            KernelView(lse, lse.shape, lse.strides), **kw)
+    assert from_views.tobytes() == fwd_params(view, view, view, out, lse, **kw).tobytes()
+    made = views["q"].array()
+    assert made.shape == view.shape and made.strides == view.strides
+    assert np.shares_memory(made, base) and (made == view).all()
+    assert _gpu.rows_aligned(views["q"]) == _gpu.rows_aligned(view)
+
+
+def test_family_rows_are_the_catalogue_rows_of_that_family_and_dtype():
+    rows = instantiations()
+    for family, dtype in {(r.family, r.dtype) for r in rows}:
+        assert family_rows(family, dtype) == tuple(r for r in rows if r.family == family and r.dtype == dtype)
 
 
 def test_catalogue_covers_every_dtype_and_bucket_within_99k_shared_memory():
