@@ -8,6 +8,9 @@ and a memory layout for each array: contiguous, a transposed (B, L, H, d)
 view, a strided or reversed view, a non-unit last axis, a stride-0 broadcast
 view; ``out=`` gets a poisoned view of its own.  The values come from a drawn
 seed, so an example costs no hypothesis data beyond a few integers.
+Drawn freely, few problems suit the tensor-core kernels, so four more
+fuzzers draw only those (``tensor_core=True``), on the emulator's sm_80
+dispatch and on sm_90's with the wgmma kernels on.
 
 Budgets are fixed and the search is derandomized (``derandomize=True``, no
 example database), so CI runs the same examples every time; ``FUZZ_EXAMPLES``
@@ -62,6 +65,7 @@ Outputs are compared with the oracle evaluated on the *same rounded inputs*:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -71,13 +75,14 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import cupyflash
+from cupyflash import _dispatch, _gpu
 from cupyflash._validation import check_forward as validate
-from cupyflash.emulator import emulator_available
+from cupyflash.emulator import EmulatorExecutor, emulator_available
 from cupyflash.reference import _probabilities, naive_attention, naive_attention_backward
 
 from _strategies import batch_shapes
 from _backward_util import assert_within_twice_naive_half_error, naive_half_backward, sum_to_shape
-from _util import DTYPES, TOLERANCE, accum_dtype, assert_close, assert_lse_close
+from _util import DTYPES, HALF, TOLERANCE, accum_dtype, assert_close, assert_lse_close
 
 EMULATOR_OK, EMULATOR_WHY = emulator_available()
 needs_emulator = pytest.mark.skipif(not EMULATOR_OK, reason=f"CPU emulator unavailable: {EMULATOR_WHY}")
@@ -88,6 +93,10 @@ FUZZ_EXAMPLES = {
     "numpy_backward": 150,
     "emulator_forward": 150,
     "emulator_backward": 80,
+    "emulator_tensor_core_forward": 150,
+    "emulator_tensor_core_backward": 80,
+    "emulator_wgmma_forward": 100,
+    "emulator_wgmma_backward": 50,
     "emulator_tf32x3_forward": 60,
     "emulator_tf32x3_backward": 40,
     "cuda_forward": 150,
@@ -138,9 +147,24 @@ class Problem:
 window_bound = st.one_of(st.none(), st.just(-1), st.integers(0, 8), st.integers(0, 300))
 
 
+# Layouts whose rows stay 16-byte aligned for 16-bit d a multiple of 8 (the tensor-core kernels' condition).
+ALIGNED_INPUT_LAYOUTS = ("contiguous", "blhd", "reversed", "broadcast")
+ALIGNED_OUT_LAYOUTS = ("contiguous", "blhd", "reversed")
+
+
 @st.composite
-def problems(draw, *, max_len, dtypes=DTYPES, scales=("default", "moderate", "tiny", "zero", "huge")):
-    """One attention call: shapes, options, layouts and a seed for the values."""
+def problems(draw, *, max_len, dtypes=DTYPES, scales=("default", "moderate", "tiny", "zero", "huge"),
+             tensor_core=False):
+    """One attention call: shapes, options, layouts and a seed for the values.
+
+    ``tensor_core``: only calls the tensor-core kernels (fwd_mma, bwd_mma, and
+    fwd_wgmma, bwd_wgmma where on) take -- 16-bit dtypes, d = dv a multiple of 8,
+    row-aligned layouts, a positive scale.  Drawn freely, about one call in a
+    hundred qualifies, and the rest run the SIMT kernels.
+    """
+    if tensor_core:
+        dtypes = [x for x in dtypes if x.itemsize == 2]
+        scales = tuple(x for x in scales if x != "zero")
     dtype = np.dtype(draw(st.sampled_from(dtypes)))
     big = draw(st.booleans())
     if big:     # long sequences: few heads
@@ -149,8 +173,11 @@ def problems(draw, *, max_len, dtypes=DTYPES, scales=("default", "moderate", "ti
     else:
         lq, lk = draw(st.integers(0, 20)), draw(st.integers(0, 20))
         max_dims, max_side = 3, 3
-    d = draw(st.one_of(st.integers(1, 40), st.integers(1, 256)))
-    dv = draw(st.one_of(st.just(d), st.integers(1, 40), st.integers(1, 256)))
+    if tensor_core:
+        d = dv = 8 * draw(st.integers(1, 32))
+    else:
+        d = draw(st.one_of(st.integers(1, 40), st.integers(1, 256)))
+        dv = draw(st.one_of(st.just(d), st.integers(1, 40), st.integers(1, 256)))
     q_batch, k_batch, v_batch, enable_gqa = draw(batch_shapes(max_dims=max_dims, max_side=max_side,
                                                               max_group=4))
     causal = draw(st.booleans())
@@ -159,17 +186,18 @@ def problems(draw, *, max_len, dtypes=DTYPES, scales=("default", "moderate", "ti
     if scale_kind == "default":
         scale = None
     elif scale_kind == "moderate":
-        scale = draw(st.floats(-1.5, 1.5, allow_nan=False)) / math.sqrt(d)
+        scale = draw(st.floats(0.01 if tensor_core else -1.5, 1.5, allow_nan=False)) / math.sqrt(d)
     elif scale_kind == "tiny":
-        scale = draw(st.sampled_from([1.0, -1.0])) * 10.0 ** draw(st.integers(-30, -6))
+        sign = 1.0 if tensor_core else draw(st.sampled_from([1.0, -1.0]))
+        scale = sign * 10.0 ** draw(st.integers(-30, -6))
     elif scale_kind == "zero":
         scale = 0.0
     else:       # logits of 1e1 .. 1e6 (times the norms of q and k)
-        scale = draw(st.sampled_from([1.0, -1.0])) * 10.0 ** draw(st.integers(1, 6)) / math.sqrt(d)
-    layouts = (draw(st.sampled_from(INPUT_LAYOUTS)), draw(st.sampled_from(INPUT_LAYOUTS)),
-               draw(st.sampled_from(INPUT_LAYOUTS)),
-               draw(st.one_of(st.none(), st.sampled_from(OUT_LAYOUTS))),
-               draw(st.sampled_from(OUT_LAYOUTS)))
+        sign = 1.0 if tensor_core else draw(st.sampled_from([1.0, -1.0]))
+        scale = sign * 10.0 ** draw(st.integers(1, 6)) / math.sqrt(d)
+    inputs, outs = (ALIGNED_INPUT_LAYOUTS, ALIGNED_OUT_LAYOUTS) if tensor_core else (INPUT_LAYOUTS, OUT_LAYOUTS)
+    layouts = (draw(st.sampled_from(inputs)), draw(st.sampled_from(inputs)), draw(st.sampled_from(inputs)),
+               draw(st.one_of(st.none(), st.sampled_from(outs))), draw(st.sampled_from(outs)))
     return Problem(dtype=dtype, q_shape=q_batch + (lq, d), k_shape=k_batch + (lk, d),
                    v_shape=v_batch + (lk, dv),
                    options=dict(causal=causal, window=window, enable_gqa=enable_gqa, scale=scale),
@@ -281,7 +309,7 @@ def check_forward_problem(q, k, v, kw):
                          enable_gqa=kw["enable_gqa"], backend="numpy")
 
 
-def check_backward(problem, backend, xp=np, precision="ieee"):
+def check_backward(problem, backend, xp=np, precision="ieee", deterministic=True):
     """Run one backward on ``backend`` (with ``precision``) and compare it with the oracle.
 
     Returns, for float32/float64, the largest error beyond the table in units of
@@ -296,7 +324,7 @@ def check_backward(problem, backend, xp=np, precision="ieee"):
     dout_dev = place(xp, dout, problem.layouts[4])
     out_dev = place(xp, out, problem.layouts[3] or "contiguous")
     grads = cupyflash.attention_backward(dout_dev, *inputs, out_dev, xp.asarray(lse), backend=backend,
-                                         precision=precision, **kw)
+                                         precision=precision, deterministic=deterministic, **kw)
     expected = naive_attention_backward(dout, q, k, v, **kw)
     naive = (None,) * 3
     if problem.dtype.itemsize == 2:
@@ -412,6 +440,55 @@ def test_emulated_kernels_forward_match_oracle(problem):
 @example(SINGLE_KEY_ROW)
 def test_emulated_kernels_backward_match_oracle(problem):
     check_backward(problem, "emulator")
+
+
+@needs_emulator
+@fuzz_settings("emulator_tensor_core_forward")
+@given(problems(max_len=EMULATOR_MAX_LEN, dtypes=HALF, tensor_core=True))
+def test_emulated_tensor_core_forward_matches_oracle(problem):
+    check_forward(problem, "emulator")
+
+
+@needs_emulator
+@fuzz_settings("emulator_tensor_core_backward")
+@given(problems(max_len=EMULATOR_MAX_LEN, dtypes=HALF, scales=BACKWARD_SCALES, tensor_core=True),
+       st.booleans())
+def test_emulated_tensor_core_backward_matches_oracle(problem, deterministic):
+    check_backward(problem, "emulator", deterministic=deterministic)
+
+
+@contextlib.contextmanager
+def dispatching_wgmma():
+    """backend="emulator" dispatches as for an sm_90 GPU with the wgmma kernels on."""
+    key = ("emulator",)
+    saved, saved_switch = _dispatch._executors.get(key), _gpu.wgmma_override
+    _dispatch._executors[key] = EmulatorExecutor(arch=90, seed=90, shuffle=True, race_check=True)
+    _gpu.wgmma_override = True
+    try:
+        yield
+    finally:
+        _gpu.wgmma_override = saved_switch
+        if saved is None:
+            del _dispatch._executors[key]
+        else:
+            _dispatch._executors[key] = saved
+
+
+@needs_emulator
+@fuzz_settings("emulator_wgmma_forward")
+@given(problems(max_len=EMULATOR_MAX_LEN, dtypes=HALF, tensor_core=True))
+def test_emulated_wgmma_forward_matches_oracle(problem):
+    with dispatching_wgmma():
+        check_forward(problem, "emulator")
+
+
+@needs_emulator
+@fuzz_settings("emulator_wgmma_backward")
+@given(problems(max_len=EMULATOR_MAX_LEN, dtypes=HALF, scales=BACKWARD_SCALES, tensor_core=True),
+       st.booleans())
+def test_emulated_wgmma_backward_matches_oracle(problem, deterministic):
+    with dispatching_wgmma():
+        check_backward(problem, "emulator", deterministic=deterministic)
 
 
 @needs_emulator
