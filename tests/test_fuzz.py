@@ -101,6 +101,8 @@ FUZZ_EXAMPLES = {
     "emulator_tf32x3_backward": 40,
     "cuda_forward": 150,
     "cuda_backward": 80,
+    "cuda_tensor_core_forward": 100,
+    "cuda_tensor_core_backward": 50,
 }
 
 
@@ -522,3 +524,21 @@ def test_cuda_backward_matches_oracle(problem):
     import cupy
 
     check_backward(problem, "cuda", cupy)
+
+
+@pytest.mark.gpu
+@fuzz_settings("cuda_tensor_core_forward")
+@given(problems(max_len=NUMPY_MAX_LEN, dtypes=HALF, tensor_core=True))
+def test_cuda_tensor_core_forward_matches_oracle(problem):
+    import cupy
+
+    check_forward(problem, "cuda", cupy)
+
+
+@pytest.mark.gpu
+@fuzz_settings("cuda_tensor_core_backward")
+@given(problems(max_len=NUMPY_MAX_LEN, dtypes=HALF, scales=BACKWARD_SCALES, tensor_core=True), st.booleans())
+def test_cuda_tensor_core_backward_matches_oracle(problem, deterministic):
+    import cupy
+
+    check_backward(problem, "cuda", cupy, deterministic=deterministic)

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import cupyflash
 from cupyflash import _gpu, _gpu_bwd
@@ -32,6 +34,7 @@ from test_fwd_mma import HALF_DTYPES, HALF_IDS, check_against_oracle
 from test_emulator import PLANTED_DTYPE
 from test_fwd_wgmma import (PROBE, PROBE_SHARED, PRODUCT_FORMS, PRODUCT_SHARED, PRODUCT_THREADS, PRODUCTS,
                             _bf16_round, check_product, compile_planted_sm90a, product_case)
+from test_fuzz import BACKWARD_SCALES, NUMPY_MAX_LEN, check_backward, check_forward, problems
 from test_gpu_backward import _check
 from test_gpu_mma import (MASK_LENGTHS, MASK_WINDOWS, attention_on_gpu, check_head_dim, check_long_sequence,
                           check_masks, launched)  # noqa: F401
@@ -190,3 +193,27 @@ def test_backward_masks_match_oracle(rng, launched, seqlen_q, seqlen_k, window):
 def test_backward_large_shape_against_oracle(rng, launched, causal):  # noqa: F811
     """B=1, H=2, L=2048, d=128 (many query and key blocks per CTA), checked in full."""
     _backward_both_ways(rng, launched, HALF_DTYPES[-1], (1, 2, 2048, 128), (1, 2, 2048, 128), causal=causal)
+
+
+# ---- fuzzing: random problems the wgmma kernels take ------------------------------------------
+# tests/test_fuzz.py's tensor-core problems (16-bit, d = dv a multiple of 8, aligned rows,
+# scale > 0, L up to 300) and its checks, with the wgmma kernels on.
+
+def wgmma_fuzz(examples: int) -> settings:
+    # function_scoped_fixture: the autouse wgmma_on sets the switch once for all examples
+    return settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                           HealthCheck.function_scoped_fixture])
+
+
+@wgmma_fuzz(100)
+@given(problems(max_len=NUMPY_MAX_LEN, dtypes=HALF_DTYPES, tensor_core=True))
+def test_fuzzed_forward_matches_oracle(problem):
+    check_forward(problem, "cuda", cp)
+
+
+@wgmma_fuzz(50)
+@given(problems(max_len=NUMPY_MAX_LEN, dtypes=HALF_DTYPES, scales=BACKWARD_SCALES, tensor_core=True),
+       st.booleans())
+def test_fuzzed_backward_matches_oracle(problem, deterministic):
+    check_backward(problem, "cuda", cp, deterministic=deterministic)
