@@ -107,6 +107,29 @@ def test_params_hold_pointers_strides_and_sentinel_windows():
     assert p["scale_log2"] == pytest.approx(0.5 * math.log2(math.e), rel=1e-15)
 
 
+def test_params_fields_by_name():
+    """fwd_params packs its fields positionally: every field, by name, holds its value."""
+    q = np.zeros((2, 3, 5, 8), np.float32)
+    k = np.zeros((2, 1, 7, 8), np.float32)
+    v = np.zeros((2, 1, 7, 4), np.float32)
+    out = np.zeros((2, 3, 5, 4), np.float32)
+    lse = np.zeros((2, 3, 5), np.float32)
+    ws = (np.zeros((3, 2, 3, 5, 4), np.float32), np.zeros((3, 2, 3, 5), np.float32), None)
+    p = fwd_params(q, k, v, out, lse, scale=0.75, window_left=9, window_right=None, gqa_ratio=3,
+                   workspace=ws, block_m=16, block_n=32, num_splits=3)
+    expected = {"q": q.ctypes.data, "k": k.ctypes.data, "v": v.ctypes.data, "out": out.ctypes.data,
+                "lse": lse.ctypes.data, "ws_o": ws[0].ctypes.data, "ws_l": ws[1].ctypes.data, "ws_m": 0,
+                "batch": 2, "heads_q": 3, "gqa_ratio": 3, "seqlen_q": 5, "seqlen_k": 7, "head_dim": 8,
+                "head_dim_v": 4, "window_left": 9, "window_right": UNBOUNDED, "block_m": 16, "block_n": 32,
+                "num_splits": 3, "scale": 0.75, "scale_log2": 0.75 * math.log2(math.e)}
+    for name, a in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
+        for axis, stride in zip(("batch", "head", "row"), a.strides[:3]):
+            expected[f"{name}_{axis}_stride"] = stride // a.itemsize
+    assert set(expected) == set(FWD_PARAMS.names)
+    for name, value in expected.items():
+        assert p[name] == value, name
+
+
 def test_params_from_kernel_views_equal_params_from_the_arrays():
     """The dispatcher describes its views with KernelView instead of array objects: the
     params, and the view KernelView.array() makes, must be those of the real view."""
