@@ -93,10 +93,8 @@ FUZZ_EXAMPLES = {
     "numpy_backward": 150,
     "emulator_forward": 150,
     "emulator_backward": 80,
-    "emulator_tensor_core_forward": 150,
-    "emulator_tensor_core_backward": 80,
-    "emulator_wgmma_forward": 100,
-    "emulator_wgmma_backward": 50,
+    "emulator_tensor_core_forward": 120,    # per dispatch: sm_80, and sm_90 with wgmma on
+    "emulator_tensor_core_backward": 60,
     "emulator_tf32x3_forward": 60,
     "emulator_tf32x3_backward": 40,
     "cuda_forward": 150,
@@ -444,24 +442,13 @@ def test_emulated_kernels_backward_match_oracle(problem):
     check_backward(problem, "emulator")
 
 
-@needs_emulator
-@fuzz_settings("emulator_tensor_core_forward")
-@given(problems(max_len=EMULATOR_MAX_LEN, dtypes=HALF, tensor_core=True))
-def test_emulated_tensor_core_forward_matches_oracle(problem):
-    check_forward(problem, "emulator")
-
-
-@needs_emulator
-@fuzz_settings("emulator_tensor_core_backward")
-@given(problems(max_len=EMULATOR_MAX_LEN, dtypes=HALF, scales=BACKWARD_SCALES, tensor_core=True),
-       st.booleans())
-def test_emulated_tensor_core_backward_matches_oracle(problem, deterministic):
-    check_backward(problem, "emulator", deterministic=deterministic)
-
-
 @contextlib.contextmanager
-def dispatching_wgmma():
-    """backend="emulator" dispatches as for an sm_90 GPU with the wgmma kernels on."""
+def dispatching(wgmma):
+    """backend="emulator" dispatches as for sm_80 (its default) or, with ``wgmma``, as for
+    an sm_90 GPU with the wgmma kernels on."""
+    if not wgmma:
+        yield
+        return
     key = ("emulator",)
     saved, saved_switch = _dispatch._executors.get(key), _gpu.wgmma_override
     _dispatch._executors[key] = EmulatorExecutor(arch=90, seed=90, shuffle=True, race_check=True)
@@ -476,20 +463,25 @@ def dispatching_wgmma():
             _dispatch._executors[key] = saved
 
 
+TENSOR_CORE_DISPATCH = pytest.mark.parametrize("wgmma", [False, True], ids=["sm80", "sm90-wgmma"])
+
+
 @needs_emulator
-@fuzz_settings("emulator_wgmma_forward")
+@TENSOR_CORE_DISPATCH
+@fuzz_settings("emulator_tensor_core_forward")
 @given(problems(max_len=EMULATOR_MAX_LEN, dtypes=HALF, tensor_core=True))
-def test_emulated_wgmma_forward_matches_oracle(problem):
-    with dispatching_wgmma():
+def test_emulated_tensor_core_forward_matches_oracle(wgmma, problem):
+    with dispatching(wgmma):
         check_forward(problem, "emulator")
 
 
 @needs_emulator
-@fuzz_settings("emulator_wgmma_backward")
+@TENSOR_CORE_DISPATCH
+@fuzz_settings("emulator_tensor_core_backward")
 @given(problems(max_len=EMULATOR_MAX_LEN, dtypes=HALF, scales=BACKWARD_SCALES, tensor_core=True),
        st.booleans())
-def test_emulated_wgmma_backward_matches_oracle(problem, deterministic):
-    with dispatching_wgmma():
+def test_emulated_tensor_core_backward_matches_oracle(wgmma, problem, deterministic):
+    with dispatching(wgmma):
         check_backward(problem, "emulator", deterministic=deterministic)
 
 
