@@ -566,6 +566,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     p.add_argument("--family", action="append", help="only these kernel families (repeatable)")
     p.add_argument("--no-sass", action="store_true", help="skip disassembly (faster)")
+    p.add_argument("--launchable", action="store_true",
+                   help="per --arch, only the rows a GPU of that compute capability may launch "
+                        "(what cupyflash.precompile compiles for it), not every tile class's")
     return p
 
 
@@ -612,7 +615,17 @@ def main_kernels(argv=None) -> int:
     if args.family:
         rows_in = [r for r in rows_in if r.family in set(args.family)]
     start = time.perf_counter()
-    rows = kernel_report(list(dict.fromkeys(archs)), rows_in, sass=not args.no_sass)
+    archs = list(dict.fromkeys(archs))
+    if args.launchable:
+        from ._kernels import launchable
+
+        rows = []
+        for arch in archs:
+            names = launchable(int(arch.removeprefix("sm_")))
+            rows += kernel_report([arch], [r for r in rows_in if r.name_expression in names],
+                                  sass=not args.no_sass)
+    else:
+        rows = kernel_report(archs, rows_in, sass=not args.no_sass)
     if args.json:
         json.dump(rows, sys.stdout, indent=1)
         print()
