@@ -31,7 +31,6 @@ from ._kernels import (DMMA_DTYPES, DMMA_HEAD_DIMS, TF32_HEAD_DIMS, TF32_PASSES,
                        bwd_dmma_name_expressions, bwd_mma_name_expressions, bwd_mma_streamed, bwd_tf32_name_expressions,
                        bwd_wgmma_dq_keys, bwd_wgmma_name_expressions, by_name, family_rows)
 from ._launch import backward_kernel, backward_launch_config
-from ._params import KernelView
 from ._params_bwd import bwd_params
 
 __all__ = ["backward", "select"]
@@ -176,8 +175,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, *, scale, window_left, window_
                      deterministic=deterministic, dq_aligned=rows_aligned(dq, boundary=8), precision=precision,
                      seqlen_q=seqlen_q, seqlen_k=seqlen_k)
     if not any(backward_kernel(r).endswith("_dq_kernel") for r in kernels):
-        # the dK/dV kernel adds dQ into it (float atomics)
-        (dq.array() if isinstance(dq, KernelView) else dq).fill(0)
+        dq.fill(0)   # the dK/dV kernel adds dQ into it (float atomics)
     # delta first (the others read it); a dK/dV launch needs keys, the others query rows.
     for inst in kernels:
         if (seqlen_k if "dkdv" in backward_kernel(inst) else seqlen_q) > 0:

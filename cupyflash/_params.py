@@ -47,22 +47,23 @@ class KernelView:
     arrays with these instead of NumPy/CuPy view objects: building a CuPy view
     costs microseconds of host time per array, and the kernels read only the
     address and the strides.  ``base`` is the array the view is of (kept alive
-    with it); :meth:`array` makes the real view where one is needed.
+    with it); :meth:`array` makes the real view where one is needed, and
+    :meth:`fill` writes through it (the atomic backward zeroes dq).
     """
 
     __slots__ = ("base", "dtype", "itemsize", "ptr", "shape", "strides")
 
-    def __init__(self, base, shape: tuple, strides: tuple, ptr: int | None = None) -> None:
+    def __init__(self, base, shape: tuple, strides: tuple) -> None:
         self.base = base
-        self.ptr = data_pointer(base) if ptr is None else ptr
+        self.ptr = data_pointer(base)
         self.shape = tuple(shape)
         self.strides = tuple(strides)
         self.dtype = base.dtype
         self.itemsize = base.itemsize
 
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
+    def fill(self, value) -> None:
+        """Set every element of the view to ``value`` (as ``ndarray.fill``)."""
+        self.array().fill(value)
 
     def array(self):
         """The view as an array of ``base``'s kind (NumPy or CuPy)."""
