@@ -8,9 +8,9 @@
 #
 # Writes benchmarks/results/<date>-<gpu>.json and .md (see benchmarks/gpu_check.py)
 # and, when $OUT is set, copies them there, with the sweep's gpu_variants*.json,
-# and writes the logs, JUnit files, the table's progress and the ncu profile
-# (benchmarks/gpu_profile.py) to $OUT/gpu_check/ as it goes.  Without a usable GPU
-# it says so and exits 0.  Otherwise the exit status is pytest's.
+# and keeps the logs, JUnit files, the table's progress and the ncu profile
+# (benchmarks/gpu_profile.py) in $OUT/gpu_check_logs.tar.gz as it goes.  Without a
+# usable GPU it says so and exits 0.  Otherwise the exit status is pytest's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -20,6 +20,10 @@ TEST_SECONDS="${GPU_CHECK_TEST_SECONDS:-150}"       # an H200 took 70-80 s
 BENCH_SECONDS="${GPU_CHECK_BENCH_SECONDS:-130}"     # no new case starts after this
 VARIANT_SECONDS="${GPU_CHECK_VARIANT_SECONDS:-90}"  # benchmarks/gpu_variants.py (wgmma variants first); 0 skips it
 PROFILE_SECONDS="${GPU_CHECK_PROFILE_SECONDS:-60}"  # ncu over benchmarks/gpu_profile.py; 0 skips it
+SOURCE_SECONDS="${GPU_CHECK_SOURCE_SECONDS:-45}"    # ncu per-instruction samples of SOURCE_CASES; 0 skips it
+# The target kernels first: each case a process and a report of its own, so that the time
+# limit costs only the cases it has not reached.
+SOURCE_CASES="${GPU_CHECK_SOURCE_CASES:-fwd_wgmma_d128 fwd_mma_d128 bwd_wgmma_d128 bwd_mma_d128}"
 
 if ! reason=$("$PY" - <<'PYEOF' 2>&1
 import cupy
@@ -32,13 +36,25 @@ PYEOF
     exit 0
 fi
 
-# Logs, JUnit files and the table's progress go straight to $OUT when it is set: a
-# run stopped at the device's time limit (SIGKILL: no trap runs) still returns them.
+# Logs, JUnit files, the table's progress and the profiles go to $work.  With $OUT set
+# (the device machines), $OUT/gpu_check_logs.tar.gz holds a copy of $work, refreshed
+# every 15 s and after each step: those machines return at most 8 files from $OUT, and a
+# run stopped at the device's time limit (SIGKILL: no trap runs) still returns the last
+# copy.  $OUT then holds the results' .json and .md, the sweep's two gpu_variants*.json
+# and this archive (and, while it is rewritten, its .tmp).  ncu's own reports stay out of
+# it (their CSV exports go in).
+work=$(mktemp -d)
+save_logs() {
+    [ -n "${OUT:-}" ] || return 0
+    tar -czf "$OUT/gpu_check_logs.tmp" -C "$work" --exclude='*.ncu-rep' . 2>/dev/null
+    [ -s "$OUT/gpu_check_logs.tmp" ] && mv -f "$OUT/gpu_check_logs.tmp" "$OUT/gpu_check_logs.tar.gz"
+}
 if [ -n "${OUT:-}" ]; then
-    work="$OUT/gpu_check"
-    mkdir -p "$work"
+    mkdir -p "$OUT"
+    ( while sleep 15; do save_logs; done ) > /dev/null 2>&1 &
+    saver=$!
+    trap 'kill "$saver" 2>/dev/null; save_logs; rm -rf "$work"' EXIT
 else
-    work=$(mktemp -d)
     trap 'rm -rf "$work"' EXIT
 fi
 start=$(date +%s)
@@ -50,6 +66,7 @@ cpus=$(nproc 2>/dev/null || echo 1)
 # that hangs or loses its CUDA context costs only its own module's results.
 "$PY" benchmarks/gpu_check.py --tests "$TEST_SECONDS" --work "$work" 2>&1 | tee "$work/pytest.log"
 test_rc=${PIPESTATUS[0]}
+save_logs
 echo "gpu_check: pytest exit status $test_rc after $(( $(date +%s) - start ))s"
 
 # The table runs in watched child processes (a hung or context-losing implementation
@@ -58,6 +75,7 @@ timeout --signal=INT --kill-after=10 "$(( BENCH_SECONDS + 150 ))" \
     "$PY" benchmarks/gpu_check.py --budget "$BENCH_SECONDS" --junit "$work" --work "$work" \
     --test-rc "$test_rc" 2>&1 | tee "$work/bench.log"
 bench_rc=${PIPESTATUS[0]}
+save_logs
 
 if [ "$VARIANT_SECONDS" -gt 0 ]; then
     # the never-run wgmma variants in a process of their own (a third of the time),
@@ -69,6 +87,7 @@ if [ "$VARIANT_SECONDS" -gt 0 ]; then
     timeout --signal=INT --kill-after=10 "$(( VARIANT_SECONDS - wgmma_seconds ))" "$PY" benchmarks/gpu_variants.py \
         --kinds fwd,bwd,tfwd,sfwd,sbwd,dfwd,dbwd 2>&1 | tee "$work/variants.log"
 fi
+save_logs
 
 # Hardware counters of one launch of each target kernel (where ncu can read them:
 # Firecracker machines; elsewhere it fails and says so in the log).
@@ -82,6 +101,28 @@ if [ "$PROFILE_SECONDS" -gt 0 ]; then
             --csv --page details "$PY" benchmarks/gpu_profile.py \
             > "$work/profile.csv" 2> "$work/profile.log"
         echo "gpu_check: ncu exit status $? ($(wc -l < "$work/profile.csv") CSV lines)"
+        # Where in each kernel the warps wait: the SourceCounters section samples every
+        # warp's state at its program counter, so the per-instruction table (--page source,
+        # SASS) shows which loads, barriers or products the stalls sit on.  Saved as reports
+        # and as CSV for reading on a machine without ncu.
+        source_end=$(( $(date +%s) + SOURCE_SECONDS ))
+        [ "$SOURCE_SECONDS" -gt 0 ] || SOURCE_CASES=""
+        for case in $SOURCE_CASES; do
+            left=$(( source_end - $(date +%s) ))
+            [ "$left" -gt 5 ] || { echo "gpu_check: no time left for the source profile of $case"; break; }
+            report="$work/source-$case"
+            timeout --signal=INT --kill-after=5 "$left" "$ncu_bin" --clock-control none \
+                --section SourceCounters --section WarpStateStats -f -o "$report" \
+                "$PY" benchmarks/gpu_profile.py --case "$case" >> "$work/source.log" 2>&1
+            echo "gpu_check: source profile of $case: ncu exit status $?"
+            if [ -f "$report.ncu-rep" ]; then
+                "$ncu_bin" --import "$report.ncu-rep" --csv --page source --print-source sass \
+                    > "$report-sass.csv" 2>> "$work/source.log"
+                "$ncu_bin" --import "$report.ncu-rep" --csv --page details \
+                    > "$report.csv" 2>> "$work/source.log"
+                echo "gpu_check: $(wc -l < "$report-sass.csv") SASS lines in $report-sass.csv"
+            fi
+        done
     else
         echo "gpu_check: no ncu on this machine; the profile is skipped"
     fi

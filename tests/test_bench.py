@@ -360,3 +360,53 @@ def test_gpu_check_sums_the_junit_files_of_its_test_groups(tmp_path):
     assert got["seconds"] == 7.5 and got["failed"] == ["t.a::x"]
     assert got["summary"] == "5 passed, 1 failed, 3 skipped in 8 s"
     assert check.test_summary(tmp_path / "none", None)["summary"].startswith("no report")
+
+
+_STAND_IN_PYTHON = r"""#!/usr/bin/env bash
+# Plays the python3 of a GPU machine for gpu_check.sh: every step writes what the real one does.
+args="$*"
+work=""
+while [ $# -gt 0 ]; do [ "$1" = --work ] && work="$2"; shift; done
+case "$args" in
+    -) cat > /dev/null ;;                                   # the GPU probe: a device is there
+    *--tests*) for i in 1 2 3 4 5 6 7 8 9; do
+                   echo "<testsuites/>" > "$work/junit-group$i.xml"; echo "1 passed" > "$work/pytest-group$i.log"
+               done ;;
+    *--budget*) echo "case 1" > "$work/progress.jsonl"; echo "{}" > "$OUT/2026-01-01-gpu.json"
+                echo "| table |" > "$OUT/2026-01-01-gpu.md" ;;
+    *gpu_variants.py*--json*) echo "{}" > "$OUT/${args##* }" ;;
+    *gpu_variants.py*) echo "{}" > "$OUT/gpu_variants.json" ;;
+esac
+echo "stand-in python: $args"
+"""
+
+
+def test_gpu_check_returns_everything_within_the_device_machines_file_limits(tmp_path):
+    """The device machines return at most 8 files from $OUT, at most two folders down,
+    named in letters, digits, '.', '_' and '-': gpu_check.sh keeps its many logs in one
+    archive there, and the results and sweeps beside it."""
+    import re
+    import tarfile
+
+    python = tmp_path / "python3"
+    python.write_text(_STAND_IN_PYTHON)
+    python.chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, OUT=str(out), PYTHON=str(python), GPU_CHECK_PROFILE_SECONDS="0")
+    run = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert len(files) <= 8, files
+    for path in files:
+        rel = path.relative_to(out)
+        assert len(rel.parts) <= 3 and all(re.fullmatch(r"[A-Za-z0-9._-]+", part) for part in rel.parts), rel
+    assert {p.name for p in files} == {"2026-01-01-gpu.json", "2026-01-01-gpu.md", "gpu_variants.json",
+                                       "gpu_variants_wgmma.json", "gpu_check_logs.tar.gz"}
+    with tarfile.open(out / "gpu_check_logs.tar.gz") as archive:
+        names = {Path(n).name for n in archive.getnames()}
+    assert {"precompile.log", "pytest.log", "bench.log", "variants.log", "variants-wgmma.log",
+            "progress.jsonl"} <= names
+    assert {f"junit-group{i}.xml" for i in range(1, 10)} <= names
+    assert {f"pytest-group{i}.log" for i in range(1, 10)} <= names
