@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check: `pytest -m gpu`, the timing table, the tile sweep, then an ncu profile, in under six minutes.
+# The GPU check: `pytest -m gpu` and the timing table within six minutes, then the tile
+# sweep and the ncu profiles (their limits add about three minutes more).
 #
 # Run from anywhere on a machine with a CUDA GPU, CuPy and the checkout (nothing
 # installed: PYTHONPATH points at the checkout):
