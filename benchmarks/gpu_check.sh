@@ -17,6 +17,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
+PRECOMPILE_SECONDS="${GPU_CHECK_PRECOMPILE_SECONDS:-120}"  # what is left compiles on first use
 TEST_SECONDS="${GPU_CHECK_TEST_SECONDS:-150}"       # an H200 took 70-80 s
 BENCH_SECONDS="${GPU_CHECK_BENCH_SECONDS:-130}"     # no new case starts after this
 VARIANT_SECONDS="${GPU_CHECK_VARIANT_SECONDS:-90}"  # benchmarks/gpu_variants.py (wgmma variants first); 0 skips it
@@ -62,7 +63,9 @@ start=$(date +%s)
 cpus=$(nproc 2>/dev/null || echo 1)
 # NVRTC is the slow part of a first run: compile the whole catalogue into CuPy's
 # disk cache with one process per core, then let the test processes load it.
-"$PY" benchmarks/gpu_check.py --precompile "$cpus" 2>&1 | tee "$work/precompile.log"
+timeout --signal=INT --kill-after=10 "$PRECOMPILE_SECONDS" \
+    "$PY" benchmarks/gpu_check.py --precompile "$cpus" 2>&1 | tee "$work/precompile.log"
+save_logs
 # One process per test_gpu*.py module (and one for the rest), side by side: a kernel
 # that hangs or loses its CUDA context costs only its own module's results.
 "$PY" benchmarks/gpu_check.py --tests "$TEST_SECONDS" --work "$work" 2>&1 | tee "$work/pytest.log"
