@@ -60,7 +60,7 @@ PLANTED_KERNELS = [
     "warp_exchange<true>", "warp_exchange<false>", "cp_async_neighbour<true>", "cp_async_neighbour<false>",
     "cp_async_no_barrier", "divergent_barrier", "barrier_vs_shuffle", "shuffle_after_exit",
     "divergent_collectives", "smem_out_of_bounds", "order_probe", "block_sum", "block_votes",
-    "wild_global_write", "stack_overflow", "shared_window",
+    "wild_global_write", "stack_overflow", "shared_window", "divergent_mma<true>", "divergent_mma<false>",
 ]
 
 
@@ -556,6 +556,15 @@ def test_warp_collective_with_exited_lanes_is_an_error(ex):
 def test_different_warp_collectives_in_one_warp_are_an_error(ex):
     with pytest.raises(EmulatorError, match="divergent warp collective|deadlock"):
         run_planted(ex, "divergent_collectives")
+
+
+def test_one_mma_reached_at_two_call_sites_in_a_warp_is_an_error(ex):
+    # mma.sync.aligned: the same operation from two instructions is still divergent
+    _, out, _ = run_planted(ex, "divergent_mma<false>")   # split by warp: fine
+    assert np.isfinite(out).all()
+    np.testing.assert_array_equal(out[:128], out[128:256])
+    with pytest.raises(EmulatorError, match="divergent .aligned warp collective.*same instruction"):
+        run_planted(ex, "divergent_mma<true>")
 
 
 def test_out_of_bounds_shared_access_is_an_error(ex):

@@ -261,8 +261,9 @@ def test_wgmma_product_matches_numpy(probe_ex, regs_a, flags):
     (True, 8, "race|overwritten"),
     (True, 16, "changed the A registers"),
     (False, 32, "in flight"),
+    (False, 128, "divergent warpgroup.*same wgmma instruction"),
 ], ids=["no-proxy-fence", "no-proxy-fence-rs", "no-wgmma-fence", "smem-overwritten", "a-regs-changed",
-        "no-wait"])
+        "no-wait", "two-call-sites"])
 def test_broken_ordering_rules_are_reported(probe_ex, regs_a, flags, match):
     with pytest.raises(EmulatorError, match=match):
         _probe(probe_ex, regs_a, flags)

@@ -112,6 +112,31 @@ __global__ void divergent_collectives(const PlantedParams p) {
     p.out[t] = v;
 }
 
+// One m16n8k16 mma per warp, the lanes' fragments from in[] by lane (so every warp
+// computes the same product).  mma.sync is .aligned: a warp must execute it as one
+// instruction.  kSplit = true has lanes 0-15 and 16-31 reach it at two call sites
+// (the same operation, two instructions); false splits by warp instead, which is fine.
+// The volatile stores after the calls keep the compiler from merging them.
+template <bool kSplit>
+__global__ void divergent_mma(const PlantedParams p) {
+    const int t = threadIdx.x, lane = cf::lane_id();
+    uint32_t a[4], b[2];
+    for (int i = 0; i < 4; ++i) a[i] = cf::pack_bf162(p.in[8 * lane + 2 * i], p.in[8 * lane + 2 * i + 1]);
+    for (int i = 0; i < 2; ++i) b[i] = cf::pack_bf162(p.in[256 + 4 * lane + 2 * i], p.in[257 + 4 * lane + 2 * i]);
+    const float c[4] = {};
+    float d[4];
+    volatile int path;
+    if (kSplit ? lane < 16 : cf::warp_id() % 2 == 0) {
+        cf::mma_m16n8k16_bf16(d, a, b, c);
+        path = 1;
+    } else {
+        cf::mma_m16n8k16_bf16(d, a, b, c);
+        path = 2;
+    }
+    (void)path;
+    for (int i = 0; i < 4; ++i) p.out[4 * t + i] = d[i];
+}
+
 // Thread t writes shared float t + arg; arg = 1 makes the last thread write past the end.
 __global__ void smem_out_of_bounds(const PlantedParams p) {
     float* s = reinterpret_cast<float*>(cf::dynamic_smem());

@@ -10,6 +10,7 @@
 //  16  an A register changed before wgmma.wait_group (A from registers)
 //  32  no wgmma.wait_group at all
 //  64  (not a fault) A and B MN-major, from shared memory
+// 128  warps 0-1 and 2-3 reach the (same) wgmma at two call sites: two instructions
 #include "mma_tile.cuh"
 #include "ptx.cuh"
 #include "wgmma.cuh"
@@ -57,7 +58,19 @@ __global__ void wgmma_probe(const PlantedParams p) {
     else if (mn_major)
         cf::Wgmma<bf16, 64>::ss_mn(d, cf::wgmma_desc_sw128(sA, VTile::kRows * 128, 1024),
                                    cf::wgmma_desc_sw128(sB, VTile::kRows * 128, 1024), false);
-    else
+    else if (flags & 128) {   // the volatile stores keep the compiler from merging the calls
+        volatile int path;
+        if (w < 2) {
+            cf::Wgmma<bf16, 64>::ss(d, cf::wgmma_desc_sw128(sA, 16, 1024), cf::wgmma_desc_sw128(sB, 16, 1024),
+                                    false);
+            path = 1;
+        } else {
+            cf::Wgmma<bf16, 64>::ss(d, cf::wgmma_desc_sw128(sA, 16, 1024), cf::wgmma_desc_sw128(sB, 16, 1024),
+                                    false);
+            path = 2;
+        }
+        (void)path;
+    } else
         cf::Wgmma<bf16, 64>::ss(d, cf::wgmma_desc_sw128(sA, 16, 1024), cf::wgmma_desc_sw128(sB, 16, 1024), false);
     cf::wgmma_commit();
     if ((flags & 8) && t == 0) sB[0] = __float2bfloat16(1.0f);

@@ -582,6 +582,14 @@ struct Launch {
                             "operation",
                             who(f->tid).c_str(), op_name(op, variant), mask, location(pc).c_str(), l,
                             op_name(g.op, g.op_variant), g.op_mask, location(g.op_pc).c_str()));
+            // mma.sync and ldmatrix are .aligned: every lane must execute the same
+            // instruction, not merely the same operation from another call site
+            // (where the warp's lanes took different paths to it).
+            if (waits_for_f && (op == Op::Mma || op == Op::Ldmatrix) && g.op_pc != pc)
+                fail(format("divergent .aligned warp collective: %s executes %s%s while lane %d of its warp waits "
+                            "at another %s%s; every lane must execute the same instruction",
+                            who(f->tid).c_str(), op_name(op, variant), location(pc).c_str(), l,
+                            op_name(g.op, g.op_variant), location(g.op_pc).c_str()));
             if (!waits_for_f) complete = false;
         }
         if (complete) {
@@ -833,6 +841,12 @@ struct Launch {
                 complete = false;
                 continue;
             }
+            if (g.op_pc != pc)   // .sync.aligned: the same instruction in the whole warpgroup
+                fail(format("divergent warpgroup: %s executes %s%s while thread %d of its warpgroup waits at "
+                            "another %s%s; every thread of the warpgroup must execute the same wgmma "
+                            "instruction",
+                            who(f->tid).c_str(), what, location(pc).c_str(), t, op_name(g.op, g.op_variant),
+                            location(g.op_pc).c_str()));
             const auto* o = static_cast<const WgmmaArgs*>(g.op_args);
             if (g.op_variant != variant || o->accumulate != args->accumulate || o->desc_b != args->desc_b ||
                 (!args->a && o->desc_a != args->desc_a))
