@@ -410,3 +410,33 @@ def test_gpu_check_returns_everything_within_the_device_machines_file_limits(tmp
             "progress.jsonl"} <= names
     assert {f"junit-group{i}.xml" for i in range(1, 10)} <= names
     assert {f"pytest-group{i}.log" for i in range(1, 10)} <= names
+
+
+def test_gpu_check_table_leaves_out_what_it_is_told_and_says_so(tmp_path):
+    check = _gpu_check()
+    doc = check.bench_watched(WATCHED_CASES, budget=120, repeat=1, warmup=0, memory=False,
+                              work=tmp_path, log=lambda line: None, device="cpu",
+                              leave_out={"numpy-naive": "not wanted here"})
+    impls = [n for n in _bench.implementations("cpu", WATCHED_CASES[0]) if n != "numpy-naive"]
+    assert [(r["dtype"], r["impl"]) for r in doc["rows"]] == [
+        (c.dtype, name) for c in WATCHED_CASES for name in impls]
+    assert "left out of this table: numpy-naive (not wanted here)" in doc["notes"]
+
+
+def test_gpu_check_cases_come_in_the_order_of_the_issues_targets():
+    """A spent time budget cuts the table's tail: the bf16 targets (issue 4 and issue 5's
+    backward) first, then the exact dtypes at every length (issue 5), then what no target
+    names (float16, the split-KV grids)."""
+    check = _gpu_check()
+    order = [c[0] for c in check.CASES + check.EXACT_L_CASES + check.FLOAT16_CASES] + [
+        c[0] for c in check.SMALL_GRID_CASES]
+    first_exact = order.index("float32")
+    assert set(order[:first_exact]) == {"bfloat16"}
+    assert order.index("float16") > max(i for i, dt in enumerate(order) if dt in ("float32", "float64")
+                                         and i < len(check.CASES) + len(check.EXACT_L_CASES))
+    assert check.QUICK == [check.CASES[0], check.CASES[8], check.CASES[10]]
+    assert [c[-1] for c in check.QUICK] == [False, True, False]       # forward, backward, forward
+    assert check.QUICK[2][0] == "float32"
+    assert {"cupyflash-v1", "torch-efficient", "torch-cudnn"} == set(check.TABLE_LEAVE_OUT)
+    source = (ROOT / "benchmarks" / "gpu_check.py").read_text()
+    assert "leave_out=TABLE_LEAVE_OUT" in source
