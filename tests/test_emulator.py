@@ -61,6 +61,7 @@ PLANTED_KERNELS = [
     "cp_async_no_barrier", "divergent_barrier", "barrier_vs_shuffle", "shuffle_after_exit",
     "divergent_collectives", "smem_out_of_bounds", "order_probe", "block_sum", "block_votes",
     "wild_global_write", "stack_overflow", "shared_window", "divergent_mma<true>", "divergent_mma<false>",
+    "vector_copy",
 ]
 
 
@@ -556,6 +557,15 @@ def test_warp_collective_with_exited_lanes_is_an_error(ex):
 def test_different_warp_collectives_in_one_warp_are_an_error(ex):
     with pytest.raises(EmulatorError, match="divergent warp collective|deadlock"):
         run_planted(ex, "divergent_collectives")
+
+
+def test_misaligned_vector_access_to_global_memory_is_an_error(ex):
+    # x86 loads 16 bytes from any address; a GPU stops the kernel (misaligned address)
+    inp, out, _ = run_planted(ex, "vector_copy")
+    np.testing.assert_array_equal(out[:4 * 127], inp[:4 * 127])
+    with pytest.raises(EmulatorError, match=r"misaligned access: thread \(\d+,0,0\).* reads 16 bytes at address "
+                                            r"0x[0-9a-f]+, which is not 16-byte aligned"):
+        run_planted(ex, "vector_copy", arg=1)
 
 
 def test_one_mma_reached_at_two_call_sites_in_a_warp_is_an_error(ex):

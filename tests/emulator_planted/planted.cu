@@ -137,6 +137,14 @@ __global__ void divergent_mma(const PlantedParams p) {
     for (int i = 0; i < 4; ++i) p.out[4 * t + i] = d[i];
 }
 
+// Thread t < n - 1 copies in[4t + arg .. 4t + arg + 3] to out[4t ..] with one 16-byte
+// load and store, as the kernels' vector paths do; arg = 1 misaligns the load.
+__global__ void vector_copy(const PlantedParams p) {
+    const int t = threadIdx.x;
+    if (t + 1 < p.n)
+        *reinterpret_cast<uint4*>(p.out + 4 * t) = *reinterpret_cast<const uint4*>(p.in + 4 * t + p.arg);
+}
+
 // Thread t writes shared float t + arg; arg = 1 makes the last thread write past the end.
 __global__ void smem_out_of_bounds(const PlantedParams p) {
     float* s = reinterpret_cast<float*>(cf::dynamic_smem());

@@ -1205,6 +1205,20 @@ struct Launch {
         return true;
     }
 
+    bool on_stack(uintptr_t a) const {
+        return a >= reinterpret_cast<uintptr_t>(stacks) && a < reinterpret_cast<uintptr_t>(stacks) + stacks_total;
+    }
+
+    [[noreturn]] void misaligned(uintptr_t a, size_t n, bool write, const void* pc) {
+        char* p = reinterpret_cast<char*>(a);
+        const std::string where = p >= smem && p < smem + smem_size
+                                      ? format("shared offset %lld", static_cast<long long>(p - smem))
+                                      : format("address %p", p);
+        fail(format("misaligned access: %s %s %zu bytes at %s, which is not %zu-byte aligned%s; a GPU stops the "
+                    "kernel there (misaligned address)",
+                    who(cur->tid).c_str(), write ? "writes" : "reads", n, where.c_str(), n, location(pc).c_str()));
+    }
+
     [[noreturn]] void spin_error(const void* pc) {
         fail(format("%s made 2^30 memory accesses without reaching __syncthreads(), a warp collective or its "
                     "end%s; emulated threads switch only there, so a spin-wait on another thread never ends",
@@ -1308,6 +1322,11 @@ inline void check_access(uintptr_t a, size_t n, bool write, const void* pc) {
     Launch* L = t_check;
     if (!L) return;
     if (__builtin_expect(++L->steps > (uint64_t(1) << 30), 0)) L->spin_error(pc);
+    // A GPU needs every global and shared access of 2, 4, 8 or 16 bytes naturally
+    // aligned ("misaligned address", which ends the CUDA context); x86 does not.
+    // Fiber stacks are left out: a GPU keeps such locals in registers.
+    if (__builtin_expect((n & (n - 1)) == 0 && n > 1 && n <= 16 && (a & (n - 1)) != 0, 0) && !L->on_stack(a))
+        L->misaligned(a, n, write, pc);
     if (a + n <= L->chk_lo || a >= L->chk_hi) return;
     L->access(L->cur, a, n, write, pc, "");
 }
