@@ -152,6 +152,27 @@ def _broadcast_to(xp, x, shape):
     return x if x.shape == shape else xp.broadcast_to(x, shape)
 
 
+def _kernel_ready(x) -> bool:
+    """Whether the kernels can read ``x`` in place: a unit stride along the head dim
+    (or a single element there), and every element aligned to its size -- a GPU
+    faults on a misaligned access (NumPy arrays can be: ``numpy.frombuffer`` at an
+    odd offset, a field of a packed structured array)."""
+    return (x.shape[-1] == 1 or x.strides[-1] == x.itemsize) and _aligned(x)
+
+
+def _aligned(x) -> bool:
+    """Whether every element of ``x`` starts at a multiple of its size."""
+    if isinstance(x, np.ndarray):
+        return x.flags.aligned   # the dtypes' alignments are their sizes
+    size = x.itemsize
+    return x.data.ptr % size == 0 and all(stride % size == 0 for stride in x.strides)
+
+
+def _kernel_copy(x):
+    """``x`` itself where :func:`_kernel_ready`, else a C-contiguous (aligned) copy."""
+    return x if _kernel_ready(x) else x.copy(order="C")
+
+
 def _run_kernel(problem: Problem, out, lse, *, sram_size):
     from . import _gpu
 
@@ -160,13 +181,10 @@ def _run_kernel(problem: Problem, out, lse, *, sram_size):
     batch = problem.batch_shape
     kv_batch = batch[:-1] + (batch[-1] // g,) if g > 1 else batch
 
-    def unit_last(x):   # the kernels need a unit stride along the head dim
-        return x if x.shape[-1] == 1 or x.strides[-1] == x.itemsize else xp.ascontiguousarray(x)
-
-    q = _broadcast_to(xp, unit_last(problem.q), batch + problem.q.shape[-2:])
-    k = _broadcast_to(xp, unit_last(problem.k), kv_batch + problem.k.shape[-2:])
-    v = _broadcast_to(xp, unit_last(problem.v), kv_batch + problem.v.shape[-2:])
-    target = out if out.shape[-1] == 1 or out.strides[-1] == out.itemsize else xp.empty_like(out, order="C")
+    q = _broadcast_to(xp, _kernel_copy(problem.q), batch + problem.q.shape[-2:])
+    k = _broadcast_to(xp, _kernel_copy(problem.k), kv_batch + problem.k.shape[-2:])
+    v = _broadcast_to(xp, _kernel_copy(problem.v), kv_batch + problem.v.shape[-2:])
+    target = out if _kernel_ready(out) else xp.empty(out.shape, dtype=out.dtype)
     executor = executor_for(problem.backend)
     for qv, kv, vv, ov, lv in _kernel_views(problem, [q, k, v, target, lse]):
         common = dict(scale=problem.scale, window_left=problem.window_left,
@@ -197,14 +215,11 @@ def _run_backward_kernels(problem: Problem, dout, out, lse, deterministic: bool)
     kv_batch = batch[:-1] + (batch[-1] // g,) if g > 1 else batch
     acc = problem.accum_dtype
 
-    def unit_last(x):   # the kernels need a unit stride along the head dim
-        return x if x.shape[-1] == 1 or x.strides[-1] == x.itemsize else xp.ascontiguousarray(x)
-
-    q = _broadcast_to(xp, unit_last(problem.q), batch + problem.q.shape[-2:])
-    k = _broadcast_to(xp, unit_last(problem.k), kv_batch + problem.k.shape[-2:])
-    v = _broadcast_to(xp, unit_last(problem.v), kv_batch + problem.v.shape[-2:])
-    out, dout = unit_last(out), unit_last(dout)
-    lse = lse if lse.dtype == acc else lse.astype(acc)
+    q = _broadcast_to(xp, _kernel_copy(problem.q), batch + problem.q.shape[-2:])
+    k = _broadcast_to(xp, _kernel_copy(problem.k), kv_batch + problem.k.shape[-2:])
+    v = _broadcast_to(xp, _kernel_copy(problem.v), kv_batch + problem.v.shape[-2:])
+    out, dout = _kernel_copy(out), _kernel_copy(dout)
+    lse = lse if lse.dtype == acc and _aligned(lse) else lse.astype(acc, order="C")   # any strides
     # Gradients of the full broadcast shapes in the accumulator type: every
     # (batch, head) of the kernels owns its slice (a kv head's slice already
     # sums its GQA group); broadcast axes are summed below, then cast.

@@ -390,6 +390,38 @@ def test_transposed_reversed_and_strided_views_in_and_out(executor):
     case.check(case.run(executor, grads, out=out, lse=lse))
 
 
+def _misaligned(a):
+    """A writable copy of ``a`` whose elements start one byte past their alignment (what
+    numpy.frombuffer at an odd offset, or a field of a packed structured array, gives)."""
+    raw = np.zeros(a.nbytes + 1, np.uint8)
+    m = np.frombuffer(raw.data, dtype=a.dtype, count=a.size, offset=1).reshape(a.shape)
+    m[...] = a
+    assert not m.flags.aligned
+    return m
+
+
+@needs_emulator
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_misaligned_numpy_arrays_give_the_results_of_aligned_ones(dtype):
+    # A GPU faults on a misaligned element (and the emulator says so): the kernels get
+    # aligned copies, ``out`` is filled in place, and nothing changes bit for bit.
+    rng = np.random.default_rng(31)
+    q, k, v = (random_array(rng, (2, 3, 40, 16), dtype) for _ in range(3))
+    dout = random_array(rng, (2, 3, 40, 16), dtype)
+    out, lse = cupyflash.attention(q, k, v, causal=True, return_lse=True, backend="emulator")
+    grads = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True, backend="emulator")
+    m_out = _misaligned(np.full_like(out, np.nan))
+    got, got_lse = cupyflash.attention(_misaligned(q), _misaligned(k), _misaligned(v), causal=True,
+                                       return_lse=True, out=m_out, backend="emulator")
+    assert got is m_out
+    np.testing.assert_array_equal(got, out)
+    np.testing.assert_array_equal(got_lse, lse)
+    got_grads = cupyflash.attention_backward(*map(_misaligned, (dout, q, k, v, out, lse)), causal=True,
+                                             backend="emulator")
+    for g, e in zip(got_grads, grads):
+        np.testing.assert_array_equal(g, e)
+
+
 def check_broadcast_and_strided_views(executor, dtype, case_type=Case):
     """A GQA backward through ``executor`` on views, against the oracle: q, dout, out and
     dq as (B, L, H, d) buffers viewed as (B, H, L, d); k every other row, v reversed
