@@ -395,7 +395,7 @@ def test_gpu_check_returns_everything_within_the_device_machines_file_limits(tmp
     out.mkdir()
     env = dict(os.environ, OUT=str(out), PYTHON=str(python), GPU_CHECK_PROFILE_SECONDS="0")
     run = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], env=env,
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode == 0, run.stdout + run.stderr
     files = [p for p in out.rglob("*") if p.is_file()]
     assert len(files) <= 8, files
