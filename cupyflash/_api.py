@@ -50,7 +50,7 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=F
     precision : {'ieee', 'tf32', 'tf32x3'}, default 'ieee'
         float32 inputs only.  'ieee' computes in IEEE float32.  'tf32' and
         'tf32x3' allow the GPU to use the TF32 tensor cores (sm_80 and newer,
-        ``d == dv <= 128``, ``scale > 0``): 'tf32' rounds q, k, v and the
+        ``d == dv <= 128``, ``scale`` above about 1e-38): 'tf32' rounds q, k, v and the
         probabilities to TF32 (10 mantissa bits; outputs good to about 1e-3
         relative), 'tf32x3' splits each into two TF32 parts and sums three
         products (errors of the order of float32 arithmetic's).  Where the

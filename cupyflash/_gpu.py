@@ -102,6 +102,20 @@ def whole_blocks(seqlen: int | None, block: int, head_dim: int, bucket: int) -> 
             and whole_kv_override is not False)
 
 
+# The scale as fwd_mma, fwd_wgmma and fwd_tf32 fold it into the exponent: a float32
+# ``scale * log2(e)`` multiplying the unscaled scores, masked ones (-inf) included.
+# It must be a positive normal float32: a scale below about 8e-39 is 0 there, or a
+# subnormal that the kernels' flush-to-zero (-ftz=true) makes 0, and -inf * 0 is
+# NaN.  Such scales run fwd_simt, which scales before it masks.
+_LOG2E = 1.4426950408889634
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+
+
+def folds_scale(scale: float) -> bool:
+    """Whether the tensor-core forward kernels can take ``scale`` (see above)."""
+    return scale * _LOG2E >= _FLOAT32_TINY
+
+
 def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = False,
            scale: float = 1.0, wgmma: bool | None = None, split: bool = False,
            dmma: bool | None = None, precision: str = "ieee", seqlen_k: int | None = None) -> Instantiation:
@@ -119,9 +133,10 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
       layout and head dim; ``dv != d`` runs fwd_simt),
     - ``aligned``: every row of q, k, v and out starts on a 16-byte boundary
       (see :func:`rows_aligned`), as its 16-byte cp.async copies and stores need;
-    - ``scale > 0``: the kernel takes row maxima of the unscaled scores and
-      folds the scale into the exponent's FFMA, which needs a positive scale
-      (a zero or negative one, rare, runs fwd_simt);
+    - :func:`folds_scale`: the kernel takes row maxima of the unscaled scores and
+      folds the scale into the exponent's FFMA, which needs a positive scale that
+      is a normal float32 once multiplied by log2(e) (a zero, negative or tiny
+      one, rare, runs fwd_simt);
 
     with the tile :func:`~cupyflash._kernels.mma_tiles` gives ``arch`` for the smallest of
     :data:`~cupyflash._kernels.MMA_HEAD_DIMS` holding ``head_dim``.  Otherwise
@@ -137,7 +152,7 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
 
     ``fwd_tf32`` (``cuda_src/fwd_tf32.cu``, the TF32 tensor cores) for float32 when
     ``precision`` is ``"tf32"`` or ``"tf32x3"`` (one or three TF32 products per
-    product), with ``head_dim == head_dim_v <= 128`` and ``scale > 0`` on ``arch >= 80``,
+    product), with ``head_dim == head_dim_v <= 128`` and :func:`folds_scale` on ``arch >= 80``,
     in the smallest of :data:`~cupyflash._kernels.TF32_HEAD_DIMS` holding the head dim
     (any strides: it copies rows that are not 16-byte aligned word by word).  It takes
     precedence over fwd_dmma; ``precision="ieee"`` (the default) never runs it.
@@ -161,7 +176,8 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
     """
     name = _dtype_name(dtype)
     d, dv = int(head_dim), int(head_dim_v)
-    bucket = mma_head_dim(name, d, dv, arch, aligned=aligned) if scale > 0 else None
+    folds = folds_scale(scale)
+    bucket = mma_head_dim(name, d, dv, arch, aligned=aligned) if folds else None
     if bucket is not None:
         if bucket in WGMMA_HEAD_DIMS and use_wgmma(arch, wgmma):
             tile = wgmma_tiles()[bucket]
@@ -172,7 +188,7 @@ def select(dtype, head_dim: int, head_dim_v: int, arch: int, *, aligned: bool = 
             whole_kv = not split and whole_blocks(seqlen_k, tiles[bucket][1], d, bucket)
             wanted = mma_name_expression(name, bucket, *tiles[bucket], split=split, whole_kv=whole_kv)
         return by_name()[wanted]
-    if (precision in TF32_PASSES and name == "float32" and arch >= 80 and scale > 0 and d == dv
+    if (precision in TF32_PASSES and name == "float32" and arch >= 80 and folds and d == dv
             and d <= TF32_HEAD_DIMS[-1]):
         bucket = min(m for m in TF32_HEAD_DIMS if m >= d)
         return by_name()[tf32_name_expression(bucket, *tf32_tiles()[bucket], TF32_PASSES[precision])]
@@ -257,7 +273,7 @@ def forward(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio, e
     """out (and lse) = attention(q, k, v) with fwd_mma or fwd_simt (FlashAttention-2 order).
 
     :func:`select` picks the kernel: fwd_mma for float16/bfloat16 on sm_80+
-    with ``d == dv <= 256``, 16-byte aligned rows and ``scale > 0`` (fwd_wgmma
+    with ``d == dv <= 256``, 16-byte aligned rows and :func:`folds_scale` (fwd_wgmma
     instead on sm_90 where enabled), fwd_tf32 for float32 where ``precision`` allows
     TF32, fwd_dmma where enabled, fwd_simt otherwise.
 

@@ -467,13 +467,17 @@ def test_without_lse(executors):
 
 
 @needs_emulator
-@pytest.mark.parametrize("scale", [3.0, 1e-30, -0.7, 0.0], ids=["large", "tiny", "negative", "zero"])
-def test_extreme_and_negative_scales(executors, scale):
+@pytest.mark.parametrize("scale, family", [
+    (3.0, "fwd_mma"), (1e-30, "fwd_mma"), (1e-40, "fwd_simt"), (4.4e-159, "fwd_simt"), (-0.7, "fwd_simt"),
+    (0.0, "fwd_simt")], ids=["large", "tiny", "float32-subnormal", "float32-zero", "negative", "zero"])
+def test_extreme_and_negative_scales(executors, scale, family):
     # fwd_mma folds a positive scale into the exponent (row max of the unscaled
-    # scores); zero and negative scales run fwd_simt, equally correct.
+    # scores) as a float32 scale * log2(e) times every score, masked ones (-inf)
+    # included.  Where that is 0 (4.4e-159 gave NaN rows, found by the tf32x3
+    # fuzzer) or a subnormal, which a GPU flushes to 0 (-ftz=true; the emulator does
+    # not), -inf * 0 is NaN: zero, negative and such tiny scales run fwd_simt.
     rng = np.random.default_rng(14)
     q, k, v = qkv(rng, np.float16, seqlen_q=45, seqlen_k=77, head_dim=32)
-    family = "fwd_mma" if scale > 0 else "fwd_simt"
     assert _gpu.select(q.dtype, 32, 32, 80, aligned=True, scale=scale).family == family
     run_mma(executors[80], q, k, v, scale=scale, window=(None, 0), family=family)
 

@@ -65,6 +65,11 @@ def test_select_picks_fwd_tf32_only_where_tf32_is_allowed():
         assert _gpu.select("float32", 129, 129, 90, precision=precision).family == "fwd_simt"
         assert _gpu.select("float32", 64, 64, 80, precision=precision, scale=0.0).family == "fwd_simt"
         assert _gpu.select("float32", 64, 64, 80, precision=precision, scale=-1.0).family == "fwd_simt"
+        # a scale the kernel's float32 scale * log2(e) holds as 0 or a subnormal (see
+        # test_fwd_mma's scale test): NaN rows once, found by the tf32x3 fuzzer
+        for tiny in (4.4e-159, 1e-40):
+            assert _gpu.select("float32", 64, 64, 80, precision=precision, scale=tiny).family == "fwd_simt"
+        assert _gpu.select("float32", 64, 64, 80, precision=precision, scale=1e-37).family == "fwd_tf32"
         # asked for explicitly, TF32 wins over the opt-in float32 DMMA path
         assert _gpu.select("float32", 64, 64, 90, precision=precision, dmma=True).family == "fwd_tf32"
     assert _gpu.select("float32", 64, 64, 90, dmma=True).family == "fwd_dmma"
