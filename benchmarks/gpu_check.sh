@@ -121,7 +121,9 @@ if [ "$PROFILE_SECONDS" -gt 0 ]; then
             echo "gpu_check: source profile of $case: ncu exit status $?"
             if [ -f "$report.ncu-rep" ]; then
                 "$ncu_bin" --import "$report.ncu-rep" --csv --page source --print-source sass \
-                    > "$report-sass.csv" 2>> "$work/source.log"
+                    > "$report-sass.csv" 2>> "$work/source.log" ||
+                    "$ncu_bin" --import "$report.ncu-rep" --csv --page source \
+                    > "$report-sass.csv" 2>> "$work/source.log"    # an ncu without --print-source
                 "$ncu_bin" --import "$report.ncu-rep" --csv --page details \
                     > "$report.csv" 2>> "$work/source.log"
                 echo "gpu_check: $(wc -l < "$report-sass.csv") SASS lines in $report-sass.csv"
