@@ -43,13 +43,14 @@ fi
 # every 15 s and after each step: those machines return at most 8 files from $OUT, and a
 # run stopped at the device's time limit (SIGKILL: no trap runs) still returns the last
 # copy.  $OUT then holds the results' .json and .md, the sweep's two gpu_variants*.json
-# and this archive (and, while it is rewritten, its .tmp).  ncu's own reports stay out of
+# and this archive (and, while it is rewritten, one or two .tmp files).  ncu's own reports stay out of
 # it (their CSV exports go in).
 work=$(mktemp -d)
-save_logs() {
+save_logs() {   # the saver below and the main shell may both be at it: a file each
     [ -n "${OUT:-}" ] || return 0
-    tar -czf "$OUT/gpu_check_logs.tmp" -C "$work" --exclude='*.ncu-rep' . 2>/dev/null
-    [ -s "$OUT/gpu_check_logs.tmp" ] && mv -f "$OUT/gpu_check_logs.tmp" "$OUT/gpu_check_logs.tar.gz"
+    local tmp="$OUT/gpu_check_logs.$BASHPID.tmp"
+    tar -czf "$tmp" -C "$work" --exclude='*.ncu-rep' . 2>/dev/null
+    if [ -s "$tmp" ]; then mv -f "$tmp" "$OUT/gpu_check_logs.tar.gz"; else rm -f "$tmp"; fi
 }
 if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"
