@@ -161,6 +161,22 @@ def test_misaligned_rows_fall_back_to_fwd_simt(rng, launched, dtype):
     check_against_oracle(out, lse, q, k, v, window=(None, 0))
 
 
+@pytest.mark.parametrize("scale, kernel", [(1e-30, "cf::fwd_mma_kernel"), (1e-40, "cf::fwd_simt_kernel"),
+                                           (4.4e-159, "cf::fwd_simt_kernel")],
+                         ids=["tiny", "float32-subnormal", "float32-zero"])
+def test_tiny_scales_give_finite_rows(rng, launched, scale, kernel):
+    # fwd_mma folds the scale into the exponent as a float32 scale * log2(e) times
+    # every score, masked ones (-inf) included: where that factor is 0 -- or a
+    # subnormal, which this GPU flushes (-ftz=true) and the emulator does not -- the
+    # rows were NaN, so such scales run fwd_simt (the tail block masks key columns)
+    q = random_array(rng, (1, 2, 70, 64), HALF_DTYPES[0])
+    k = random_array(rng, (1, 2, 90, 64), HALF_DTYPES[0])
+    v = random_array(rng, (1, 2, 90, 64), HALF_DTYPES[0])
+    out, lse = attention_on_gpu(q, k, v, scale=scale)
+    assert [n.split("<")[0] for n in launched] == [kernel]
+    check_against_oracle(out, lse, q, k, v, scale=scale)
+
+
 # ---- a long sequence -------------------------------------------------------------------------------
 
 def _float32_reference(q, k, v, *, causal):
