@@ -43,8 +43,8 @@ fi
 # every 15 s and after each step: those machines return at most 8 files from $OUT, and a
 # run stopped at the device's time limit (SIGKILL: no trap runs) still returns the last
 # copy.  $OUT then holds the results' .json and .md, the sweep's two gpu_variants*.json
-# and this archive (and, while it is rewritten, one or two .tmp files).  ncu's own reports stay out of
-# it (their CSV exports go in).
+# and this archive (and, while it is rewritten, one or two .tmp files).  ncu's own
+# reports stay out of it (their CSV exports go in).
 work=$(mktemp -d)
 save_logs() {   # the saver below and the main shell may both be at it: a file each
     [ -n "${OUT:-}" ] || return 0

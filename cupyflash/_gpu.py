@@ -14,6 +14,7 @@ shared_mem, params)``.
 from __future__ import annotations
 
 import importlib
+import math
 import os
 
 import numpy as np
@@ -107,7 +108,7 @@ def whole_blocks(seqlen: int | None, block: int, head_dim: int, bucket: int) -> 
 # It must be a positive normal float32: a scale below about 8e-39 is 0 there, or a
 # subnormal that the kernels' flush-to-zero (-ftz=true) makes 0, and -inf * 0 is
 # NaN.  Such scales run fwd_simt, which scales before it masks.
-_LOG2E = 1.4426950408889634
+_LOG2E = math.log2(math.e)   # as fwd_params derives scale_log2
 _FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 
 
