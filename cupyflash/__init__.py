@@ -5,11 +5,12 @@
 """
 
 from ._api import attention, attention_backward
+from ._merge import merge_attention
 from . import reference
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_backward", "precompile", "reference", "__version__"]
+__all__ = ["attention", "attention_backward", "merge_attention", "precompile", "reference", "__version__"]
 
 
 def precompile(*, dtypes=None, head_dims=None, families=None, device=None):
