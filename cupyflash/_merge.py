@@ -157,7 +157,8 @@ def merge_attention(outs, lses, /, *, axis=0, out=None):
     total = xp.zeros(result_shape[:-1], dtype=acc)
     for i in range(n):
         total += xp.exp(xp.take(lses, i, axis=ax) - shift)
-    lse = xp.log(total) + shift          # -inf where total == 0; NaN propagates
+    with np.errstate(divide="ignore"):   # log(0) = -inf is the answer for rows with no key
+        lse = xp.log(total) + shift      # NaN propagates
     lse_shift = xp.where(xp.isneginf(lse), xp.zeros((), dtype=acc), lse)
     merged = xp.zeros(result_shape, dtype=acc)
     for i in range(n):
