@@ -187,7 +187,11 @@ class _NCCLTransport:
 
     def __init__(self, comm):
         self.comm = comm
-        self.rt = _nccl_runtime()
+        try:
+            self.rt = _nccl_runtime()
+        except ImportError as exc:
+            raise TypeError(f"`comm` ({type(comm).__name__}) has the NCCL communicator's interface, "
+                            f"but CuPy's NCCL module cannot be imported: {exc}") from None
         self.rank, self.size = comm.rank_id(), comm.size()
         self.kinds = (self.rt.kind,)
         self.stream = self.rt.side_stream()
