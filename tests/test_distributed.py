@@ -24,8 +24,9 @@ import pytest
 import cupyflash
 from cupyflash import distributed
 from cupyflash.distributed import ring_attention, ring_attention_backward, shard, unshard
+from cupyflash.reference import naive_attention, naive_attention_backward
 
-from _util import random_qkv
+from _util import assert_close, assert_grad_close, assert_lse_close, random_qkv
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -334,3 +335,30 @@ def test_bad_layout_and_unequal_qkv_lengths_are_value_errors(monkeypatch):
         run_ranks(1, lambda comm: ring_attention(q, q, q, comm=comm, layout="striped"))
     with pytest.raises(ValueError, match=r"one length on axis -2.*\[6, 5, 5\]"):
         run_ranks(1, lambda comm: ring_attention(q, q[:, :5], q[:, :5], comm=comm))
+
+
+# ---------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["float64", "float32"])
+def test_nccl_world_of_one_on_the_gpu_equals_attention(dtype):
+    import cupy as cp
+    from cupy.cuda import nccl
+
+    comm = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
+    rng = np.random.default_rng(11)
+    q, k, v = random_qkv(rng, (4, 300, 64), (2, 300, 64), (2, 300, 64), dtype)
+    dout = rng.standard_normal((4, 300, 64)).astype(dtype)
+    q, k, v, dout = (cp.asarray(x) for x in (q, k, v, dout))
+    opts = dict(causal=True, window=(100, None), enable_gqa=True)
+    out, lse = ring_attention(q, k, v, comm=comm, return_lse=True, layout="zigzag", **opts)
+    grads = ring_attention_backward(dout, q, k, v, out, lse, comm=comm, layout="zigzag", **opts)
+    host = [x.get() for x in (q, k, v, dout)]
+    ref, ref_lse = naive_attention(*host[:3], return_lse=True, **opts)
+    ref_grads = naive_attention_backward(host[3], *host[:3], **opts)
+    assert all(isinstance(x, cp.ndarray) and x.dtype == dtype for x in (out, *grads))
+    assert_close(out.get(), ref, dtype)
+    assert_lse_close(lse.get(), ref_lse, dtype)
+    for what, got, expected in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_grad_close(got.get(), expected, dtype, what=what)
