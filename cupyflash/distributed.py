@@ -99,8 +99,9 @@ class _MPITransport:
 
         return [cupy.asarray(h) for h in self.comm.allgather(x.get())]
 
-    def start(self, sends, recvs, dest, source):
-        """Start sending ``sends`` to ``dest`` and receiving ``recvs`` from ``source``."""
+    def start(self, sends, recvs, dest, source, tag=0):
+        """Start sending ``sends`` to ``dest`` and receiving ``recvs`` from ``source``
+        (message ``i`` with tag ``tag + i``)."""
         staged = []
         if sends and not isinstance(sends[0], np.ndarray):
             import cupy
@@ -117,9 +118,9 @@ class _MPITransport:
                 staged = [(cupyx.empty_pinned(a.shape, a.dtype), a) for a in recvs]
                 sends, recvs = host_sends, [h for h, _ in staged]
         requests = []
-        for tag, (s, r) in enumerate(zip(sends, recvs)):
-            requests.append(self.comm.Isend(_bytes(s), dest=dest, tag=tag))
-            requests.append(self.comm.Irecv(_bytes(r), source=source, tag=tag))
+        for i, (s, r) in enumerate(zip(sends, recvs)):
+            requests.append(self.comm.Isend(_bytes(s), dest=dest, tag=tag + i))
+            requests.append(self.comm.Irecv(_bytes(r), source=source, tag=tag + i))
         return requests, staged
 
     def wait(self, handle):
@@ -222,7 +223,8 @@ class _NCCLTransport:
         self.rt.wait_event(self.rt.record(self.stream))
         return [recv[r][..., :n, :] for r, n in enumerate(lengths)]
 
-    def start(self, sends, recvs, dest, source):
+    def start(self, sends, recvs, dest, source, tag=0):
+        # NCCL matches point-to-point calls by their order (the same on every rank), not tags;
         # the side stream starts once the compute stream has written what is sent and
         # finished reading the buffers about to be received into
         self.rt.wait_event(self.rt.record(), self.stream)
@@ -287,7 +289,8 @@ def _agree(t, error, seqlen, signature, layout, what):
 
 
 def _validate(t, check, arrays, seqlens, layout, extra_sig):
-    """Local checks, then the agreement; returns (problem, checked arrays, global L)."""
+    """Local checks (``check`` returns the Problem first), then the agreement; returns
+    (what ``check`` returned, the global length)."""
     error, result, seqlen, sig = None, None, 0, ""
     try:
         _check_layout(layout)
@@ -295,8 +298,9 @@ def _validate(t, check, arrays, seqlens, layout, extra_sig):
         problem = result[0]
         kinds = {problem.kind}
         if not kinds <= set(t.kinds):
-            raise TypeError(f"{'NumPy' if problem.kind == 'numpy' else 'CuPy'} arrays cannot travel "
-                            f"over {t.name}: NumPy arrays need an mpi4py communicator")
+            raise TypeError("NumPy arrays need an mpi4py communicator (NCCL carries CuPy arrays)"
+                            if problem.kind == "numpy" else
+                            f"{problem.kind} arrays cannot travel over {t.name}")
         if len(set(seqlens)) != 1:
             raise ValueError(f"q, k and v shards must have one length on axis -2 (self-attention "
                              f"over one sequence); got {seqlens}")
@@ -359,6 +363,14 @@ def _pairs(q_ranges, k_ranges, band):
             k_off += kr[1] - kr[0]
         q_off += qr[1] - qr[0]
     return found
+
+
+def _array_module(kind: str):
+    if kind == "numpy":
+        return np
+    import cupy
+
+    return cupy
 
 
 def _accum(dtype) -> np.dtype:
@@ -479,7 +491,7 @@ def ring_attention(q, k, v, /, *, comm, causal=False, window=None, scale=None, e
 
 
 def _ring_forward(t, p, total, layout, return_lse):
-    xp = np if p.kind == "numpy" else __import__("cupy")
+    xp = _array_module(p.kind)
     acc = _accum(p.dtype)
     q = p.q.astype(acc, copy=False)
     band = _band(p.window_left, p.window_right)
@@ -569,7 +581,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, /, *, comm, causal=False, w
 
 
 def _ring_backward(t, p, dout, out, lse, total, layout):
-    xp = np if p.kind == "numpy" else __import__("cupy")
+    xp = _array_module(p.kind)
     acc = _accum(p.dtype)
     q, dout, out = (x.astype(acc, copy=False) for x in (p.q, dout, out))
     band = _band(p.window_left, p.window_right)
@@ -603,7 +615,7 @@ def _ring_backward(t, p, dout, out, lse, total, layout):
         if t.size > 1:
             # the accumulators follow their shard; the last send brings them home
             grads_next = [_empty_like_shard(xp, a, lengths[(src - 1) % t.size]) for a in grads]
-            grads_pending = t.start(grads, grads_next, nxt_rank, prev_rank)
+            grads_pending = t.start(grads, grads_next, nxt_rank, prev_rank, tag=2)
         if kv_pending is not None:
             t.wait(kv_pending)
             cur = nxt
@@ -621,7 +633,7 @@ def _check_sharded_array(x, name):
 
 
 def _xp_of(x):
-    return np if isinstance(x, np.ndarray) else __import__("cupy")
+    return _array_module("numpy" if isinstance(x, np.ndarray) else "cupy")
 
 
 def shard(x, comm, layout="contiguous"):
