@@ -11,6 +11,7 @@ import os
 import queue
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -43,9 +44,16 @@ def mpiexec(n, *args, timeout=TIMEOUT):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
     start = time.perf_counter()
-    proc = subprocess.run([exe, "-n", str(n), sys.executable, str(WORKER), *args], cwd=TESTS,
-                          env=env, capture_output=True, text=True, timeout=timeout, check=False)
-    return proc.returncode, proc.stdout + proc.stderr, time.perf_counter() - start
+    # a session of its own: on a hang, the whole launch (mpiexec, its proxies, the ranks) is killed
+    proc = subprocess.Popen([exe, "-n", str(n), sys.executable, str(WORKER), *args], cwd=TESTS, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"mpiexec -n {n} {' '.join(args)} did not end within {timeout} s (a hang):\n{log[-4000:]}")
+    return proc.returncode, log, time.perf_counter() - start
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
