@@ -81,11 +81,14 @@ class _MPITransport:
         self._cuda_aware = None
 
     def cuda_aware(self) -> bool:
+        """Whether the MPI library takes device memory: it lists CUDA among the memory kinds of
+        the communicator (MPI 4.1's ``mpi_memory_alloc_kinds`` info, e.g. ``cuda:device``)."""
         if self._cuda_aware is None:
-            from mpi4py import MPI
-
-            query = getattr(MPI, "Query_cuda_support", None)
-            self._cuda_aware = bool(query()) if query is not None else False
+            info = self.comm.Get_info()
+            try:
+                self._cuda_aware = _lists_cuda_memory(info.Get("mpi_memory_alloc_kinds") or "")
+            finally:
+                info.Free()
         return self._cuda_aware
 
     def allgather_ints(self, values: list[int]) -> list[list[int]]:
@@ -133,6 +136,16 @@ class _MPITransport:
 
     def abort(self):
         self.comm.Abort(1)
+
+
+def _lists_cuda_memory(kinds: str) -> bool:
+    """True if an ``mpi_memory_alloc_kinds`` value (``"mpi,system,cuda:device"``) includes
+    CUDA device memory: the kind ``cuda`` with no restrictor or with ``device``."""
+    for kind in kinds.split(","):
+        name, *restrictors = kind.strip().split(":")
+        if name == "cuda" and (not restrictors or "device" in restrictors):
+            return True
+    return False
 
 
 def _bytes(a):
@@ -464,8 +477,9 @@ def ring_attention(q, k, v, /, *, comm, causal=False, window=None, scale=None, e
     bfloat16 shards are computed per pair in float32 (widened copies), so that
     no partial is rounded to half precision; the result is rounded once.
 
-    Over MPI, CuPy arrays go straight from device memory if mpi4py reports a
-    CUDA-aware MPI (``MPI.Query_cuda_support()``); otherwise each transfer is
+    Over MPI, CuPy arrays go straight from device memory if the MPI library says
+    it takes CUDA device memory (it lists ``cuda`` or ``cuda:device`` in the
+    communicator's ``mpi_memory_alloc_kinds`` info, MPI 4.1); otherwise each transfer is
     staged through pinned host memory (a device-host and a host-device copy per
     step, at PCIe speed, and the host synchronises with the stream each step).
 

@@ -155,6 +155,12 @@ def test_backward_of_a_pair_with_the_global_out_and_lse_is_its_share():
     assert not np.allclose(dk_loc, dk[:, :4])
 
 
+def test_cuda_awareness_is_read_from_the_memory_kinds():
+    listed = distributed._lists_cuda_memory
+    assert listed("mpi,system,cuda") and listed("mpi,system,cuda:device") and listed("cuda:host:device")
+    assert not listed("mpi,system") and not listed("cuda:host") and not listed("") and not listed("rocm:device")
+
+
 def test_importing_cupyflash_does_not_import_mpi4py():
     code = "import sys, cupyflash, cupyflash.distributed; print('mpi4py' in sys.modules, 'cupy' in sys.modules)"
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
