@@ -24,7 +24,7 @@ from cupyflash import distributed
 from cupyflash.distributed import ring_attention, ring_attention_backward, shard, unshard
 from cupyflash.reference import naive_attention, naive_attention_backward
 
-from _util import TOLERANCE, accum_dtype, random_qkv
+from _util import TOLERANCE, accum_dtype, bfloat16, random_qkv
 
 COMM = None                 # MPI.COMM_WORLD; mpi4py is imported in main, not on import
 L = 11                      # not divisible by 2, 3, 4, 6 or 8: the shards differ in length
@@ -33,7 +33,7 @@ MASKS = [(False, None), (True, None), (False, (2, 3)), (True, (4, None)), (False
 
 def cases():
     """(layout, causal, window, dtype, gqa): every mask and layout in float64 and float32,
-    GQA on every other case, and a float16 case per layout."""
+    GQA on every other case, a float16 case per layout and a bfloat16 one."""
     found = []
     i = 0
     for layout in distributed.LAYOUTS:
@@ -42,6 +42,8 @@ def cases():
                 found.append((layout, causal, window, np.dtype(dtype), i % 2 == 1))
                 i += 1
         found.append((layout, True, (3, None), np.dtype(np.float16), True))
+    if bfloat16 is not None:
+        found.append(("zigzag", False, (2, 3), bfloat16, False))
     return found
 
 
