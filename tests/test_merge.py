@@ -173,3 +173,20 @@ def test_bad_input_raises_before_writing(case):
         cupyflash.merge_attention(kwargs.pop("outs"), kwargs.pop("lses"), **kwargs)
     if out is not None:
         np.testing.assert_array_equal(out, before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=["float16", "float32", "float64"])
+def test_merge_of_cupy_partials_equals_single_call(dtype):
+    import cupy as cp
+
+    rng = np.random.default_rng(9)
+    q, k, v = random_qkv(rng, (2, 3, LQ, 64), (2, 3, LK, 64), (2, 3, LK, 64), dtype)
+    parts = key_partition(rng, 4, LK)
+    outs, lses = partials(*(cp.asarray(x) for x in (q, k, v)), parts, "cuda")
+    out, lse = cupyflash.merge_attention(outs, lses)
+    assert isinstance(out, cp.ndarray) and out.dtype == dtype and lse.dtype == accum_dtype(dtype)
+    whole, whole_lse, bound = merge_bound(q, k, v, parts, dtype)
+    err = np.abs(out.get().astype(np.float64) - whole)
+    assert (err <= bound).all(), f"parts={parts}: error {err.max():.3g} beyond the bound"
+    assert_lse_close(lse.get(), whole_lse, dtype)
