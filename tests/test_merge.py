@@ -148,7 +148,8 @@ def _bad_cases():
     f32 = np.zeros((2, 3, 4, 5), np.float32)
     l32 = np.zeros((2, 3, 4), np.float32)
     return [
-        (dict(outs=f32, lses=l32[:, :, :3]), ValueError, r"`lses` must have shape outs.shape\[:-1\] = \(2, 3, 4\); got \(2, 3, 3\)"),
+        (dict(outs=f32, lses=l32[:, :, :3]), ValueError,
+         r"`lses` must have shape outs.shape\[:-1\] = \(2, 3, 4\); got \(2, 3, 3\)"),
         (dict(outs=f32[0, 0], lses=l32[0, 0]), ValueError, "at least 3 axes"),
         (dict(outs=f32, lses=l32, axis=2), ValueError, "batch axis"),
         (dict(outs=f32, lses=l32, axis=-1), ValueError, "batch axis"),
@@ -159,7 +160,8 @@ def _bad_cases():
         (dict(outs=[f32[0], f32[1, :2]], lses=[l32[0], l32[1, :2]]), ValueError, "one shape"),
         (dict(outs=[], lses=[]), ValueError, "at least one"),
         (dict(outs=f32, lses=l32, out=np.zeros((3, 4, 5), np.float64)), ValueError, "`out` must have dtype float32"),
-        (dict(outs=f32, lses=l32, out=np.zeros((2, 4, 5), np.float32)), ValueError, r"`out` must have shape \(3, 4, 5\)"),
+        (dict(outs=f32, lses=l32, out=np.zeros((2, 4, 5), np.float32)), ValueError,
+         r"`out` must have shape \(3, 4, 5\)"),
         (dict(outs=f32, lses=l32, out=f32[0]), ValueError, "must not overlap"),
     ]
 
