@@ -43,12 +43,13 @@ def reject_keywords(function: str, keywords: dict) -> None:
 class Options:
     """Checked, hashable options of one adapter call.
 
-    ``scale`` is resolved (``1/sqrt(d)`` by default); ``window`` is
-    ``(left, right)`` with ``-1`` for an unbounded side, or ``None``; the
-    other fields are the user's values.
+    The fields are the keywords of the library's functions; from
+    :func:`check_call`, ``scale`` is resolved (``1/sqrt(d)`` for ``None``)
+    and ``window`` is ``None`` or ``(left, right)`` with ``-1`` for an
+    unbounded side.
     """
 
-    scale: float
+    scale: float | None
     causal: bool
     window: tuple[int, int] | None
     enable_gqa: bool

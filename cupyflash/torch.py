@@ -32,9 +32,6 @@ from ._validation import SUPPORTED_DTYPES
 
 __all__ = ["attention"]
 
-_NUMPY_DTYPES = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
-
-
 def attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=False,
               precision="ieee", deterministic=True, backend="auto", **unsupported):
     """:func:`cupyflash.attention` on PyTorch tensors, differentiable in q, k and v.
@@ -94,13 +91,18 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=F
     (True, torch.Size([2, 4, 16, 8]))
     """
     _adapters.reject_keywords("cupyflash.torch.attention", unsupported)
-    options = _check(q, k, v, scale=scale, causal=causal, window=window, enable_gqa=enable_gqa,
-                     precision=precision, deterministic=deterministic, backend=backend)
+    options = _adapters.Options(scale=scale, causal=causal, window=window, enable_gqa=enable_gqa,
+                                precision=precision, deterministic=deterministic,
+                                backend=backend)
+    _check_tensors(q, k, v, backend)
+    if not torch.compiler.is_compiling():   # when compiling, the fake implementation checks
+        _check_call((q, k, v), options)
     out, _ = torch.ops.cupyflash.attention_forward(q, k, v, *_op_arguments(options))
     return out
 
 
-def _check(q, k, v, *, backend, **keywords) -> _adapters.Options:
+def _check_tensors(q, k, v, backend) -> None:
+    """What the library cannot check on NumPy placeholders: types, devices, dtypes."""
     tensors = {"q": q, "k": k, "v": v}
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
@@ -115,38 +117,47 @@ def _check(q, k, v, *, backend, **keywords) -> _adapters.Options:
         raise TypeError("backend='cuda' needs CUDA tensors; got CPU tensors (use .cuda())")
     if device == "cuda" and backend in ("numpy", "emulator"):
         raise TypeError(f"backend={backend!r} needs CPU tensors; got CUDA tensors (use .cpu())")
-    dtypes = []
     for name, t in tensors.items():
-        dtype = _numpy_dtype(t.dtype)
-        if dtype is None:
+        if t.dtype not in _DTYPES:
             raise TypeError(f"`{name}` must have dtype {SUPPORTED_DTYPES}; got {t.dtype}")
-        dtypes.append(dtype)
-    # checked as on NumPy arrays here (an unknown backend too); the CUDA backend's own
-    # limits (head dims up to 256) are checked when it runs
-    check_backend = "numpy" if backend in ("auto", "cuda") else backend
-    _, options = _adapters.check_call([t.shape for t in tensors.values()], dtypes,
-                                      check_backend=check_backend, backend=backend, **keywords)
-    return options
 
 
-def _numpy_dtype(dtype):
-    if dtype == torch.bfloat16:
-        import ml_dtypes
+def _check_call(tensors, options: _adapters.Options):
+    """The library's checks of a call on tensors of these shapes and dtypes; its problem.
 
-        return np.dtype(ml_dtypes.bfloat16)
-    found = _NUMPY_DTYPES.get(dtype)
-    return None if found is None else np.dtype(found)
+    The CUDA backend is checked as the NumPy one is (an unknown backend name too);
+    its own limits (head dims up to 256) are checked when it runs.
+    """
+    backend = "numpy" if options.backend in ("auto", "cuda") else options.backend
+    problem, _ = _adapters.check_call(
+        [tuple(int(n) for n in t.shape) for t in tensors], [_DTYPES[t.dtype]() for t in tensors],
+        check_backend=backend, **options.backward_keywords())
+    return problem
+
+
+def _bfloat16():
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+# torch dtype -> the NumPy dtype of the library's arrays (bfloat16's from ml_dtypes, on demand)
+_DTYPES = {torch.float16: lambda: np.dtype(np.float16), torch.bfloat16: _bfloat16,
+           torch.float32: lambda: np.dtype(np.float32), torch.float64: lambda: np.dtype(np.float64)}
 
 
 def _op_arguments(options: _adapters.Options) -> tuple:
-    """The operators' non-tensor arguments, in their schema's order."""
-    left, right = options.window if options.window is not None else (-1, -1)
+    """The operators' non-tensor arguments, in their schema's order (an unbounded
+    window side is -1, as for :func:`cupyflash.attention`)."""
+    window = options.window if options.window is not None else (-1, -1)
+    left, right = (-1 if w is None else w for w in window)
     return (options.scale, options.causal, left, right, options.enable_gqa, options.precision,
             options.deterministic, options.backend)
 
 
 def _options(scale, causal, window_left, window_right, enable_gqa, precision, deterministic,
              backend) -> _adapters.Options:
+    """The inverse of :func:`_op_arguments`."""
     window = None if window_left == window_right == -1 else (window_left, window_right)
     return _adapters.Options(scale=scale, causal=causal, window=window, enable_gqa=enable_gqa,
                              precision=precision, deterministic=deterministic, backend=backend)
@@ -167,9 +178,7 @@ class _Host:
     def to_array(t):
         t = t.detach()
         if t.dtype == torch.bfloat16:
-            import ml_dtypes
-
-            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+            return t.view(torch.int16).numpy().view(_bfloat16())
         return t.numpy()
 
     @staticmethod
@@ -203,9 +212,7 @@ class _Device:
     def to_array(self, t):
         t = t.detach()
         if t.dtype == torch.bfloat16:
-            import ml_dtypes
-
-            return self._cupy.from_dlpack(t.view(torch.int16)).view(ml_dtypes.bfloat16)
+            return self._cupy.from_dlpack(t.view(torch.int16)).view(_bfloat16())
         return self._cupy.from_dlpack(t)
 
     def to_tensor(self, a):
@@ -224,7 +231,7 @@ _ACCUM = {"float32": torch.float32, "float64": torch.float64}
 
 
 @torch.library.custom_op("cupyflash::attention_forward", mutates_args=())
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, causal: bool,
              window_left: int, window_right: int, enable_gqa: bool, precision: str,
              deterministic: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     options = _options(scale, causal, window_left, window_right, enable_gqa, precision,
@@ -236,26 +243,15 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, ca
 
 
 @_forward.register_fake
-def _forward_fake(q, k, v, scale, causal, window_left, window_right, enable_gqa, precision,
-                  deterministic, backend):
-    problem = _fake_problem(q, k, v, enable_gqa)
+def _forward_fake(q, k, v, *arguments):
+    problem = _check_call((q, k, v), _options(*arguments))
     return (q.new_empty(problem.out_shape),
             q.new_empty(problem.lse_shape, dtype=_ACCUM[problem.accum_dtype.name]))
 
 
-def _fake_problem(q, k, v, enable_gqa):
-    """The result shapes and accumulation dtype of a call on q, k and v (fake tensors)."""
-    shapes = [tuple(int(n) for n in t.shape) for t in (q, k, v)]
-    problem, _ = _adapters.check_call(
-        shapes, [_numpy_dtype(t.dtype) for t in (q, k, v)], scale=None, causal=False,
-        window=None, enable_gqa=enable_gqa, precision="ieee", deterministic=True,
-        backend="auto", check_backend="numpy")
-    return problem
-
-
 @torch.library.custom_op("cupyflash::attention_backward", mutates_args=())
 def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool,
+              out: torch.Tensor, lse: torch.Tensor, scale: float | None, causal: bool,
               window_left: int, window_right: int, enable_gqa: bool, precision: str,
               deterministic: bool, backend: str
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
