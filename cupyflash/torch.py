@@ -83,8 +83,9 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=F
     --------
     >>> import torch
     >>> import cupyflash.torch as cft
-    >>> q, k, v = torch.randn(3, 2, 4, 16, 8, dtype=torch.float64, requires_grad=True).unbind(0)
-    >>> out = cft.attention(q, k, v, causal=True)
+    >>> q, k, v = (torch.randn(2, 4, 16, 8, dtype=torch.float64, requires_grad=True)
+    ...            for _ in range(3))
+    >>> out = cft.attention(q, k, v, causal=True)      # (batch, heads, L, d)
     >>> out.sum().backward()
     >>> ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     >>> torch.allclose(out, ref, rtol=0, atol=1e-12), q.grad.shape
