@@ -97,7 +97,7 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=F
                                 backend=backend)
     _check_tensors(q, k, v, backend)
     if not torch.compiler.is_compiling():   # when compiling, the fake implementation checks
-        _check_call((q, k, v), options)
+        _, options = _check_call((q, k, v), options)
     out, _ = torch.ops.cupyflash.attention_forward(q, k, v, *_op_arguments(options))
     return out
 
@@ -124,16 +124,16 @@ def _check_tensors(q, k, v, backend) -> None:
 
 
 def _check_call(tensors, options: _adapters.Options):
-    """The library's checks of a call on tensors of these shapes and dtypes; its problem.
+    """The library's checks of a call on tensors of these shapes and dtypes: its
+    problem and the checked options (see :func:`cupyflash._adapters.check_call`).
 
     The CUDA backend is checked as the NumPy one is (an unknown backend name too);
     its own limits (head dims up to 256) are checked when it runs.
     """
     backend = "numpy" if options.backend in ("auto", "cuda") else options.backend
-    problem, _ = _adapters.check_call(
+    return _adapters.check_call(
         [tuple(int(n) for n in t.shape) for t in tensors], [_DTYPES[t.dtype]() for t in tensors],
         check_backend=backend, **options.backward_keywords())
-    return problem
 
 
 def _bfloat16():
@@ -245,7 +245,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | N
 
 @_forward.register_fake
 def _forward_fake(q, k, v, *arguments):
-    problem = _check_call((q, k, v), _options(*arguments))
+    problem, _ = _check_call((q, k, v), _options(*arguments))
     return (q.new_empty(problem.out_shape),
             q.new_empty(problem.lse_shape, dtype=_ACCUM[problem.accum_dtype.name]))
 

@@ -124,6 +124,21 @@ def test_emulator_backend_is_forwarded():
         np.testing.assert_array_equal(got.detach().numpy(), want)
 
 
+def test_backward_saves_only_q_k_v_out_and_lse():
+    q, k, v = _inputs(CASES["lq_ne_lk"][1])
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = cft.attention(q, k, v, scale=np.float32(0.5))
+    shapes = [tuple(t.shape) for t in saved]
+    assert shapes == [q.shape, k.shape, v.shape, out.shape, out.shape[:-1]], shapes
+    assert saved[3] is out or saved[3].data_ptr() == out.data_ptr()
+
+
 def test_double_backward_raises_a_clear_error():
     q, k, v = _inputs(CASES["full"][1])
     out = cft.attention(q, k, v)
