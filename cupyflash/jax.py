@@ -6,8 +6,9 @@
 The function is a ``jax.custom_vjp`` whose forward and backward call
 :func:`cupyflash.attention` and :func:`cupyflash.attention_backward` through
 ``jax.pure_callback`` on NumPy arrays on the host.  On the CPU the callback
-sees XLA's buffers; on a GPU every call copies its inputs to the host and its
-results back (a round trip through host memory), and computes on the CPU.
+reads XLA's buffers without copying them and its results are copied once into
+XLA's; on a GPU every call copies its inputs to the host and its results back
+(a round trip through host memory), and computes on the CPU.
 """
 
 from __future__ import annotations

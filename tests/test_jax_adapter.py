@@ -127,7 +127,7 @@ def test_causal_is_bottom_right_where_jax_is_top_left(x64):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"], ids=["float32", "bfloat16"])
-def test_lower_precision_is_the_library_bit_for_bit(dtype):
+def test_float32_and_bfloat16_are_the_library_bit_for_bit(dtype):
     if dtype == "bfloat16" and bfloat16 is None:
         pytest.skip("ml_dtypes is not installed")
     q, k, v = _inputs(((2, 5, 8), (2, 7, 8), (2, 7, 8)), dtype=dtype, seed=8)
@@ -178,3 +178,25 @@ def test_import_without_jax_names_the_extra():
     assert result.returncode != 0
     assert 'ImportError: cupyflash.jax needs JAX; install it with: pip install "cupyflash[jax]"' \
         in result.stderr, result.stderr
+
+
+# ---- GPU tier: arrays on a GPU go through the host callback ---------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["causal", "gqa", "lq_ne_lk"])
+def test_gpu_arrays_grad_and_vmap_match_float64_reference(case, x64):
+    try:
+        device = jax.devices("gpu")[0]
+    except RuntimeError:
+        pytest.skip("JAX has no GPU backend here")
+    keywords, shapes = CASES[case]
+    q, k, v = jax.device_put(_inputs(shapes, seed=10), device)
+    w = jax.device_put(jax.random.normal(jax.random.key(11), shapes[0][:-1] + (shapes[2][-1],)),
+                       device)
+    grad = jax.jit(jax.grad(_loss(cfj.attention, **keywords), argnums=(0, 1, 2)))
+    result = grad(q, k, v, w)
+    assert all(g.devices() == {device} for g in result)
+    _assert_all_close(result, jax.jit(jax.grad(_loss(_reference, **keywords), argnums=(0, 1, 2)))(q, k, v, w),
+                      **F64)
+    batched = jax.vmap(lambda q: cfj.attention(q, k, v, **keywords))(jnp.stack([q, 2 * q]))
+    _assert_all_close([batched[1]], [_reference(2 * q, k, v, **keywords)], **F64)
