@@ -65,7 +65,9 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=F
         and any keyword not listed above (``return_lse`` and ``out`` of
         :func:`cupyflash.attention` included).
     ValueError
-        As :func:`cupyflash.attention`.
+        As :func:`cupyflash.attention`.  Under ``torch.compile`` these checks
+        run when the call is traced, and PyTorch reports them wrapped in its
+        own error (with this message).
 
     See Also
     --------
