@@ -146,6 +146,27 @@ def test_float32_and_bfloat16_are_the_library_bit_for_bit(dtype):
                                **TOLERANCE[np.dtype(out.dtype)])
 
 
+def test_every_keyword_reaches_the_library(monkeypatch):
+    calls = {}
+
+    def spy(name, function):
+        def call(*arrays, **keywords):
+            calls[name] = keywords
+            return function(*arrays, **keywords)
+        return call
+
+    monkeypatch.setattr(cfj, "_attention", spy("forward", cfj._attention))
+    monkeypatch.setattr(cfj, "_attention_backward", spy("backward", cfj._attention_backward))
+    q, k, v = _inputs(CASES["gqa"][1], dtype="float32")
+    jax.grad(lambda q: jnp.sum(cfj.attention(
+        q, k, v, scale=0.5, causal=True, window=(None, 2), enable_gqa=True, precision="tf32x3",
+        deterministic=False, backend="numpy")))(q)
+    expected = dict(scale=0.5, causal=True, window=(-1, 2), enable_gqa=True,
+                    precision="tf32x3", backend="numpy")
+    assert calls["forward"] == dict(expected, return_lse=True)
+    assert calls["backward"] == dict(expected, deterministic=False)
+
+
 @pytest.mark.parametrize("call, error, match", [
     (lambda q: cfj.attention([[1.0]], q, q), TypeError, "`q` must be a JAX array"),
     (lambda q: cfj.attention(q, q.astype("float16"), q), TypeError, "same dtype"),

@@ -123,6 +123,27 @@ def test_emulator_backend_is_forwarded():
         np.testing.assert_array_equal(got.detach().numpy(), want)
 
 
+def test_every_keyword_reaches_the_library(monkeypatch):
+    calls = {}
+
+    def spy(name, function):
+        def call(*arrays, **keywords):
+            calls[name] = keywords
+            return function(*arrays, **keywords)
+        return call
+
+    monkeypatch.setattr(cft, "_attention", spy("forward", cft._attention))
+    monkeypatch.setattr(cft, "_attention_backward", spy("backward", cft._attention_backward))
+    q, k, v = _inputs(CASES["gqa"][1], dtype=torch.float32)
+    out = cft.attention(q, k, v, scale=0.5, causal=True, window=(None, 2), enable_gqa=True,
+                        precision="tf32x3", deterministic=False, backend="numpy")
+    out.sum().backward()
+    expected = dict(scale=0.5, causal=True, window=(-1, 2), enable_gqa=True,
+                    precision="tf32x3", backend="numpy")
+    assert calls["forward"] == dict(expected, return_lse=True)
+    assert calls["backward"] == dict(expected, deterministic=False)
+
+
 def test_backward_saves_only_q_k_v_out_and_lse():
     q, k, v = _inputs(CASES["lq_ne_lk"][1])
     saved = []
