@@ -7,6 +7,7 @@ examples of every page run in the test suite (tests/test_docs.py).
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -39,6 +40,9 @@ myst_heading_anchors = 3
 # autodoc + numpydoc: signatures as written, members in source order, no
 # autosummary tables of class members (the API page lists what is public).
 autodoc_member_order = "bysource"
+# the framework adapters (cupyflash.torch, cupyflash.jax) are documented where
+# their optional framework is not installed, on a stand-in
+autodoc_mock_imports = [name for name in ("torch", "jax") if importlib.util.find_spec(name) is None]
 autodoc_typehints = "none"
 numpydoc_show_class_members = False
 numpydoc_class_members_toctree = False

@@ -109,8 +109,16 @@ def _emulator() -> tuple[bool, str]:
     return emulator_available()
 
 
+def _torch_and_jax() -> tuple[bool, str]:
+    missing = [m for m in ("torch", "jax") if importlib.util.find_spec(m) is None]
+    if missing and os.environ.get("CI") != "true":     # CI installs both: there it must run
+        return False, f"{' and '.join(missing)} not installed"
+    return True, ""
+
+
 REQUIRES = {
     "tutorials/without-a-gpu.md": _emulator,
+    "tutorials/interop.md": _torch_and_jax,       # the adapters' CPU examples
 }
 
 
