@@ -71,6 +71,11 @@ struct QueryStream {
     // as one group, and load the statistics of row threadIdx.x (threads below
     // kBlockM) into lse_log2 and delta, for store_stats once `stage`'s are free.
     __device__ void issue(int stage, int64_t head, int64_t m_block, float& lse_log2, float& delta) const {
+        issue_tiles(stage, head, m_block);
+        load_stats(head, m_block, lse_log2, delta);
+    }
+    // The two halves of issue(), for a kernel that places them apart.
+    __device__ void issue_tiles(int stage, int64_t head, int64_t m_block) const {
         const FwdParams& p = params.fwd;
         const int64_t m0 = m_block * kBlockM;
         const int rows = static_cast<int>(min64(kBlockM, p.seqlen_q - m0));
@@ -80,9 +85,14 @@ struct QueryStream {
         cp_async_tile<Tr::kThreads, typename Tr::StreamTile, kWhole>(dout(stage), grad.dout, m0,
                                                                      params.dout_row_stride, rows, d);
         cp_async_commit();
+    }
+    __device__ void load_stats(int64_t head, int64_t m_block, float& lse_log2, float& delta) const {
+        const FwdParams& p = params.fwd;
+        const HeadSlice<T, float> qo(p, batch, head);
+        const GradSlice<T, float> grad(params, batch, head);
         if (threadIdx.x < kBlockM)
             query_stats(lse_log2, delta, qo.lse, p.lse_row_stride, grad.delta, params.delta_row_stride,
-                        m0 + static_cast<int>(threadIdx.x), p.seqlen_q);
+                        m_block * kBlockM + static_cast<int>(threadIdx.x), p.seqlen_q);
     }
     __device__ void store_stats(int stage, float lse_log2, float delta) const {
         stats[2 * stage * kBlockM + threadIdx.x] = lse_log2;

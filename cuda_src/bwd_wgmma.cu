@@ -171,7 +171,7 @@ __device__ __forceinline__ void add_dq_atomically(float* dq, int64_t row_stride,
             wgmma_desc_sw128(sK + Tr::OwnTile::chunk(16 * kk, col0 / 8), Tr::kOwnPageBytes, Tr::kGroupBytes),
             kk > 0);
     wgmma_commit();
-    wgmma_wait<0>();
+    wgmma_wait<0>(acc);
     const int row_base = 64 * m_slice + 16 * (warp_id() & 3);
     // A lane's columns come in pairs (c even: 2t, 2t + 1 of an 8-column group),
     // added by one vector reduction: every row of dq starts 8-byte aligned (the
@@ -245,9 +245,10 @@ bwd_wgmma_dkdv_kernel(const BwdParams params) {
             float next_lse_log2 = 0.0f, next_delta = 0.0f;
             const bool head_done = m_block + 1 == m_end;
             const bool has_next = !head_done || head + 1 < head_end;
-            if (has_next)
-                queries.issue(stage ^ 1, head_done ? head + 1 : head, head_done ? m_begin : m_block + 1,
-                              next_lse_log2, next_delta);
+            const int64_t next_head = head_done ? head + 1 : head, next_m = head_done ? m_begin : m_block + 1;
+            // (the atomic-dQ kernel loads the statistics before the products: after
+            // them, its d = 128 row spilled 4 bytes)
+            if (kAtomicDq && has_next) queries.load_stats(next_head, next_m, next_lse_log2, next_delta);
             const T* sQ = queries.q(stage);
             const T* sdO = queries.dout(stage);
             const float* sLse = queries.stats_lse_log2(stage);
@@ -263,10 +264,14 @@ bwd_wgmma_dkdv_kernel(const BwdParams params) {
             if constexpr (kDK) {
                 wgmma_own_stream<Tr>(dp, sV, sdO, wg_row0);  // dP^T = V dO^T
                 wgmma_commit();
-                wgmma_wait<1>();                           // S^T
-            } else {
-                wgmma_wait<0>();
             }
+            // The next block's copies go out behind the products, into the other
+            // stage, which no product in flight reads: their address arithmetic
+            // (about 200 instructions a warp) no longer delays the tensor cores.
+            if (has_next) queries.issue_tiles(stage ^ 1, next_head, next_m);
+            if (!kAtomicDq && has_next) queries.load_stats(next_head, next_m, next_lse_log2, next_delta);
+            if constexpr (kDK) wgmma_wait<1>(s);           // S^T
+            else wgmma_wait<0>(s);
             probabilities<Tr>(s, lse_of, scale_log2);      // P^T
             if (block.needs_mask(p, mask, m0, kBlockM, kBlockN))
                 apply_mask<false, Tr>(s, mask, m0, block.n0, row0, kBlockN, p.seqlen_q);
@@ -277,13 +282,15 @@ bwd_wgmma_dkdv_kernel(const BwdParams params) {
                 wgmma_accumulate<Tr>(dv, a, sdO);          // dV += P^T dO
             }
             if constexpr (kDK) {
-                if constexpr (kDV) wgmma_wait<1>(); else wgmma_wait<0>();  // dP^T (dV still in flight)
+                if constexpr (kDV) wgmma_wait<1>(dp); else wgmma_wait<0>(dp);  // dP^T (dV still in flight)
                 score_gradient<Tr>(dp, s, delta_of);       // dS^T
                 pack_a<Tr, T>(ds, dp);
                 if constexpr (kAtomicDq) store_accumulators<typename Tr::DsTile>(sdS, dp, row0);  // rounded as ds
                 wgmma_accumulate<Tr>(dk, ds, sQ);          // dK += dS^T Q
             }
-            wgmma_wait<0>();
+            if constexpr (kDV && kDK) wgmma_wait<0>(dv, a, dk, ds);
+            else if constexpr (kDV) wgmma_wait<0>(dv, a);
+            else wgmma_wait<0>(dk, ds);
             if constexpr (kAtomicDq) {
                 fence_proxy_async_shared();
                 __syncthreads();  // every warpgroup's dS^T visible (the last block's dQ read it before the top barrier)
@@ -370,16 +377,16 @@ bwd_wgmma_dq_kernel(const BwdParams params) {
         wgmma_commit();
         wgmma_own_stream<Tr>(dp, sdO, sV, wg_row0);    // dP = dO V^T
         wgmma_commit();
-        wgmma_wait<1>();                               // S
+        wgmma_wait<1>(s);                              // S
         probabilities<Tr>(s, lse_of, scale_log2);      // P
         if (block.needs_mask(mask, n0, kBlockN))
             apply_mask<true, Tr>(s, mask, block.m0 + row0, n0, 0, kBlockN, p.seqlen_q);
-        wgmma_wait<0>();                               // dP
+        wgmma_wait<0>(dp);                             // dP
         score_gradient<Tr>(dp, s, delta_of);           // dS
         uint32_t a[Tr::kStreamSteps][4];
         pack_a<Tr, T>(a, dp);
         wgmma_accumulate<Tr>(dq, a, sK);               // dQ += dS K
-        wgmma_wait<0>();
+        wgmma_wait<0>(dq, a);
     }
     cp_async_wait<0>();  // without a key block, Q and dO were never waited for
 

@@ -54,10 +54,42 @@ namespace cf {
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-// Wait until at most N of the warpgroup's most recent wgmma groups are pending.
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
+// An empty asm that the compiler must treat as reading and rewriting x: no
+// read of x moves above it, no write of x below it.  Applied to the registers
+// of a wgmma group after the wait that retires the group (wgmma_wait), because
+// the wait itself names no registers: without the pin the compiler may
+// legally read an accumulator, or rewrite an A fragment, between the wgmma
+// and its wait -- undefined behaviour by the PTX ISA's wgmma rules.
+__device__ __forceinline__ void pin_registers(float& x) { asm volatile("" : "+f"(x) :: "memory"); }
+__device__ __forceinline__ void pin_registers(uint32_t& x) { asm volatile("" : "+r"(x) :: "memory"); }
+template <typename R, int N>
+__device__ __forceinline__ void pin_registers(R (&x)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) pin_registers(x[i]);
+}
+// Wait until at most N of the warpgroup's most recent wgmma groups are pending,
+// then pin `regs`: the accumulators and A fragments of the groups this wait
+// retires (every group when N = 0), so that no access to them is scheduled
+// above the wait.
+template <int N, typename... Regs>
+__device__ __forceinline__ void wgmma_wait(Regs&... regs) {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
+    (pin_registers(regs), ...);
+}
+// wgmma_wait<0>(regs...) in a basic block of its own.  ptxas schedules a wait
+// within its basic block: in one block with the forward's softmax it hoisted
+// the wait above every exponential (SASS of each fwd_wgmma row, NVRTC 13.5), so
+// the softmax no longer ran while the tensor cores did P V.  The two arms are the
+// same wait -- their PTX comments differ only so that the compiler cannot merge
+// them back into one.  `uniform` must be equal in every thread of the warpgroup
+// (a loop counter): all of them must execute the same wait instruction (.aligned).
+template <typename... Regs>
+__device__ __forceinline__ void wgmma_wait_all_apart(int uniform, Regs&... regs) {
+    if (uniform & 1)
+        asm volatile("wgmma.wait_group.sync.aligned 0; // odd\n" ::: "memory");
+    else
+        asm volatile("wgmma.wait_group.sync.aligned 0; // even\n" ::: "memory");
+    (pin_registers(regs), ...);
 }
 // Orders this thread's generic-proxy shared-memory writes (stores, landed
 // cp.async copies) before later async-proxy reads (wgmma) of that memory.

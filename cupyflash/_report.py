@@ -287,6 +287,7 @@ class FunctionReport:
     spill_stores: int = 0
     spill_loads: int = 0
     sass: dict[str, int] | None = None
+    sass_text: str | None = field(default=None, repr=False)   # this kernel's ``cuobjdump -sass`` section
 
 
 @dataclass
@@ -350,18 +351,30 @@ def sass_opcode(instruction: str) -> str:
     return text.split(None, 1)[0].split(".", 1)[0] if text else ""
 
 
-def parse_sass(text: str) -> dict[str, dict[str, int]]:
-    """Per mangled function name in ``cuobjdump -sass`` output: opcode -> count."""
-    counts: dict[str, Counter] = {}
+def split_sass(text: str) -> dict[str, str]:
+    """Per mangled function name in ``cuobjdump -sass`` output: its section of the text
+    (from its ``Function :`` line to the next one)."""
+    sections: dict[str, list[str]] = {}
     current = None
     for line in text.splitlines():
         if m := _RE_FUNCTION.match(line):
-            current = counts.setdefault(m.group(1), Counter())
-        elif current is not None and (m := _RE_INSTRUCTION.match(line)):
-            op = sass_opcode(m.group(1))
-            if op:
-                current[op] += 1
-    return {name: dict(sorted(c.items())) for name, c in counts.items()}
+            current = sections.setdefault(m.group(1), [])
+        if current is not None:
+            current.append(line)
+    return {name: "\n".join(lines) + "\n" for name, lines in sections.items()}
+
+
+def sass_instructions(text: str) -> list[str]:
+    """The instructions of SASS text in order, without addresses and encodings
+    (``"@!P0 BRA 0x1f00"``, ``"WARPGROUP.DEPBAR.LE gsb0, 0x1"``)."""
+    return [m.group(1) for line in text.splitlines() if (m := _RE_INSTRUCTION.match(line))]
+
+
+def parse_sass(text: str) -> dict[str, dict[str, int]]:
+    """Per mangled function name in ``cuobjdump -sass`` output: opcode -> count."""
+    return {name: dict(sorted(Counter(op for ins in sass_instructions(section)
+                                      if (op := sass_opcode(ins))).items()))
+            for name, section in split_sass(text).items()}
 
 
 @functools.lru_cache(maxsize=1)
@@ -446,10 +459,11 @@ def compile_report(source: str, name_expressions: Iterable[str], arch="sm_80", *
         log, cubin, lowered = _nvrtc().compile(source, names, options, filename)
         seconds = time.perf_counter() - start
         stats = parse_ptxas_log(log)
-        histograms = None
+        histograms = sections = None
         if sass:
             text = disassemble(cubin)
-            histograms = parse_sass(text) if text is not None else None
+            if text is not None:
+                histograms, sections = parse_sass(text), split_sass(text)
         functions = {}
         for name in names:
             mangled = lowered[name]
@@ -458,7 +472,8 @@ def compile_report(source: str, name_expressions: Iterable[str], arch="sm_80", *
                                    f"is it a __global__ function?\n{log}")
             functions[name] = FunctionReport(
                 name, mangled, **stats[mangled],
-                sass=None if histograms is None else histograms.get(mangled, {}))
+                sass=None if histograms is None else histograms.get(mangled, {}),
+                sass_text=None if sections is None else sections.get(mangled, ""))
         return ModuleReport(arch_name, seconds, functions, log)
 
     return _cache.get(key, build)
@@ -474,7 +489,7 @@ def _dynamic_shared_bytes(inst) -> int:
 
 
 def kernel_report(archs: Sequence = ("sm_80",), instantiations=None, *,
-                  sass: bool = True, max_workers: int | None = None) -> list[dict]:
+                  sass: bool = True, sass_text: bool = False, max_workers: int | None = None) -> list[dict]:
     """One row per (instantiation, arch), compiling each entry file once per arch.
 
     Parameters
@@ -485,6 +500,8 @@ def kernel_report(archs: Sequence = ("sm_80",), instantiations=None, *,
         Default: :func:`cupyflash._kernels.instantiations`.
     sass : bool, default True
         Disassemble and count SASS opcodes.
+    sass_text : bool, default False
+        Also give each row its kernel's SASS text (key ``sass_text``; needs ``sass``).
     max_workers : int, optional
         Parallel compiles (NVRTC releases the GIL); default one per CPU.
 
@@ -542,6 +559,8 @@ def kernel_report(archs: Sequence = ("sm_80",), instantiations=None, *,
                 occupancy_limit=limiter, occupancy_warps=blocks * -(-inst.threads // 32),
                 sass=fn.sass, compile_seconds=round(module.compile_seconds, 3), target=module.arch,
                 mangled=fn.mangled))
+            if sass_text:
+                rows[-1]["sass_text"] = fn.sass_text
     return rows
 
 
@@ -562,10 +581,14 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m cupyflash kernels",
         description="Static report of every kernel instantiation, compiled offline with NVRTC.")
     p.add_argument("--arch", action="append", metavar="ARCH",
-                   help=f"target ({', '.join(ARCHS)} or 'all'); repeatable; default all")
+                   help=f"target ({', '.join(ARCHS)}, 'all', or sm_90a: the sm_90 rows built for "
+                        "the architecture-specific target); repeatable; default all")
     p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     p.add_argument("--family", action="append", help="only these kernel families (repeatable)")
     p.add_argument("--no-sass", action="store_true", help="skip disassembly (faster)")
+    p.add_argument("--sass", metavar="NAME_SUBSTRING",
+                   help="print the SASS of the rows whose name expression contains NAME_SUBSTRING "
+                        "(cuobjdump's text, one 'Function :' section per kernel) instead of the table")
     p.add_argument("--launchable", action="store_true",
                    help="per --arch, only the rows a GPU of that compute capability may launch "
                         "(what cupyflash.precompile compiles for it), not every tile class's")
@@ -595,9 +618,18 @@ def format_table(rows: list[dict]) -> str:
 def main_kernels(argv=None) -> int:
     """Entry point of the ``kernels`` subcommand; returns the exit status."""
     args = _parser().parse_args(argv)
-    archs = []
+    archs, specific_only = [], False
     for a in args.arch or DEFAULT_ARCHS:
-        archs.extend(ARCHS if a == "all" else [a if a.startswith("sm_") else f"sm_{a}"])
+        a = a if a.startswith("sm_") or a == "all" else f"sm_{a}"
+        if a == "sm_90a":   # the rows compiled for sm_90a on sm_90 (fwd_wgmma, bwd_wgmma)
+            a, specific_only = "sm_90", True
+        archs.extend(ARCHS if a == "all" else [a])
+    if specific_only and len(set(archs)) > 1:
+        print("--arch sm_90a cannot be combined with other archs", file=sys.stderr)
+        return 2
+    if args.sass is not None and args.no_sass:
+        print("--sass and --no-sass exclude each other", file=sys.stderr)
+        return 2
     unknown = [a for a in archs if a not in ARCHS]
     if unknown:
         print(f"unknown --arch {', '.join(unknown)}; choose from {', '.join(ARCHS)} or all",
@@ -609,11 +641,18 @@ def main_kernels(argv=None) -> int:
         print(f"cupyflash kernels: cannot load NVRTC ({type(error).__name__}: {error}); install "
               "the test extra (cuda-pathfinder and the NVRTC/CUDA header wheels)", file=sys.stderr)
         return 1
-    from ._kernels import instantiations
+    from ._kernels import compile_target, instantiations
 
     rows_in = instantiations()
     if args.family:
         rows_in = [r for r in rows_in if r.family in set(args.family)]
+    if specific_only:
+        rows_in = [r for r in rows_in if compile_target(r.entry, "sm_90") == "sm_90a"]
+    if args.sass is not None:
+        rows_in = [r for r in rows_in if args.sass in r.name_expression]
+        if not rows_in:
+            print(f"no kernel's name expression contains {args.sass!r}", file=sys.stderr)
+            return 2
     start = time.perf_counter()
     archs = list(dict.fromkeys(archs))
     if args.launchable:
@@ -623,9 +662,14 @@ def main_kernels(argv=None) -> int:
         for arch in archs:
             names = launchable(int(arch.removeprefix("sm_")))
             rows += kernel_report([arch], [r for r in rows_in if r.name_expression in names],
-                                  sass=not args.no_sass)
+                                  sass=not args.no_sass, sass_text=args.sass is not None)
     else:
-        rows = kernel_report(archs, rows_in, sass=not args.no_sass)
+        rows = kernel_report(archs, rows_in, sass=not args.no_sass, sass_text=args.sass is not None)
+    if args.sass is not None:
+        for r in rows:
+            print(f"// {r['name']}  ({r['arch']}, target {r['target']})")
+            print(r["sass_text"] if r.get("sass_text") is not None else "(no SASS: cuobjdump not found)")
+        return 0
     if args.json:
         json.dump(rows, sys.stdout, indent=1)
         print()

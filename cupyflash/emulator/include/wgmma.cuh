@@ -16,11 +16,16 @@ namespace cf {
 
 __device__ __forceinline__ void wgmma_fence() { cfemu_wgmma_fence(); }
 __device__ __forceinline__ void wgmma_commit() { cfemu_wgmma_commit(); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
+// The registers named after the immediate are the real header's compiler pins;
+// here the runtime hands the accumulators back through memory, so they need none.
+template <int N, typename... Regs>
+__device__ __forceinline__ void wgmma_wait(Regs&...) {
     static_assert(N >= 0 && N <= 7, "wgmma.wait_group takes an immediate in 0..7");
     cfemu_wgmma_wait(N);
 }
+// One wait here: the real header's two arms only steer ptxas's schedule.
+template <typename... Regs>
+__device__ __forceinline__ void wgmma_wait_all_apart(int, Regs&...) { cfemu_wgmma_wait(0); }
 __device__ __forceinline__ void fence_proxy_async_shared() { cfemu_fence_proxy_async(); }
 
 // Two atomic additions; the alignment the vector instruction needs is checked.

@@ -1,0 +1,112 @@
+"""What ptxas made of the Hopper kernels' main loops, read in their SASS (no GPU needed).
+
+The source order of a software-pipelined loop says nothing about the order the
+GPU issues it in: ptxas schedules within basic blocks, and once hoisted the
+wait for O += P V above every exponential of the softmax (so the softmax no
+longer ran beside the tensor cores).  These tests read the compiled loop:
+
+- fwd_wgmma: at least block_n / 2 exponentials (``MUFU.EX2``) lie between the
+  wait for S (``WARPGROUP.DEPBAR.LE gsb0, 0x1``) and the wait for P V
+  (``... 0x0``) -- the softmax overlaps P V;
+- fwd_wgmma and the deterministic bwd_wgmma dK/dV kernels: at most 40
+  instructions from the main loop's barrier to its first HGMMA -- the copies of
+  the next block are issued behind the products, not before them.
+
+The SASS comes from the static report (NVRTC for sm_90a, cuobjdump), the text
+``python -m cupyflash kernels --arch sm_90a --sass NAME`` prints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+
+from cupyflash import _report
+from cupyflash._kernels import instantiations
+
+pytest.importorskip("cuda.pathfinder")
+
+FWD_ROWS = [r for r in instantiations() if r.family == "fwd_wgmma"]
+BWD_ROWS = [r for r in instantiations() if r.family == "bwd_wgmma"]
+MAX_BARRIER_TO_HGMMA = 40
+
+
+@pytest.fixture(scope="module")
+def report():
+    # The rows of tests/test_fwd_wgmma.py's and tests/test_bwd_wgmma.py's reports (one
+    # compile per entry file and arch, shared through the report's in-process cache).
+    rows = _report.kernel_report(("sm_90",), FWD_ROWS + BWD_ROWS, sass_text=True)
+    if any(r["sass_text"] is None for r in rows):
+        pytest.skip("cuobjdump/nvdisasm not found: no SASS")
+    return {r["name"]: r for r in rows}
+
+
+def loop_barrier(instructions: list[str], anchor: int) -> int:
+    """Index of the last block barrier before instruction ``anchor``."""
+    return max(i for i in range(anchor) if instructions[i].startswith("BAR.SYNC"))
+
+
+def barrier_to_first_hgmma(instructions: list[str], barrier: int) -> int:
+    first = next(i for i in range(barrier + 1, len(instructions)) if instructions[i].startswith("HGMMA"))
+    return first - barrier - 1
+
+
+def test_forward_softmax_runs_while_p_v_is_in_flight(report):
+    for inst in FWD_ROWS:
+        code = _report.sass_instructions(report[inst.name_expression]["sass_text"])
+        waits_s = [i for i, x in enumerate(code) if x == "WARPGROUP.DEPBAR.LE gsb0, 0x1"]
+        assert len(waits_s) == 1, (inst.name_expression, "the loop has one wait for S alone")
+        start = waits_s[0]
+        end = code.index("WARPGROUP.DEPBAR.LE gsb0, 0x0", start)
+        exponentials = sum(x.startswith("MUFU.EX2") for x in code[start:end])
+        assert exponentials >= inst.block_n // 2, (inst.name_expression, exponentials)
+
+
+def test_forward_loop_issues_its_products_right_after_the_barrier(report):
+    for inst in FWD_ROWS:
+        code = _report.sass_instructions(report[inst.name_expression]["sass_text"])
+        wait_s = code.index("WARPGROUP.DEPBAR.LE gsb0, 0x1")
+        gap = barrier_to_first_hgmma(code, loop_barrier(code, wait_s))
+        assert gap <= MAX_BARRIER_TO_HGMMA, (inst.name_expression, gap)
+
+
+def test_dkdv_loop_issues_its_products_right_after_the_barrier(report):
+    # The deterministic dK/dV kernels (no atomic dQ); the atomic-dQ kernel loads the next
+    # block's statistics before its products (after them its d = 128 row spills): about
+    # 100 instructions there.
+    rows = [r for r in BWD_ROWS if "dkdv" in r.name_expression and not r.name_expression.endswith(", 7>")]
+    assert rows
+    for inst in rows:
+        code = _report.sass_instructions(report[inst.name_expression]["sass_text"])
+        # the loop over query blocks: its barrier is the one whose products are the S^T batch,
+        # the first barrier followed by an HGMMA before the next barrier
+        barriers = [i for i, x in enumerate(code) if x.startswith("BAR.SYNC")]
+        gaps = []
+        for b, nxt in zip(barriers, barriers[1:] + [len(code)]):
+            if any(x.startswith("HGMMA") for x in code[b + 1:nxt]):
+                gaps.append(barrier_to_first_hgmma(code, b))
+        assert gaps, inst.name_expression
+        assert gaps[0] <= MAX_BARRIER_TO_HGMMA, (inst.name_expression, gaps)
+
+
+def test_kernels_sass_prints_one_section_per_matching_row(report):
+    name = FWD_ROWS[0].name_expression
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert _report.main_kernels(["--arch", "sm_90a", "--sass", name]) == 0
+    text = out.getvalue()
+    matching = [r for r in FWD_ROWS + BWD_ROWS if name in r.name_expression]
+    assert text.count("Function : ") == len(matching) >= 1
+    assert report[name]["sass_text"] in text
+    assert report[name]["sass"] == _report.parse_sass(report[name]["sass_text"])[report[name]["mangled"]]
+
+
+def test_kernels_sass_90a_takes_only_the_architecture_specific_rows():
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert _report.main_kernels(["--arch", "sm_90a", "--sass", "fwd_simt"]) == 2
+    assert "no kernel" in err.getvalue()
+    with contextlib.redirect_stderr(err):
+        assert _report.main_kernels(["--arch", "sm_90a", "--arch", "sm_80", "--sass", "x"]) == 2
