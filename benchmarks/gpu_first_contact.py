@@ -92,8 +92,9 @@ NOT_BUILT = (
     ("backward", "bwd_wgmma with asynchronous dQ (bulk reduce-add)"),
     ("backward", "timing-only bwd_wgmma without copies"),
 )
-# The table's cases: (B, H, L, d); each forward and backward, causal and not.
-TABLE_SHAPES = ((2, 16, 8192, 64), (2, 16, 8192, 128))
+# The table's cases: (B, H, L, d) as benchmarks/gpu_check.py's; each forward and
+# backward, causal and not.
+TABLE_SHAPES = ((2, 16, 8192, 128), (2, 16, 8192, 64))
 # _bench implementation -> what the row is called here
 TABLE_IMPLS = {
     "forward": ("cupyflash", "cupyflash-wgmma", "torch-flash", "torch-cudnn"),
@@ -355,21 +356,20 @@ def run_wgmma_tests(seconds: float, junit: Path | None) -> dict:
 # ---- the A/B table -------------------------------------------------------------------------------
 
 def table_rows(shapes=TABLE_SHAPES) -> list[dict]:
-    """The table's rows before timing: every case and implementation, and the variants
-    not built yet (``status`` "not built")."""
+    """The table's rows before timing, in the order they are timed (d = 128 first: the
+    issues' targets), each case's rows together; then the variants not built yet
+    (``status`` "not built")."""
     rows = []
-    for backward in (False, True):
-        pass_name = "backward" if backward else "forward"
-        for batch, heads, length, d in shapes:
+    for batch, heads, length, d in shapes:
+        for pass_name in ("forward", "backward"):
             for causal in (False, True):
                 for impl in TABLE_IMPLS[pass_name]:
                     rows.append({"pass": pass_name, "B": batch, "H": heads, "L": length, "d": d,
                                  "causal": causal, "impl": impl, "kernel": None, "ms": None, "tflops": None,
                                  "status": "not reached"})
-        for where, what in NOT_BUILT:
-            if where == pass_name:
-                rows.append({"pass": pass_name, "B": None, "H": None, "L": None, "d": None, "causal": None,
-                             "impl": what, "kernel": None, "ms": None, "tflops": None, "status": "not built"})
+    for pass_name, what in NOT_BUILT:
+        rows.append({"pass": pass_name, "B": None, "H": None, "L": None, "d": None, "causal": None,
+                     "impl": what, "kernel": None, "ms": None, "tflops": None, "status": "not built"})
     return rows
 
 
