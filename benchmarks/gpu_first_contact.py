@@ -260,7 +260,7 @@ def describe(result: dict) -> str:
 
 # ---- running the probes ---------------------------------------------------------------------------
 
-def _params(inp: np.ndarray, out_ptr: int, inp_ptr: int) -> np.void:
+def _params(inp_ptr: int, out_ptr: int) -> np.void:
     return np.array((inp_ptr, out_ptr, 0, 0, 0), dtype=PLANTED_DTYPE)[()]
 
 
@@ -277,7 +277,7 @@ def run_probes_emulator(names=None) -> dict:
         inp = np.concatenate([x.ravel() for x in probe_inputs(name)])
         out = np.full(m * n, np.nan, np.float32)
         executor.launch(str(PROBE), f"accumulation_probe<{kind}>", 1, threads, shared,
-                        _params(inp, out.ctypes.data, inp.ctypes.data))
+                        _params(inp.ctypes.data, out.ctypes.data))
         outputs[name] = out.reshape(m, n)
     return outputs
 
@@ -309,7 +309,7 @@ def run_probes_gpu(arch: int) -> dict:
                 inp = cupy.asarray(np.concatenate([x.ravel() for x in probe_inputs(name)]))
                 out = cupy.full(m * n, cupy.nan, dtype=cupy.float32)
                 kernel = module.get_function(lowered[expression])
-                kernel((1,), (threads,), (_params(None, out.data.ptr, inp.data.ptr),), shared_mem=shared)
+                kernel((1,), (threads,), (_params(inp.data.ptr, out.data.ptr),), shared_mem=shared)
                 outputs[name] = cupy.asnumpy(out).reshape(m, n)
             except Exception as error:  # noqa: BLE001 - recorded; the other probes still run
                 outputs[name] = error
@@ -334,21 +334,29 @@ def probe_report(outputs: dict) -> list[dict]:
 # ---- the wgmma probes of tests/test_gpu_wgmma.py --------------------------------------------------
 
 def run_wgmma_tests(seconds: float, junit: Path | None) -> dict:
-    """The one-instruction and per-product wgmma tests, in a child process with a time limit."""
-    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-m", "gpu",
+    """The one-instruction and per-product wgmma tests, in a child process with a time
+    limit (then SIGINT, on which pytest still writes its report)."""
+    import signal
+
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfEs", "-m", "gpu",
            str(ROOT / "tests" / "test_gpu_wgmma.py"), "-k", WGMMA_SELECTION]
     if junit is not None:
         cmd += [f"--junitxml={junit}"]
-    start = time.perf_counter()
+    start, limit = time.perf_counter(), max(seconds, 1.0)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(seconds, 1.0))
-        rc, text = done.returncode, done.stdout + done.stderr
-    except subprocess.TimeoutExpired as timeout:
+        text, _ = proc.communicate(timeout=limit)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        try:
+            text, _ = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            text, _ = proc.communicate()
         rc = None
-        text = ((timeout.stdout or b"").decode(errors="replace") if isinstance(timeout.stdout, bytes)
-                else (timeout.stdout or ""))
-        text += f"\n(stopped after {seconds:.0f} s)"
-    lines = [line for line in text.strip().splitlines() if line.strip()]
+        text = (text or "") + f"\n(stopped after {limit:.0f} s)"
+    lines = [line for line in (text or "").strip().splitlines() if line.strip()]
     return {"command": " ".join(cmd), "rc": rc, "seconds": round(time.perf_counter() - start, 1),
             "summary": lines[-1] if lines else "", "output": "\n".join(lines[-40:])}
 
@@ -405,13 +413,16 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def time_table(rows: list[dict], deadline: float, log=print) -> None:
+def time_table(rows: list[dict], deadline: float, log=print, *, device: str = "gpu") -> None:
     """Time the table's rows in place until ``deadline`` (``time.perf_counter()``): per case,
-    one set of inputs for all its implementations."""
-    import cupy
-
+    one set of inputs for all its implementations.  ``device="cpu"`` times what
+    :mod:`cupyflash._bench` runs on the CPU (the tests do)."""
     from cupyflash import _bench
 
+    if device == "gpu":
+        import cupy as xp
+    else:
+        xp = np
     cases = {}
     for r in rows:
         if r["status"] == "not reached":
@@ -421,12 +432,12 @@ def time_table(rows: list[dict], deadline: float, log=print) -> None:
             break
         case = _bench.Case("bfloat16", batch, heads, length, length, d, causal, pass_name == "backward")
         try:
-            inputs = _bench.random_inputs(case, cupy, seed=0)
+            inputs = _bench.random_inputs(case, xp, seed=0)
         except Exception as error:  # noqa: BLE001 - out of memory, say: the next case may fit
             for r in case_rows:
                 r["status"] = f"inputs failed: {type(error).__name__}"
             continue
-        available = set(_bench.implementations("gpu", case))
+        available = set(_bench.implementations(device, case))
         for r in case_rows:
             left = deadline - time.perf_counter()
             if left <= 1.0:
@@ -435,21 +446,22 @@ def time_table(rows: list[dict], deadline: float, log=print) -> None:
                 r["status"] = "not available here"
                 continue
             try:
-                fn, kernel = _bench.prepare(r["impl"], case, inputs, "gpu")
-                times = _bench.time_call(fn, "gpu", repeat=20, warmup=3, max_seconds=min(2.0, left / 2),
+                fn, kernel = _bench.prepare(r["impl"], case, inputs, device)
+                times = _bench.time_call(fn, device, repeat=20, warmup=3, max_seconds=min(2.0, left / 2),
                                          warm_s=0.1)
                 r.update(kernel=kernel, ms=1e3 * float(np.median(times)), status=f"ok ({len(times)} runs)")
                 r["tflops"] = tflops(r)
             except Exception as error:  # noqa: BLE001 - recorded; the next row still runs
                 first = str(error).splitlines()[0][:120] if str(error) else ""
                 r["status"] = f"failed: {type(error).__name__}: {first}"
-                if not _bench.cuda_context_alive():
+                if device == "gpu" and not _bench.cuda_context_alive():
                     r["status"] += " (CUDA context lost: the table stops)"
                     log(format_table([r]).splitlines()[-1])
                     return
             log(format_table([r]).splitlines()[-1])
         del inputs
-        cupy.get_default_memory_pool().free_all_blocks()
+        if device == "gpu":
+            xp.get_default_memory_pool().free_all_blocks()
 
 
 # ---- the script ----------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 import doctest
 import importlib.util
 import itertools
+import time
 from pathlib import Path
 
 import numpy as np
@@ -188,6 +189,47 @@ def test_table_formatting_computes_tflops_by_the_flashattention_count(fc):
     assert f"| backward | 64 | no | cupyflash-atomic | bwd_mma, atomic dQ | 10.000 | {bwd_rate:.1f} |" in text
     assert text.count("| not built |") == len(fc.NOT_BUILT)
     assert len(text.splitlines()) == len(rows) + 2
+
+
+def test_the_table_times_each_row_of_a_case_on_the_same_inputs_until_the_deadline(fc, monkeypatch):
+    # the timing loop on the CPU (what cupyflash._bench runs there), with prepare
+    # recording the inputs each row got and one implementation that fails
+    from cupyflash import _bench
+
+    seen = []
+    real_prepare = _bench.prepare
+
+    def prepare(impl, case, inputs, device):
+        seen.append((case, impl, tuple(id(x) for x in inputs)))
+        if impl == "torch-flash":
+            raise RuntimeError("planted\nsecond line")
+        return real_prepare(impl, case, inputs, device)
+
+    monkeypatch.setattr(_bench, "prepare", prepare)
+    monkeypatch.setattr(_bench, "implementations", lambda device, case: ["cupyflash", "torch-flash"])
+    rows = fc.table_rows(shapes=((1, 2, 64, 16),))
+    lines = []
+    fc.time_table(rows, time.perf_counter() + 60, log=lines.append, device="cpu")
+    timed = [r for r in rows if r["impl"] == "cupyflash"]
+    assert len(timed) == 4 and all(r["ms"] > 0 and r["status"].startswith("ok") for r in timed)
+    assert all(r["tflops"] == pytest.approx(fc.tflops(r)) for r in timed)
+    assert {r["status"] for r in rows if r["impl"] == "torch-flash"} == {"failed: RuntimeError: planted"}
+    assert {r["status"] for r in rows if r["impl"] in ("cupyflash-wgmma", "torch-cudnn")} == {"not available here"}
+    for case in {c for c, _, _ in seen}:   # one set of inputs per case
+        assert len({ids for c, _, ids in seen if c == case}) == 1
+    assert len(lines) == len(seen) == 4 * 2   # a line per row run: 4 cases, 2 implementations
+    # a deadline already passed: nothing is timed
+    rows = fc.table_rows(shapes=((1, 2, 64, 16),))
+    fc.time_table(rows, time.perf_counter() - 1, log=lines.append, device="cpu")
+    assert {r["status"] for r in rows} == {"not reached", "not built"}
+
+
+def test_the_wgmma_probes_run_is_stopped_at_its_time_limit(fc):
+    start = time.perf_counter()
+    got = fc.run_wgmma_tests(0.2, None)
+    assert got["rc"] is None and "stopped after" in got["summary"]
+    assert "test_gpu_wgmma.py" in got["command"] and fc.WGMMA_SELECTION in got["command"]
+    assert time.perf_counter() - start < 15
 
 
 def test_without_a_gpu_the_script_says_so_and_exits_0(fc, monkeypatch, capsys, tmp_path):
