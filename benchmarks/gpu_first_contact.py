@@ -17,8 +17,9 @@ Step 0 of ``benchmarks/gpu_check.sh``; run alone from the checkout's root::
    ``+1, -1, +2**-k`` with ``k = LADDER[i]``: exact accumulation returns ``2**-k`` for
    every ``k``; the aligned model returns it while ``k <= 23 + extra_bits`` and
    nothing after, so the first ``k`` that comes back as zero gives the bits kept.
-   Three more columns say which way the dropped bits go and whether the accumulator
-   ``C`` enters the sum as a product does (:data:`COLUMNS`).  The script prints and
+   More columns say which way the dropped bits go, whether the accumulator ``C``
+   enters the sum as a product does, and whether one alignment spans all K
+   products or each group of them is aligned on its own (:data:`COLUMNS`).  The script prints and
    records (JSON) the model each instruction matches and the error bound per term
    that follows from it (:func:`error_per_term`), from which the GPU tier's
    tolerances are set.
@@ -74,14 +75,16 @@ LADDER = tuple(range(20, 31))
 EXTRA_BITS = tuple(range(LADDER[0] - 23, LADDER[-1] - 23))
 # Where the dropped bits of a term go in the aligned model.
 DROPS = {"rz": "toward zero", "rd": "toward minus infinity", "rn": "to nearest even"}
-# Column n of the probe: (C, the three products' factors from B's rows 0..2).  A's row i
-# is (1, -1, 2**-k, 0, ...), so column n sums C + B[0, n] - B[1, n] + 2**-k B[2, n].
+# Column n of the probe: (C, B's rows 0, 1, 2 and K - 1).  A's row i is (1, -1, 2**-k,
+# 0, ..., 0, 2**-k), so column n sums C + B[0, n] - B[1, n] + 2**-k (B[2, n] + B[K - 1, n]).
 COLUMNS = {
-    0: (0.0, (1.0, 1.0, 1.0)),     # 1 - 1 + 2**-k: the bits kept
-    1: (0.0, (1.0, 1.0, -1.0)),    # 1 - 1 - 2**-k: toward zero or toward minus infinity
-    2: (0.0, (1.0, 1.0, 1.5)),     # 1 - 1 + 1.5 * 2**-k: truncated or rounded
-    3: (1.0, (0.0, 1.0, 1.0)),     # C = 1, - 1 + 2**-k: C in place of the product 1
+    0: (0.0, (1.0, 1.0, 1.0, 0.0)),     # 1 - 1 + 2**-k: the bits kept
+    1: (0.0, (1.0, 1.0, -1.0, 0.0)),    # 1 - 1 - 2**-k: toward zero or toward minus infinity
+    2: (0.0, (1.0, 1.0, 1.5, 0.0)),     # 1 - 1 + 1.5 * 2**-k: truncated or rounded
+    3: (1.0, (0.0, 1.0, 1.0, 0.0)),     # C = 1, - 1 + 2**-k: C in place of the product 1
+    4: (0.0, (1.0, 1.0, 0.0, 1.0)),     # 1 - 1 + 2**-k as the last product: one alignment for all K
 }
+MODEL_COLUMNS = 4   # the models are fitted to columns 0 .. 3; column 4 then says whether they span K
 # Rows of the A/B table issue 32 names that today's code does not have.
 NOT_BUILT = (
     ("forward", "fwd_wgmma with fixes 1+2 (softmax overlapping P V; products before copies)"),
@@ -122,8 +125,9 @@ def probe_inputs(name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     c = np.zeros((m, n), np.float32)
     for i, e in enumerate(LADDER):
         a[i, :3] = (1.0, -1.0, 2.0 ** -e)
+        a[i, k - 1] = 2.0 ** -e
     for col, (c_value, factors) in COLUMNS.items():
-        b[:3, col] = factors
+        b[[0, 1, 2, k - 1], col] = factors
         c[:len(LADDER), col] = c_value
     return a, b, c
 
@@ -174,7 +178,8 @@ def _models():
 
 
 def model_output(name: str, extra_bits: int | None, drop: str | None = None) -> np.ndarray:
-    """The probe block (``len(LADDER)`` x ``len(COLUMNS)``) a model predicts for ``name``'s probe."""
+    """The probe block (``len(LADDER)`` x ``len(COLUMNS)``) a model predicts for ``name``'s probe
+    (one alignment over C and all K products)."""
     a, b, c = probe_inputs(name)
     out = np.zeros((len(LADDER), len(COLUMNS)), np.float32)
     for i in range(len(LADDER)):
@@ -206,7 +211,9 @@ def classify(name: str, d: np.ndarray) -> dict:
 
     Returns a dict: ``model`` ("exact", "truncated" -- dropped toward zero or minus
     infinity --, "rounded" or "unknown"), ``extra_bits`` (bits kept below float32's
-    last; None for exact), ``drop``, ``error_per_term`` (:func:`error_per_term`),
+    last; None for exact), ``drop``, ``one_alignment`` (False where a product in a
+    later group of the K escapes the alignment: the hardware aligns groups of
+    products on their own; None for exact), ``error_per_term`` (:func:`error_per_term`),
     ``ladder`` (k -> the value of ``1 - 1 + 2**-k``) and ``note``.
     """
     a, b, c = probe_inputs(name)
@@ -216,32 +223,41 @@ def classify(name: str, d: np.ndarray) -> dict:
     rest = d.copy()
     rest[:len(LADDER), :len(COLUMNS)] = 0
     result = {"instruction": name, "model": "unknown", "extra_bits": None, "drop": None,
-              "error_per_term": None, "ladder": ladder, "note": ""}
+              "one_alignment": None, "error_per_term": None, "ladder": ladder, "note": ""}
     if not np.isfinite(d).all() or rest.any():
         bad = int((~np.isfinite(d)).sum() + (rest != 0).sum())
         result["note"] = (f"{bad} element(s) outside the probe block are not 0: the fragment layout or "
                           "the launch is wrong, not the accumulation")
         return result
-    matches = [(label, bits, drop) for label, bits, drop in _models()
-               if np.array_equal(model_output(name, bits, drop), block)]
+    predicted = {(label, bits, drop): model_output(name, bits, drop) for label, bits, drop in _models()}
+    matches = [m for m, out in predicted.items() if np.array_equal(out[:, :MODEL_COLUMNS], block[:, :MODEL_COLUMNS])]
     if not matches:
         # Read what can be read: the first k of column 0 that comes back as zero.
         zero = [k for k in LADDER if ladder[k] == 0.0]
         result["note"] = ("matches no model" + (f"; column 0 first drops 2**-{zero[0]} "
                                                 f"(extra_bits {zero[0] - 24}?)" if zero else "")
                           + ("; C = 1 gives another ladder than the product 1 (column 3 vs 0)"
-                             if not np.array_equal(block[:, 3], block[:, 0]) else ""))
+                             if not np.array_equal(block[:, 3], block[:, 0]) else "")
+                          + ("; the last product gives another ladder than the third (column 4 vs 0)"
+                             if not np.array_equal(block[:, 4], block[:, 0]) else ""))
         return result
     if len(matches) > 1:
         result["note"] = f"ambiguous: {matches}"
         return result
     label, bits, drop = matches[0]
+    whole = bool(np.array_equal(predicted[matches[0]][:, MODEL_COLUMNS], block[:, MODEL_COLUMNS]))
     if label == "exact":
         result.update(model="exact", note=f"exact, or at least {LADDER[-1] - 23} extra bits kept")
+        if not whole:
+            result.update(model="unknown", note="exact in the first products but not for the last one")
+            return result
     else:
         result.update(model="rounded" if drop == "rn" else "truncated", extra_bits=bits, drop=DROPS[drop],
+                      one_alignment=whole,
                       note=f"aligned to the largest term, {bits} bit(s) kept below float32's last, "
-                           f"the rest {'rounded' if drop == 'rn' else 'dropped'} {DROPS[drop]}")
+                           f"the rest {'rounded' if drop == 'rn' else 'dropped'} {DROPS[drop]}"
+                           + ("" if whole else "; the last product escapes the first products' alignment: "
+                              "groups of products are aligned on their own"))
     result["error_per_term"] = error_per_term(bits, drop)
     return result
 
@@ -253,6 +269,7 @@ def describe(result: dict) -> str:
     head = f"{result['instruction']:<22} {result['model']}"
     if result["extra_bits"] is not None:
         head += f", {result['extra_bits']} extra bit(s), dropped {result['drop']}"
+        head += ", one alignment over K" if result["one_alignment"] else ", groups of K aligned apart"
     if result["error_per_term"]:
         head += f"; error per term <= 2**{math.log2(result['error_per_term']):.0f} x the largest"
     return head + (f" ({result['note']})" if result["note"] else "")

@@ -48,19 +48,32 @@ def _round_toward_zero_f32(x: np.ndarray) -> np.ndarray:
     return f
 
 
-def truncating_mma(a, b, c, extra_bits: int, drop: str) -> np.ndarray:
+def _aligned(terms, extra_bits, drop):
+    """Exact sums over the last axis of ``terms`` put on the grid of the largest."""
+    biggest = np.abs(terms).max(axis=-1, keepdims=True)
+    _, exponent = np.frexp(np.where(biggest > 0, biggest, 1.0))
+    grid = np.ldexp(1.0, exponent - 1 - 23 - extra_bits)
+    steps = {"rz": np.trunc, "rd": np.floor, "rn": np.rint}[drop](terms / grid)
+    return (steps * grid).sum(axis=-1)
+
+
+def truncating_mma(a, b, c, extra_bits: int, drop: str, group: int | None = None) -> np.ndarray:
     """D = A B + C as an aligning accumulator computes it: per output element, the K
     products and C (exact in float64 for bfloat16 and tf32 inputs) are put on the grid
     of 2**(e - 23 - extra_bits), e the leading-bit exponent of the largest of them, the
     bits below the grid dropped (drop: "rz" toward zero, "rd" toward minus infinity, "rn"
-    to nearest even), the grid values summed and the sum rounded toward zero to float32."""
+    to nearest even), the grid values summed and the sum rounded toward zero to float32.
+    With ``group``, each run of ``group`` products (C with the first) is aligned on its
+    own and the runs' sums added exactly."""
     a, b, c = (np.asarray(x, np.float64) for x in (a, b, c))
-    terms = np.concatenate([c[:, :, None], a[:, None, :] * b.T[None, :, :]], axis=2)   # M x N x (K + 1)
-    biggest = np.abs(terms).max(axis=2, keepdims=True)
-    _, exponent = np.frexp(np.where(biggest > 0, biggest, 1.0))
-    grid = np.ldexp(1.0, exponent - 1 - 23 - extra_bits)
-    steps = {"rz": np.trunc, "rd": np.floor, "rn": np.rint}[drop](terms / grid)
-    return _round_toward_zero_f32((steps * grid).sum(axis=2))
+    products = a[:, None, :] * b.T[None, :, :]                                      # M x N x K
+    if group is None:
+        total = _aligned(np.concatenate([c[:, :, None], products], axis=2), extra_bits, drop)
+    else:
+        runs = [products[:, :, i:i + group] for i in range(0, products.shape[2], group)]
+        runs[0] = np.concatenate([c[:, :, None], runs[0]], axis=2)
+        total = sum(_aligned(r, extra_bits, drop) for r in runs)
+    return _round_toward_zero_f32(total)
 
 
 def test_the_numpy_model_truncates_as_documented():
@@ -99,9 +112,17 @@ def test_a_truncating_accumulator_is_decoded_with_its_bits(fc, name, extra_bits,
     result = fc.classify(name, d)
     assert result["model"] == ("rounded" if drop == "rn" else "truncated"), result
     assert result["extra_bits"] == extra_bits and result["drop"] == fc.DROPS[drop]
+    assert result["one_alignment"] is True
     # the ladder: 2**-k kept up to k = 23 + extra_bits, gone after
     assert [v != 0 for v in result["ladder"].values()] == [k <= 23 + extra_bits for k in fc.LADDER]
     assert result["error_per_term"] == 2.0 ** -(23 + extra_bits + (drop == "rn"))
+
+
+@pytest.mark.parametrize("name", ["mma.m16n8k16.bf16", "mma.m16n8k8.tf32"])
+def test_groups_of_products_aligned_apart_are_told_from_one_alignment(fc, name):
+    d = truncating_mma(*fc.probe_inputs(name), 1, "rz", group=4)
+    result = fc.classify(name, d)
+    assert (result["model"], result["extra_bits"], result["one_alignment"]) == ("truncated", 1, False), result
 
 
 def test_exact_sums_and_more_bits_than_the_ladder_reads_are_exact(fc):
