@@ -214,16 +214,18 @@ def classify(name: str, d: np.ndarray) -> dict:
     last; None for exact), ``drop``, ``one_alignment`` (False where a product in a
     later group of the K escapes the alignment: the hardware aligns groups of
     products on their own; None for exact), ``error_per_term`` (:func:`error_per_term`),
-    ``ladder`` (k -> the value of ``1 - 1 + 2**-k``) and ``note``.
+    ``ladder`` (k -> the value of ``1 - 1 + 2**-k``), ``block`` (the probe rows and
+    columns as returned) and ``note``.
     """
     a, b, c = probe_inputs(name)
     d = np.asarray(d, np.float32).reshape(c.shape)
     block = d[:len(LADDER), :len(COLUMNS)]
-    ladder = {k: float(block[i, 0]) for i, k in enumerate(LADDER)}
+    ladder = {k: float(block[i, 0]) for i, k in enumerate(LADDER)}   # the bits-kept column
     rest = d.copy()
     rest[:len(LADDER), :len(COLUMNS)] = 0
     result = {"instruction": name, "model": "unknown", "extra_bits": None, "drop": None,
-              "one_alignment": None, "error_per_term": None, "ladder": ladder, "note": ""}
+              "one_alignment": None, "error_per_term": None, "ladder": ladder, "block": block.tolist(),
+              "note": ""}
     if not np.isfinite(d).all() or rest.any():
         bad = int((~np.isfinite(d)).sum() + (rest != 0).sum())
         result["note"] = (f"{bad} element(s) outside the probe block are not 0: the fragment layout or "
@@ -514,6 +516,9 @@ def main(argv=None) -> int:
     parser.add_argument("--emulator", action="store_true",
                         help="run the accumulation probes on the CPU emulator instead (no GPU, no table)")
     args = parser.parse_args(argv)
+    if not args.budget > 0 or not args.wgmma_seconds >= 0:
+        parser.error(f"--budget must be positive and --wgmma-seconds not negative; got {args.budget} "
+                     f"and {args.wgmma_seconds}")
     start = time.perf_counter()
     deadline = start + args.budget
 
@@ -562,6 +567,8 @@ def main(argv=None) -> int:
     doc["table"] = rows
     try:
         time_table(rows, deadline)
+    except KeyboardInterrupt:   # gpu_check.sh's time limit: keep the rows timed so far
+        print("first_contact: interrupted; the rows timed so far are kept")
     except Exception as error:  # noqa: BLE001 - the table is the last step: keep what it has
         print(f"first_contact: the table stopped: {type(error).__name__}: {error}")
     save()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import doctest
 import importlib.util
 import itertools
+import json
 import time
 from pathlib import Path
 
@@ -163,6 +164,18 @@ def test_the_probes_run_on_the_emulator_and_decode_as_exact(fc):
         assert result["model"] == "exact", result
         assert [result["ladder"][k] for k in fc.LADDER] == [2.0 ** -k for k in fc.LADDER]
     assert all(r["model"] == "exact" for r in fc.probe_report(outputs))
+
+
+@needs_emulator
+def test_the_script_records_the_emulators_probes(fc, tmp_path, capsys):
+    out = tmp_path / "emulator.json"
+    assert fc.main(["--emulator", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [(p["instruction"], p["model"]) for p in doc["probes"]] == [(n, "exact") for n in fc.INSTRUCTIONS]
+    assert capsys.readouterr().out.count(" exact;") == len(fc.INSTRUCTIONS)
+    with pytest.raises(SystemExit):
+        fc.main(["--budget", "0"])
+    assert "--budget must be positive" in capsys.readouterr().err
 
 
 def test_the_probe_compiles_for_sm80_and_sm90a_as_the_script_compiles_it(fc):
