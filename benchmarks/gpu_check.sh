@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The GPU check: `pytest -m gpu` and the timing table within six minutes, then the tile
-# sweep and the ncu profiles (their limits add about three minutes more).
+# The GPU check: step 0 (benchmarks/gpu_first_contact.py: how the tensor cores add, the
+# wgmma probes, an A/B table; one minute), then `pytest -m gpu` and the timing table
+# within six minutes, then the tile sweep and the ncu profiles (their limits add about
+# three minutes more).
 #
 # Run from anywhere on a machine with a CUDA GPU, CuPy and the checkout (nothing
 # installed: PYTHONPATH points at the checkout):
@@ -17,6 +19,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
+FIRST_CONTACT_SECONDS="${GPU_CHECK_FIRST_CONTACT_SECONDS:-60}"  # step 0; 0 skips it
 PRECOMPILE_SECONDS="${GPU_CHECK_PRECOMPILE_SECONDS:-120}"  # what is left compiles on first use
 TEST_SECONDS="${GPU_CHECK_TEST_SECONDS:-150}"       # an H200 took 70-80 s
 BENCH_SECONDS="${GPU_CHECK_BENCH_SECONDS:-150}"     # no new case starts after this
@@ -42,8 +45,8 @@ fi
 # (the device machines), $OUT/gpu_check_logs.tar.gz holds a copy of $work, refreshed
 # every 15 s and after each step: those machines return at most 8 files from $OUT, and a
 # run stopped at the device's time limit (SIGKILL: no trap runs) still returns the last
-# copy.  $OUT then holds the results' .json and .md, the sweep's two gpu_variants*.json
-# and this archive (and, while it is rewritten, one or two .tmp files).  ncu's own
+# copy.  $OUT then holds step 0's first_contact.json, the results' .json and .md, the
+# sweep's two gpu_variants*.json and this archive (and, while it is rewritten, one or two .tmp files).  ncu's own
 # reports stay out of it (their CSV exports go in).
 work=$(mktemp -d)
 save_logs() {   # the saver below and the main shell may both be at it: a file each
@@ -62,6 +65,19 @@ else
 fi
 start=$(date +%s)
 cpus=$(nproc 2>/dev/null || echo 1)
+# Step 0, first: whether the tensor cores sum products exactly or truncate them (the
+# GPU tier's tolerances assume the former), the one-wgmma probes, then an A/B table
+# until its budget is spent.  Its JSON goes to the logs archive and $OUT.
+if [ "$FIRST_CONTACT_SECONDS" -gt 0 ]; then
+    timeout --signal=INT --kill-after=10 "$(( FIRST_CONTACT_SECONDS + 15 ))" \
+        "$PY" benchmarks/gpu_first_contact.py --budget "$FIRST_CONTACT_SECONDS" \
+        --json "$work/first_contact.json" --junit "$work/junit-first-contact.xml" 2>&1 |
+        tee "$work/first_contact.log"
+    if [ -s "$work/first_contact.json" ] && [ -n "${OUT:-}" ]; then
+        cp "$work/first_contact.json" "$OUT/first_contact.json"
+    fi
+    save_logs
+fi
 # NVRTC is the slow part of a first run: compile the whole catalogue into CuPy's
 # disk cache with one process per core, then let the test processes load it.
 timeout --signal=INT --kill-after=10 "$PRECOMPILE_SECONDS" \

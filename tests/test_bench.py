@@ -366,9 +366,11 @@ _STAND_IN_PYTHON = r"""#!/usr/bin/env bash
 # Plays the python3 of a GPU machine for gpu_check.sh: every step writes what the real one does.
 args="$*"
 work=""
-while [ $# -gt 0 ]; do [ "$1" = --work ] && work="$2"; shift; done
+json=""
+while [ $# -gt 0 ]; do [ "$1" = --work ] && work="$2"; [ "$1" = --json ] && json="$2"; shift; done
 case "$args" in
     -) cat > /dev/null ;;                                   # the GPU probe: a device is there
+    *gpu_first_contact.py*) echo "{}" > "$json" ;;
     *--tests*) for i in 1 2 3 4 5 6 7 8 9; do
                    echo "<testsuites/>" > "$work/junit-group$i.xml"; echo "1 passed" > "$work/pytest-group$i.log"
                done ;;
@@ -403,11 +405,11 @@ def test_gpu_check_returns_everything_within_the_device_machines_file_limits(tmp
         rel = path.relative_to(out)
         assert len(rel.parts) <= 3 and all(re.fullmatch(r"[A-Za-z0-9._-]+", part) for part in rel.parts), rel
     assert {p.name for p in files} == {"2026-01-01-gpu.json", "2026-01-01-gpu.md", "gpu_variants.json",
-                                       "gpu_variants_wgmma.json", "gpu_check_logs.tar.gz"}
+                                       "gpu_variants_wgmma.json", "gpu_check_logs.tar.gz", "first_contact.json"}
     with tarfile.open(out / "gpu_check_logs.tar.gz") as archive:
         names = {Path(n).name for n in archive.getnames()}
-    assert {"precompile.log", "pytest.log", "bench.log", "variants.log", "variants-wgmma.log",
-            "progress.jsonl"} <= names
+    assert {"first_contact.log", "first_contact.json", "precompile.log", "pytest.log", "bench.log",
+            "variants.log", "variants-wgmma.log", "progress.jsonl"} <= names
     assert {f"junit-group{i}.xml" for i in range(1, 10)} <= names
     assert {f"pytest-group{i}.log" for i in range(1, 10)} <= names
 
