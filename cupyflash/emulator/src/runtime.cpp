@@ -841,10 +841,13 @@ struct Launch {
     // ---- wgmma (warpgroup matrix multiply, sm_90a) -------------------------------
     // wgmma.cuh describes the operand layouts and the ordering rules checked here.
     // The product is computed when the warpgroup's 128th thread arrives, from
-    // the shared memory as it is then; each thread's accumulators are poisoned
-    // (NaN) until its wgmma.wait_group retires the group, which writes the
-    // result back, checks that the A registers and the shared memory read are
-    // unchanged, and requires a new wgmma.fence before the thread's next wgmma.
+    // the shared memory as it is then; each thread's operand registers must be
+    // as its wgmma.fence left them, and its accumulators are poisoned (a
+    // signalling NaN) until its wgmma.wait_group retires the group, which
+    // checks that the A registers are unchanged, the accumulators still poison
+    // (not written in flight) and -- at the first and the last retirement in
+    // the warpgroup -- the shared memory read unchanged, writes the result back
+    // and requires a new wgmma.fence before the thread's next wgmma.
 
     // wgmma.fence: the thread's registers are now ordered before its next wgmma.
     // The emulator cannot see registers, only the stack the kernel keeps them
