@@ -179,7 +179,7 @@ def test_truncating_mma_matches_the_model_bit_for_bit(kind, planted):
     a_frag, b_frag, c_frag, mats = _mma_case(np.random.default_rng(7), kind, planted)
     trunc = _run_mma(EmulatorExecutor(arch=80, seed=1, accumulation=f"truncate:{extra}"), kind,
                      a_frag, b_frag, c_frag)
-    exact = _run_mma(EmulatorExecutor(arch=80, seed=1), kind, a_frag, b_frag, c_frag)
+    exact = _run_mma(EmulatorExecutor(arch=80, seed=1, accumulation="exact"), kind, a_frag, b_frag, c_frag)
     want_trunc = _expected(mats, lambda c, p: truncated_sum_model(c, p, extra))
     want_exact = _expected(mats, lambda c, p: np.float32(math.fsum([c, *p])))
     np.testing.assert_array_equal(trunc.view(np.uint32), want_trunc.view(np.uint32))
