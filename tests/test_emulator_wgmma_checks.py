@@ -89,7 +89,7 @@ def truncated_sum_model(c: float, products, extra: int) -> np.float32:
         m, x = math.frexp(t)                     # t = m 2**x, m with 53 bits
         n = int(m * 2**53)                       # exact integer: t = n 2**(x - 53)
         shift = x - 53 - lsb
-        total += n * 2**shift if shift >= 0 else int(n / 2**-shift) if abs(n) < 2**53 else 0
+        total += n * 2**shift if shift >= 0 else int(n / 2**-shift)   # |n| < 2**53: exact; int() cuts to 0
     if total == 0:
         return np.float32(0.0)
     # total 2**lsb to float32, toward zero: keep the top 24 bits of |total| (fewer when subnormal)
