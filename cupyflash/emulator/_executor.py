@@ -8,6 +8,7 @@ block on the calling thread; see ``src/runtime.cpp`` for the execution model.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 
 import numpy as np
@@ -41,7 +42,33 @@ class _LaunchDesc(ctypes.Structure):
         ("kernel_name", ctypes.c_char_p),
         ("shuffle", ctypes.c_int32),
         ("race_check", ctypes.c_int32),
+        ("accum_mode", ctypes.c_int32),
+        ("accum_extra_bits", ctypes.c_int32),
     ]
+
+
+# How mma.sync and wgmma sum their products; see EmulatorExecutor's ``accumulation``.
+ACCUMULATION_ENV = "CUPYFLASH_EMULATOR_ACCUMULATION"
+_ACCUM_EXACT, _ACCUM_TRUNCATE = 0, 1
+DEFAULT_EXTRA_BITS = 3
+
+
+def _parse_accumulation(value) -> tuple[int, int]:
+    """``(mode, extra_bits)`` for the runtime from ``"exact"``, ``"truncate"`` or ``"truncate:E"``."""
+    what = "accumulation" if value is not None else f"${ACCUMULATION_ENV}"
+    text = value if value is not None else os.environ.get(ACCUMULATION_ENV, "exact")
+    if not isinstance(text, str):
+        raise TypeError(f"{what}: expected 'exact', 'truncate' or 'truncate:E' (a str), got {text!r}")
+    mode, colon, bits = text.strip().partition(":")
+    if mode == "exact" and not colon:
+        return _ACCUM_EXACT, 0
+    if mode == "truncate":
+        if not colon:
+            return _ACCUM_TRUNCATE, DEFAULT_EXTRA_BITS
+        if bits.isdigit() and 0 <= int(bits) <= 20:
+            return _ACCUM_TRUNCATE, int(bits)
+    raise ValueError(f"{what}: expected 'exact', 'truncate' or 'truncate:E' with E extra bits in 0..20, "
+                     f"got {text!r}")
 
 
 _CACHE_LOCK = threading.Lock()
@@ -123,6 +150,14 @@ class EmulatorExecutor:
     multiprocessors : int, optional
         SM count of the emulated GPU, which the forward's split-KV choice
         depends on (default: a representative GPU of ``arch``, 108 for sm_80).
+    accumulation : {'exact', 'truncate', 'truncate:E'}, optional
+        How mma.sync (f16, bf16, tf32) and wgmma sum an instruction's products
+        and C.  ``'exact'``: exactly, rounded once to nearest.  ``'truncate'``:
+        as tensor cores are measured to (Fasi et al. 2021): each term cut
+        toward zero to ``24 + E`` bits below the leading bit of the largest
+        term, the sum cut to float32 toward zero; ``E`` extra bits, default 3.
+        Default: ``$CUPYFLASH_EMULATOR_ACCUMULATION``, else ``'exact'``.
+        The f64 mma is always IEEE.
 
     Notes
     -----
@@ -158,7 +193,10 @@ class EmulatorExecutor:
     """
 
     def __init__(self, arch: int = 80, seed: int = 0, shuffle: bool = True, race_check: bool = True, *,
-                 stack_bytes: int = 256 * 1024, multiprocessors: int | None = None):
+                 stack_bytes: int = 256 * 1024, multiprocessors: int | None = None,
+                 accumulation: str | None = None):
+        self._accum = _parse_accumulation(accumulation)
+        self.accumulation = "exact" if self._accum[0] == _ACCUM_EXACT else f"truncate:{self._accum[1]}"
         self.arch = int(arch)
         if multiprocessors is None:
             multiprocessors = _MULTIPROCESSORS.get(self.arch, _MULTIPROCESSORS[80])
@@ -177,7 +215,7 @@ class EmulatorExecutor:
 
     def __repr__(self) -> str:
         return (f"EmulatorExecutor(arch={self.arch}, seed={self.seed}, shuffle={self.shuffle}, "
-                f"race_check={self.race_check})")
+                f"race_check={self.race_check}, accumulation={self.accumulation!r})")
 
     def compile(self, entry: str, name_expressions) -> None:
         """Build ahead of time one module holding all of ``name_expressions``.
@@ -258,6 +296,8 @@ class EmulatorExecutor:
             kernel_name=name,
             shuffle=int(self.shuffle),
             race_check=int(self.race_check),
+            accum_mode=self._accum[0],
+            accum_extra_bits=self._accum[1],
         )
         err = ctypes.create_string_buffer(_ERRBUF_BYTES)
         rc = fn(ctypes.byref(desc), err, _ERRBUF_BYTES)

@@ -11,6 +11,11 @@
 //  32  no wgmma.wait_group at all
 //  64  (not a fault) A and B MN-major, from shared memory
 // 128  warps 0-1 and 2-3 reach the (same) wgmma at two call sites: two instructions
+// 256  warp 0 retires the group, then thread 0 overwrites a B element (after a
+//      barrier, so no race) before warps 1-3 retire it
+// 512  an A register written after wgmma.fence, before the wgmma (A from registers)
+// 1024 an accumulator written after wgmma.fence, before the wgmma
+// 2048 the accumulators scaled in place while the wgmma is in flight
 #include "mma_tile.cuh"
 #include "ptx.cuh"
 #include "wgmma.cuh"
@@ -53,6 +58,8 @@ __global__ void wgmma_probe(const PlantedParams p) {
         a[j] = cf::pack_bf162(p.in[16 * row + col], p.in[16 * row + col + 1]);
     }
     if (!(flags & 2)) cf::wgmma_fence();
+    if (flags & 512) a[1] ^= 1u << 16;
+    if (flags & 1024) d[1][3] = 0.5f;
     if (kRegsA)
         cf::Wgmma<bf16, 64>::rs_mn(d, a, cf::wgmma_desc_sw128(sB, VTile::kRows * 128, 1024), false);
     else if (mn_major)
@@ -75,7 +82,19 @@ __global__ void wgmma_probe(const PlantedParams p) {
     cf::wgmma_commit();
     if ((flags & 8) && t == 0) sB[0] = __float2bfloat16(1.0f);
     if (flags & 16) a[0] ^= 1u;
-    if (!(flags & 4) && !(flags & 32)) cf::wgmma_wait<0>();
+    if (flags & 2048)
+        for (int c = 0; c < 16; ++c) d[0][c] *= 0.5f;
+    if (flags & 256) {
+        __syncthreads();
+        if (w == 0) {
+            cf::wgmma_wait<0>();
+            __syncwarp();
+            if (t == 0) sB[0] = __float2bfloat16(1.0f);
+        }
+        __syncthreads();
+        if (w != 0) cf::wgmma_wait<0>();
+    } else if (!(flags & 4) && !(flags & 32))
+        cf::wgmma_wait<0>();
     for (int r = 0; r < 2; ++r)
         for (int c = 0; c < 16; ++c)
             p.out[64 * (16 * w + 8 * r + g) + 8 * (c / 2) + 2 * q + c % 2] = d[r][c];

@@ -53,7 +53,18 @@ struct cfemu_launch_desc {
     const char* kernel_name;   // for messages
     int32_t shuffle;           // shuffle the thread order between barriers
     int32_t race_check;        // the module is instrumented: check shared memory
+    // How mma.sync and wgmma sum their products (enum cfemu_accum) and, for
+    // CFEMU_ACCUM_TRUNCATE, how many bits below binary32's 24 they keep.
+    int32_t accum_mode;
+    int32_t accum_extra_bits;
 };
+
+// CFEMU_ACCUM_EXACT: products and C summed exactly, rounded once to nearest.
+// CFEMU_ACCUM_TRUNCATE: every term (the instruction's k products and C) is
+// truncated toward zero to 24 + accum_extra_bits bits below the leading bit of
+// the largest term, the truncated terms are summed exactly, and the sum is
+// truncated to binary32 (round toward zero); see runtime.cpp, truncated_sum.
+enum cfemu_accum { CFEMU_ACCUM_EXACT = 0, CFEMU_ACCUM_TRUNCATE = 1 };
 
 typedef void (*cfemu_thunk)(const void* params);
 

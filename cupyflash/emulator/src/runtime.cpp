@@ -200,6 +200,35 @@ double tf32_to_double(uint32_t r) {
     return f;
 }
 
+// The truncating accumulation (CFEMU_ACCUM_TRUNCATE): c plus the k products
+// (exact in double: at most 11 x 11 significand bits), as a tensor core's
+// multi-operand adder is taken to work -- every term aligned to the largest
+// one's exponent and cut to 24 + extra bits below its leading bit (round toward
+// zero), the cut terms added without error, the sum cut to binary32.  The
+// truncated terms are multiples of 2^(e - 23 - extra) below 2^(e + 1), so for
+// extra <= 20 the at most 17 of them sum exactly in a double.  Infinite and NaN
+// terms leave the sum to IEEE arithmetic (the exact path's result).
+float truncated_sum(double c, const double* prod, int k, int extra) {
+    int emax = INT32_MIN;
+    double exact = c;
+    for (int i = 0; i < k; ++i) exact += prod[i];
+    if (!std::isfinite(exact)) return static_cast<float>(exact);
+    auto scan = [&](double t) {
+        if (t != 0.0) emax = std::max(emax, std::ilogb(t));
+    };
+    scan(c);
+    for (int i = 0; i < k; ++i) scan(prod[i]);
+    if (emax == INT32_MIN) return static_cast<float>(exact);  // every term is zero: the IEEE sum's sign
+    const int shift = 23 + extra - emax;  // term * 2^shift: its value in units of the last kept bit
+    double sum = std::trunc(std::ldexp(c, shift));
+    for (int i = 0; i < k; ++i) sum += std::trunc(std::ldexp(prod[i], shift));
+    sum = std::ldexp(sum, -shift);
+    float f = static_cast<float>(sum);  // to nearest; step back toward zero if that rounded up
+    if (std::fabs(static_cast<double>(f)) > std::fabs(sum)) f = std::nextafter(f, 0.0f);
+    if (f == 0.0f && sum == 0.0) f = std::copysign(0.0f, static_cast<float>(exact));
+    return f;
+}
+
 // ---- per-launch state ----------------------------------------------------------
 
 enum class St : uint8_t { Runnable, BlockBar, WarpOp, Exited };
@@ -242,7 +271,7 @@ struct WgmmaRead {
     std::vector<size_t> offsets;
     std::vector<char> bytes;
     const void* pc;
-    bool checked = false;
+    int retired = 0;  // threads of the warpgroup that have retired it
 };
 // One thread's part of a wgmma in flight (issued, its group not retired).
 struct WgmmaPending {
@@ -254,6 +283,11 @@ struct WgmmaPending {
     std::shared_ptr<WgmmaRead> read;
     const void* pc;
 };
+
+// What a wgmma leaves in its accumulators until the group retires: a signaling
+// NaN, so that a read gives NaN and any arithmetic written back (x * s, x + y)
+// quietens it -- the retirement then sees that the registers were written.
+constexpr uint32_t kWgmmaPoison = 0x7fa5c0deu;
 
 struct Copy {
     char* dst;
@@ -286,6 +320,11 @@ struct Fiber {
     // operations in flight; and fence.proxy.async calls so far.
     bool wg_fenced = false;
     uint32_t wg_committed = 0;
+    // The thread's stack from its last wgmma.fence's caller up, as it was then:
+    // the registers a wgmma reads must still hold those bytes (no write since).
+    std::vector<char> wg_snap;
+    uintptr_t wg_snap_lo = 0;
+    const void* wg_fence_pc = nullptr;
     std::vector<WgmmaPending> wg_pending;
     uint32_t proxy_fences = 0;
 };
@@ -340,6 +379,7 @@ struct Launch {
     std::string name;
     unsigned nthreads = 0, nwarps = 0;
     bool shuffle = false, race = false;
+    int accum_mode = CFEMU_ACCUM_EXACT, accum_extra = 0;  // cfemu_launch_desc's accumulation model
     uint64_t rng = 0;
 
     // fibers and their stacks
@@ -673,8 +713,17 @@ struct Launch {
             if ((mask >> l) & 1) static_cast<VoteArgs*>(fibers[base + l].op_args)->out = result;
     }
 
+    // One element of D: c plus k products, exact and rounded once to nearest
+    // (CFEMU_ACCUM_EXACT), or as truncated_sum models the tensor cores.
+    float accumulate(double c, const double* prod, int k) const {
+        if (accum_mode == CFEMU_ACCUM_TRUNCATE) return truncated_sum(c, prod, k, accum_extra);
+        double acc = c;
+        for (int i = 0; i < k; ++i) acc += prod[i];
+        return static_cast<float>(acc);
+    }
+
     // D = A*B + C for one warp, fragments as in ptx-fragments.md sections 1 and 2.
-    // Products are exact in double; the sum is rounded to float once.
+    // Products are exact in double; accumulate() sums them.
     void finish_mma(int base, int kind) {
         double A[16][16], B[16][8], C[16][8];
         const int K = kind == CFEMU_MMA_TF32 ? 8 : 16;
@@ -710,9 +759,9 @@ struct Launch {
         float D[16][8];
         for (int r = 0; r < 16; ++r)
             for (int n = 0; n < 8; ++n) {
-                double acc = C[r][n];
-                for (int k = 0; k < K; ++k) acc += A[r][k] * B[k][n];
-                D[r][n] = static_cast<float>(acc);
+                double prod[16];
+                for (int k = 0; k < K; ++k) prod[k] = A[r][k] * B[k][n];
+                D[r][n] = accumulate(C[r][n], prod, K);
             }
         for (int l = 0; l < 32; ++l) {
             auto* m = static_cast<MmaArgs*>(fibers[base + l].op_args);
@@ -792,10 +841,67 @@ struct Launch {
     // ---- wgmma (warpgroup matrix multiply, sm_90a) -------------------------------
     // wgmma.cuh describes the operand layouts and the ordering rules checked here.
     // The product is computed when the warpgroup's 128th thread arrives, from
-    // the shared memory as it is then; each thread's accumulators are poisoned
-    // (NaN) until its wgmma.wait_group retires the group, which writes the
-    // result back, checks that the A registers and the shared memory read are
-    // unchanged, and requires a new wgmma.fence before the thread's next wgmma.
+    // the shared memory as it is then; each thread's operand registers must be
+    // as its wgmma.fence left them, and its accumulators are poisoned (a
+    // signalling NaN) until its wgmma.wait_group retires the group, which
+    // checks that the A registers are unchanged, the accumulators still poison
+    // (not written in flight) and -- at the first and the last retirement in
+    // the warpgroup -- the shared memory read unchanged, writes the result back
+    // and requires a new wgmma.fence before the thread's next wgmma.
+
+    // wgmma.fence: the thread's registers are now ordered before its next wgmma.
+    // The emulator cannot see registers, only the stack the kernel keeps them
+    // in: it saves the caller's frames as they are (everything above this call),
+    // so that the wgmma can tell whether its operands were written since.
+    void wgmma_fence(Fiber* f, const void* frame, const void* pc) {
+        const uintptr_t lo = reinterpret_cast<uintptr_t>(frame);
+        const uintptr_t top = reinterpret_cast<uintptr_t>(stacks) + static_cast<uintptr_t>(f->tid + 1) * stack_bytes;
+        f->wg_fenced = true;
+        f->wg_fence_pc = pc;
+        f->wg_snap_lo = lo;
+        if (lo >= top || top - lo > stack_bytes) {  // not on the fiber's stack: no snapshot
+            f->wg_snap.clear();
+            return;
+        }
+        f->wg_snap.assign(reinterpret_cast<const char*>(lo), reinterpret_cast<const char*>(top));
+    }
+
+    // Keeps the fence's snapshot in step with what the runtime itself writes into
+    // a thread's registers (the poison a wgmma leaves in its accumulators).
+    void wgmma_snap_update(Fiber& f, const void* p, size_t n) {
+        const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+        if (!f.wg_fenced || a < f.wg_snap_lo || a + n > f.wg_snap_lo + f.wg_snap.size()) return;
+        std::memcpy(f.wg_snap.data() + (a - f.wg_snap_lo), p, n);
+    }
+
+    // The operand registers [p, p + n) of a wgmma must not have been written
+    // since the thread's wgmma.fence (PTX: the fence goes between a register's
+    // write and the wgmma that reads it).
+    void wgmma_check_since_fence(const Fiber* f, const void* p, size_t n, const char* regs, const char* what,
+                                 const void* pc) {
+        const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+        const uintptr_t lo = f->wg_snap_lo, hi = lo + f->wg_snap.size();
+        const uintptr_t base = reinterpret_cast<uintptr_t>(stacks) + static_cast<uintptr_t>(f->tid) * stack_bytes;
+        if (f->wg_snap.empty()) return;
+        if (a >= base && a < lo)
+            fail(format("%s: the %s registers of %s%s live in a stack frame made after its wgmma.fence%s, so "
+                        "they were written after it; the fence must come after the last write of a wgmma's "
+                        "registers",
+                        who(f->tid).c_str(), regs, what, location(pc).c_str(), location(f->wg_fence_pc).c_str()));
+        if (a < lo || a + n > hi) return;
+        const char* before = f->wg_snap.data() + (a - lo);
+        const char* now = static_cast<const char*>(p);
+        for (size_t i = 0; i < n; i += 4)
+            if (std::memcmp(before + i, now + i, 4) != 0) {
+                uint32_t was, is;
+                std::memcpy(&was, before + i, 4);
+                std::memcpy(&is, now + i, 4);
+                fail(format("%s wrote %s register %zu (0x%08x, was 0x%08x) between its wgmma.fence%s and %s%s that "
+                            "reads it; the fence must come after the last write of a wgmma's registers",
+                            who(f->tid).c_str(), regs, i / 4, is, was, location(f->wg_fence_pc).c_str(), what,
+                            location(pc).c_str()));
+            }
+    }
 
     void wgmma_op(Fiber* f, WgmmaArgs* args, const void* pc) {
         const int variant = (args->kind & 1) | ((args->a != nullptr) << 1) | ((args->trans_b & 1) << 2) |
@@ -805,6 +911,10 @@ struct Launch {
             fail(format("%s executes %s without a wgmma.fence since its last wgmma.wait_group (or the kernel "
                         "start): the accumulator and A registers may be stale%s",
                         who(f->tid).c_str(), what, location(pc).c_str()));
+        if (args->n >= 8 && args->n <= 256) {
+            wgmma_check_since_fence(f, args->d, static_cast<size_t>(args->n) * 2, "accumulator", what, pc);
+            if (args->a) wgmma_check_since_fence(f, args->a, 16, "A", what, pc);
+        }
         if (args->a && args->trans_a)
             fail(format("%s: %s with a transposed A from registers (only a shared-memory A may be MN-major)%s",
                         who(f->tid).c_str(), what, location(pc).c_str()));
@@ -980,9 +1090,9 @@ struct Launch {
         std::vector<float> D(64 * N);
         for (int r = 0; r < 64; ++r)
             for (int n = 0; n < N; ++n) {
-                double acc = C[r * N + n];
-                for (int k = 0; k < 16; ++k) acc += A[r * 16 + k] * B[k * N + n];
-                D[r * N + n] = static_cast<float>(acc);
+                double prod[16];
+                for (int k = 0; k < 16; ++k) prod[k] = A[r * 16 + k] * B[k * N + n];
+                D[r * N + n] = accumulate(C[r * N + n], prod, 16);
             }
         for (int i = 0; i < 128; ++i) {
             Fiber& f = fibers[first + i];
@@ -1000,8 +1110,9 @@ struct Launch {
             p.read = rec;
             p.pc = f.op_pc;
             f.wg_pending.push_back(std::move(p));
-            const float poison = std::numeric_limits<float>::quiet_NaN();
-            for (int e = 0; e < N / 2; ++e) m->d[e] = poison;  // undefined until the group retires
+            for (int e = 0; e < N / 2; ++e)  // undefined until the group retires
+                std::memcpy(&m->d[e], &kWgmmaPoison, 4);
+            wgmma_snap_update(f, m->d, static_cast<size_t>(N) * 2);
         }
     }
 
@@ -1009,32 +1120,48 @@ struct Launch {
         if (n < 0 || n > 7) fail(format("%s: wgmma.wait_group %d (must be 0..7)%s", who(f->tid).c_str(), n,
                                         location(pc).c_str()));
         const uint32_t limit = f->wg_committed > static_cast<uint32_t>(n) ? f->wg_committed - n : 0;
-        size_t kept = 0;
+        std::vector<WgmmaPending>& q = f->wg_pending;
         bool retired = false;
-        for (size_t i = 0; i < f->wg_pending.size(); ++i) {
-            WgmmaPending& p = f->wg_pending[i];
-            if (p.group >= limit) {
-                if (kept != i) f->wg_pending[kept] = std::move(p);
-                ++kept;
-                continue;
-            }
+        for (WgmmaPending& p : q) {
+            if (p.group >= limit) continue;
             retired = true;
             if (p.a && std::memcmp(p.a, p.a_copy, sizeof(p.a_copy)) != 0)
                 fail(format("%s changed the A registers of a wgmma (issued%s) before wgmma.wait_group retired it%s",
                             who(f->tid).c_str(), location(p.pc).c_str(), location(pc).c_str()));
-            if (!p.read->checked) {
-                p.read->checked = true;
+            for (size_t e = 0; e < p.result.size(); ++e)
+                if (std::memcmp(&p.d[e], &kWgmmaPoison, 4) != 0) {
+                    uint32_t bits;
+                    std::memcpy(&bits, &p.d[e], 4);
+                    fail(format("%s wrote accumulator register %zu (now 0x%08x) of a wgmma (issued%s) while it was "
+                                "in flight, before the wgmma.wait_group%s that retires it; its result would "
+                                "overwrite that write",
+                                who(f->tid).c_str(), e, bits, location(p.pc).c_str(), location(pc).c_str()));
+                }
+            // The tensor core may read the shared operands until the last thread of the
+            // warpgroup retires the group: checked at the first retirement (the earliest
+            // report) and at the last (a write in between, after some warps retired).
+            const int nth = ++p.read->retired;
+            if (nth == 1 || nth == 128)
                 for (size_t j = 0; j < p.read->offsets.size(); ++j) {
                     const size_t off = p.read->offsets[j];
                     if (smem[off] != p.read->bytes[2 * j] || smem[off + 1] != p.read->bytes[2 * j + 1])
                         fail(format("shared offset %zu, read by a wgmma (issued%s), was overwritten before the "
-                                    "warpgroup's wgmma.wait_group retired it (found by %s%s)",
-                                    off, location(p.pc).c_str(), who(f->tid).c_str(), location(pc).c_str()));
+                                    "warpgroup's wgmma.wait_group retired it (found by %s%s, the %s of the "
+                                    "warpgroup's 128 threads to retire it)",
+                                    off, location(p.pc).c_str(), who(f->tid).c_str(), location(pc).c_str(),
+                                    nth == 1 ? "first" : "last"));
                 }
-            }
-            std::memcpy(p.d, p.result.data(), p.result.size() * sizeof(float));
         }
-        f->wg_pending.resize(kept);
+        // The results land, except where a later wgmma of this thread on the same
+        // accumulators (a chain) retires now too or is still in flight.
+        for (size_t i = 0; i < q.size(); ++i) {
+            if (q[i].group >= limit) continue;
+            bool superseded = false;
+            for (size_t j = i + 1; j < q.size(); ++j) superseded = superseded || q[j].d == q[i].d;
+            if (!superseded) std::memcpy(q[i].d, q[i].result.data(), q[i].result.size() * sizeof(float));
+        }
+        q.erase(std::remove_if(q.begin(), q.end(), [limit](const WgmmaPending& p) { return p.group < limit; }),
+                q.end());
         if (retired) f->wg_fenced = false;
     }
 
@@ -1256,6 +1383,14 @@ struct Launch {
         name = d.kernel_name ? d.kernel_name : "?";
         shuffle = d.shuffle != 0;
         race = d.race_check != 0;
+        accum_mode = d.accum_mode;
+        accum_extra = d.accum_extra_bits;
+        if ((accum_mode != CFEMU_ACCUM_EXACT && accum_mode != CFEMU_ACCUM_TRUNCATE) || accum_extra < 0 ||
+            accum_extra > 20) {
+            snprintf(errbuf, errlen, "kernel `%s`: accumulation mode %d with %d extra bits (modes 0, 1; 0..20 bits)",
+                     name.c_str(), accum_mode, accum_extra);
+            return false;
+        }
         rng = d.seed ^ 0x5eedc0ffee123457ull;
         nthreads = d.block[0] * d.block[1] * d.block[2];
         nwarps = (nthreads + 31) / 32;
@@ -1534,7 +1669,7 @@ CFEMU_API void cfemu_wgmma(int kind, int n, float* d, const uint32_t* a, uint64_
 
 CFEMU_API void cfemu_wgmma_fence(void) {
     Launch* L = current_launch("wgmma.fence");
-    L->cur->wg_fenced = true;
+    L->wgmma_fence(L->cur, __builtin_frame_address(0), __builtin_return_address(0));
 }
 
 CFEMU_API void cfemu_wgmma_commit(void) {
