@@ -4,10 +4,12 @@
 // warpgroup's 128 threads in the emulator runtime, which reads the operands
 // through the descriptors (128-byte swizzle), computes the m64nNk16 product
 // and hands each thread its accumulators back at the wgmma.wait_group that
-// retires the group; until then they read as NaN.  The runtime checks the
-// ordering rules listed in the real header (fence before a batch, A registers
-// and shared memory unchanged until retirement, fence.proxy.async after the
-// writes a wgmma reads).  Keep the two headers in step.
+// retires the group; until then they hold a signalling NaN.  The runtime
+// checks the ordering rules listed in the real header: a fence before a batch
+// and no write to its registers between the fence and the wgmma; A registers
+// and accumulators untouched until retirement; shared memory unchanged until
+// the last thread of the warpgroup retires the group; fence.proxy.async after
+// the writes a wgmma reads.  Keep the two headers in step.
 #pragma once
 
 #include "ptx.cuh"
