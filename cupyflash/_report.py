@@ -40,7 +40,7 @@ import threading
 import time
 import warnings
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -474,7 +474,7 @@ def _dynamic_shared_bytes(inst) -> int:
 
 
 def kernel_report(archs: Sequence = ("sm_80",), instantiations=None, *,
-                  sass: bool = True, max_workers: int | None = None) -> list[dict]:
+                  sass: bool = True, max_workers: int | None = None, progress=None) -> list[dict]:
     """One row per (instantiation, arch), compiling each entry file once per arch.
 
     Parameters
@@ -487,6 +487,9 @@ def kernel_report(archs: Sequence = ("sm_80",), instantiations=None, *,
         Disassemble and count SASS opcodes.
     max_workers : int, optional
         Parallel compiles (NVRTC releases the GIL); default one per CPU.
+    progress : callable, optional
+        Called as ``progress(done, total, entry, arch)`` as each module (one
+        entry file for one arch) finishes compiling, in the calling thread.
 
     Returns
     -------
@@ -518,8 +521,13 @@ def kernel_report(archs: Sequence = ("sm_80",), instantiations=None, *,
                                    filename=f"cuda_src/{entry}")
 
     workers = max_workers or max(1, min(len(jobs), os.cpu_count() or 1))
+    modules = {}
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        modules = dict(pool.map(run, jobs))
+        for done, future in enumerate(as_completed([pool.submit(run, job) for job in jobs]), 1):
+            (entry, arch), module = future.result()
+            modules[(entry, arch)] = module
+            if progress is not None:
+                progress(done, len(jobs), entry.removesuffix(".cu"), arch)
 
     rows = []
     for arch in arch_names:
@@ -616,6 +624,15 @@ def main_kernels(argv=None) -> int:
         rows_in = [r for r in rows_in if r.family in set(args.family)]
     start = time.perf_counter()
     archs = list(dict.fromkeys(archs))
+
+    def progress(done, total, entry, arch):         # on stderr: stdout stays the table / JSON
+        line = f"compiling {done}/{total} {entry} {arch}..."
+        if sys.stderr.isatty():                     # one line, rewritten in place
+            print(f"\r{line}\033[K", end="\n" if done == total else "", file=sys.stderr, flush=True)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    progress = None if args.json else progress
     if args.launchable:
         from ._kernels import launchable
 
@@ -623,9 +640,9 @@ def main_kernels(argv=None) -> int:
         for arch in archs:
             names = launchable(int(arch.removeprefix("sm_")))
             rows += kernel_report([arch], [r for r in rows_in if r.name_expression in names],
-                                  sass=not args.no_sass)
+                                  sass=not args.no_sass, progress=progress)
     else:
-        rows = kernel_report(archs, rows_in, sass=not args.no_sass)
+        rows = kernel_report(archs, rows_in, sass=not args.no_sass, progress=progress)
     if args.json:
         json.dump(rows, sys.stdout, indent=1)
         print()
