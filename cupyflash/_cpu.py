@@ -50,13 +50,18 @@ def _block_sizes(n_vec: int, seqlen_q: int, seqlen_k: int, masked: bool,
 
     Under a causal or window mask the query block is no taller than the key
     block is wide, so that blocks entirely outside the band are skipped
-    (a causal square problem then computes about half of the blocks).  A
+    (a causal square problem then computes about half of the blocks), and key
+    blocks are at most an eighth of the keys (at least 128).  A
     window of ``band`` keys narrower than the default key block gets key and
     query blocks of about the band's width (a multiple of 64), so that a query
     block meets about two key blocks, not a wide block mostly masked.
     Never depends on the thread count.
     """
     bc = max(1, min(_MAX_KEY_BLOCK, seqlen_k))
+    if masked:
+        # the blocks across the diagonal are computed whole and half masked: keep them
+        # to about an eighth of the keys (L = 1024 causal: 128-key blocks)
+        bc = min(bc, max(128, seqlen_k // 8 // 64 * 64))
     if band is not None and band < bc:
         bc = max(1, min(seqlen_k, -(-band // 64) * 64))
     bq = _SCORE_BLOCK_ELEMENTS // (bc * max(n_vec, 1))
@@ -171,9 +176,10 @@ def _with_ones(vf):
 _LAZY_LIMIT = 2.0**32
 
 
-def _scores(qf, kf, j0, j1, i0, i1, kind, rows, out, mask_args):
+def _scores(qf, kf, j0, j1, i0, i1, kind, rows, out, mask_args, stack=1):
     """The (already scaled) scores of key block [j0, j1) as a ``rows + (j1 - j0,)`` array,
-    -inf where masked; into ``out`` when given (a full block)."""
+    -inf where masked; into ``out`` when given (a full block).  ``stack`` query groups
+    of rows [i0, i1) lie one above the other (GQA)."""
     kt = np.swapaxes(kf[..., j0:j1, :], -1, -2)
     if out is not None:
         s = np.matmul(qf, kt, out=out)
@@ -182,19 +188,21 @@ def _scores(qf, kf, j0, j1, i0, i1, kind, rows, out, mask_args):
         if s.shape[:-1] != rows:
             s = np.broadcast_to(s, rows + (j1 - j0,)).copy()
     if kind == "partial":
-        np.copyto(s, -np.inf, where=~_visible(i0, i1, j0, j1, *mask_args))
+        visible = _visible(i0, i1, j0, j1, *mask_args)
+        np.copyto(s, -np.inf, where=~(np.tile(visible, (stack, 1)) if stack > 1 else visible))
     return s
 
 
-def _query_block(qf, kf, vf_ones, dv, i0, i1, vec_shape, bc, mask_args, acc_t):
+def _query_block(qf, kf, vf_ones, dv, i0, i1, vec_shape, bc, mask_args, acc_t, stack=1):
     """Online softmax over the key blocks for query rows [i0, i1).
 
-    ``qf`` holds the already scaled rows, ``vf_ones`` the ``dv`` value columns
-    followed by a column of ones (``_with_ones``).  Returns the normalised output
-    rows and their lse (float, -inf for rows that saw no key).
+    ``qf`` holds the already scaled rows (``stack`` groups of rows [i0, i1) one
+    above the other, for GQA), ``vf_ones`` the ``dv`` value columns followed by
+    a column of ones (``_with_ones``).  Returns the normalised output rows and
+    their lse (float, -inf for rows that saw no key).
     """
     lk = kf.shape[-2]
-    rows = vec_shape + (i1 - i0,)
+    rows = vec_shape + (stack * (i1 - i0),)
     m = np.full(rows, -np.inf, dtype=acc_t)                    # running row max
     l = np.zeros(rows, dtype=acc_t)                            # running row sum of exp
     acc = np.zeros(rows + (dv,), dtype=acc_t)                  # unnormalised output
@@ -209,7 +217,7 @@ def _query_block(qf, kf, vf_ones, dv, i0, i1, vec_shape, bc, mask_args, acc_t):
         if kind == "empty":
             continue
         out = s_full if direct and j1 - j0 == bc else None
-        s = _scores(qf, kf, j0, j1, i0, i1, kind, rows, out, mask_args)
+        s = _scores(qf, kf, j0, j1, i0, i1, kind, rows, out, mask_args, stack)
         if not np.isneginf(m).any():
             # Every row has a finite running max: exponentiate against it and skip
             # this block's max pass.  Kept unless a row's new weights sum past
@@ -222,7 +230,7 @@ def _query_block(qf, kf, vf_ones, dv, i0, i1, vec_shape, bc, mask_args, acc_t):
                 l += pv_block[..., dv]
                 acc += pv_block[..., :dv]
                 continue
-            s = _scores(qf, kf, j0, j1, i0, i1, kind, rows, out, mask_args)
+            s = _scores(qf, kf, j0, j1, i0, i1, kind, rows, out, mask_args, stack)
         m_new = np.maximum(m, s.max(axis=-1))
         m_safe = np.where(np.isneginf(m_new), 0, m_new)       # rows with no key yet
         s -= m_safe[..., None]
@@ -255,6 +263,11 @@ def forward(problem: Problem, out, lse) -> None:
     bq, bc = _block_sizes(int(np.prod(vec_shape)), lq, lk, masked, _band(problem))
     scale = acc_t.type(problem.scale)
     dv = v.shape[-1]
+    g = problem.gqa_ratio
+    if g > 1:
+        # GQA: the g query heads of a kv head are stacked into one g-times taller block,
+        # so each product is one (g * rows) x d by d x keys GEMM per kv head
+        vec_shape = vec_shape[:-1]
 
     def tasks():
         # k and v in the accumulator type (v with its ones column) once per batch index,
@@ -262,6 +275,8 @@ def forward(problem: Problem, out, lse) -> None:
         for idx in np.ndindex(*_loop_shape(batch5, n_vec)):
             kf = _index_into(k, idx).astype(acc_t, copy=False)
             vf_ones = _with_ones(_index_into(v, idx).astype(acc_t, copy=False))
+            if g > 1:                                           # drop the size-1 group axis
+                kf, vf_ones = kf[..., 0, :, :], vf_ones[..., 0, :, :]
             for i0 in range(0, lq, bq):
                 yield idx, kf, vf_ones, i0, min(i0 + bq, lq)
 
@@ -269,7 +284,15 @@ def forward(problem: Problem, out, lse) -> None:
         idx, kf, vf_ones, i0, i1 = task
         qf = _index_into(q, idx)[..., i0:i1, :].astype(acc_t)
         qf *= scale                                             # scale folded into q once
-        rows, rows_lse = _query_block(qf, kf, vf_ones, dv, i0, i1, vec_shape, bc, mask_args, acc_t)
+        grouped = qf.shape
+        if g > 1:
+            qf = np.broadcast_to(qf, vec_shape + grouped[-3:]).reshape(
+                vec_shape + (g * (i1 - i0), grouped[-1]))
+        rows, rows_lse = _query_block(qf, kf, vf_ones, dv, i0, i1, vec_shape, bc, mask_args, acc_t,
+                                      stack=g)
+        if g > 1:
+            rows = rows.reshape(vec_shape + (g, i1 - i0, dv))
+            rows_lse = rows_lse.reshape(vec_shape + (g, i1 - i0))
         o[idx][..., i0:i1, :] = rows                            # each task its own rows
         if lse5 is not None:
             lse5[idx][..., i0:i1] = rows_lse

@@ -8,13 +8,14 @@ machine, wait for) the BLAS library's own threads.
 
 Thread count
 ------------
-``CUPYFLASH_NUM_THREADS`` (read at every call) sets it: a positive integer, or
-``auto`` (the default): the cores this process may run on
-(``os.sched_getaffinity``), but no more than the BLAS library's own thread
-setting, so that ``OPENBLAS_NUM_THREADS=1``, ``OMP_NUM_THREADS=1`` or a
-``threadpoolctl.threadpool_limits(1)`` around the call hold cupyflash to one
-thread too.  An explicit integer is used as given.  A problem too small to
-repay a hand-off to the pool runs in the calling thread.
+``CUPYFLASH_NUM_THREADS`` (read at every call) sets it: a positive integer,
+used as given, or ``auto`` (the default): the cores this process may run on
+(``os.sched_getaffinity``: a ``taskset`` or container CPU set counts), capped
+by ``OMP_NUM_THREADS`` where that is set, the usual per-process thread budget.
+BLAS settings (``OPENBLAS_NUM_THREADS``, ``threadpoolctl`` limits) concern the
+BLAS library's threads, which cupyflash holds to one per worker anyway; they do
+not change the worker count.  A problem too small to repay a hand-off to the
+pool runs in the calling thread.
 
 While a call runs, the BLAS libraries that ``threadpoolctl`` finds are held to
 one thread (a process-wide setting, restored when the last concurrent call
@@ -82,10 +83,11 @@ class _Threads:
         explicit = parse_num_threads(os.environ.get(ENV_VAR))
         if explicit is not None:
             return explicit
-        with self._lock:
-            libs = self._blas_libs()
-            blas = self._saved if self._active else [lib.num_threads for lib in libs]
-        return max(1, min([_cores()] + [n for n in blas if n]))
+        try:
+            budget = int(os.environ.get("OMP_NUM_THREADS", "0").split(",")[0])
+        except ValueError:
+            budget = 0
+        return min(_cores(), budget) if budget > 0 else _cores()
 
     @contextlib.contextmanager
     def single_threaded_blas(self):

@@ -3,6 +3,7 @@ thread inside a call and restored after, ``CUPYFLASH_NUM_THREADS`` read and chec
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -100,15 +101,18 @@ def test_concurrent_calls_restore_the_blas_thread_count(monkeypatch):
     assert all(np.array_equal(r, results[0]) for r in results)
 
 
-def test_auto_follows_a_blas_limit_and_an_explicit_count_wins(monkeypatch):
+def test_auto_is_the_usable_cores_capped_by_omp_num_threads(monkeypatch):
+    cores = len(os.sched_getaffinity(0))
     monkeypatch.delenv(_threads.ENV_VAR, raising=False)
-    with threadpool_limits(limits=1, user_api="blas"):
-        assert _threads.num_threads() == 1
-        monkeypatch.setenv(_threads.ENV_VAR, "3")
-        assert _threads.num_threads() == 3
-    monkeypatch.setenv(_threads.ENV_VAR, "auto")
-    with threadpool_limits(limits=64, user_api="blas"):
-        assert 1 <= _threads.num_threads() <= len(_threads.os.sched_getaffinity(0))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    with threadpool_limits(limits=1, user_api="blas"):     # a BLAS limit is BLAS's business
+        assert _threads.num_threads() == cores
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert _threads.num_threads() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", str(cores + 5))
+    assert _threads.num_threads() == cores
+    monkeypatch.setenv(_threads.ENV_VAR, str(cores + 1))   # an explicit count wins
+    assert _threads.num_threads() == cores + 1
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
