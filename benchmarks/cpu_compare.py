@@ -2,7 +2,9 @@
 
     python benchmarks/cpu_compare.py            # about 4-6 minutes on 2 cores
 
-writes ``benchmarks/results/<date>-cpu-<N>core-compare.md`` (and ``.json``).
+writes ``benchmarks/results/<date>-cpu-<N>core-compare.md`` and the raw numbers to
+``benchmarks/results/cpu-compare/<date>-cpu-<N>core.json`` (a folder of its own: the
+results JSON beside the Markdown is ``bench``'s format, which the plot scripts read).
 Every case runs in two BLAS settings, each in its own process (the setting
 must be in place before NumPy loads): the default, and
 ``OPENBLAS_NUM_THREADS=1``; and in each of them on an otherwise idle machine
@@ -212,6 +214,10 @@ def _machine() -> dict:
     info = _cpu_info()
     info["cores"] = len(os.sched_getaffinity(0))
     info["loadavg_at_start"] = os.getloadavg()
+    # settings that change BLAS speed or cupyflash's thread count, as this run saw them
+    info["env"] = {name: os.environ.get(name) for name in (
+        "CUPYFLASH_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE",
+        "OPENBLAS_L2_SIZE")}
     return info
 
 
@@ -234,6 +240,7 @@ def markdown(doc: dict) -> str:
              f"{', '.join(m['features'])}), {m['cores']} cores usable; load average at start "
              f"{', '.join(f'{x:.2f}' for x in m['loadavg_at_start'])}",
              f"- versions: {', '.join(f'{k} {v}' for k, v in doc['versions'].items())}",
+             f"- environment: {', '.join(f'{k}={v}' for k, v in m['env'].items() if v) or 'none set'}",
              f"- command: `{doc['command']}` ({doc['seconds']:.0f} s); float32; median of "
              f"{doc['repeat']} interleaved repeats after a warm-up",
              f"- peak extra memory of cupyflash, one head L = 32768 d = 64 (tracemalloc): "
@@ -288,11 +295,13 @@ def main(argv=None) -> int:
     doc["seconds"] = time.perf_counter() - start
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"{doc['date']}-cpu-{doc['machine']['cores']}core-compare"
-    stem.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-    stem.with_suffix(".md").write_text(markdown(doc), encoding="utf-8")
+    name = f"{doc['date']}-cpu-{doc['machine']['cores']}core"
+    (out / "cpu-compare").mkdir(parents=True, exist_ok=True)
+    (out / "cpu-compare" / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n",
+                                                      encoding="utf-8")
+    (out / f"{name}-compare.md").write_text(markdown(doc), encoding="utf-8")
     print(markdown(doc))
-    print(f"wrote {stem}.md and .json", file=sys.stderr)
+    print(f"wrote {out / name}-compare.md and {out / 'cpu-compare' / name}.json", file=sys.stderr)
     return 0
 
 

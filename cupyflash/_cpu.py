@@ -24,6 +24,9 @@ bit-identical whatever the number of threads.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import numpy as np
 
 from . import _threads
@@ -51,24 +54,48 @@ def _block_sizes(n_vec: int, seqlen_q: int, seqlen_k: int, masked: bool,
     Under a causal or window mask the query block is no taller than the key
     block is wide, so that blocks entirely outside the band are skipped
     (a causal square problem then computes about half of the blocks), and key
-    blocks are at most an eighth of the keys (at least 128).  A
-    window of ``band`` keys narrower than the default key block gets key and
-    query blocks of about the band's width (a multiple of 64), so that a query
-    block meets about two key blocks, not a wide block mostly masked.
+    blocks are at most an eighth of the keys (at least 128).  A window of
+    ``band`` keys narrower than the default key block gets query blocks of
+    ``bq`` rows and key blocks of the ``bq + band - 1`` keys such a block sees:
+    the forward starts its key blocks at the query block's first key, so that
+    each query block meets one key block (a 256-row band loop's work).
     Never depends on the thread count.
     """
+    if band is not None and band < _MAX_KEY_BLOCK:
+        bq = max(_MIN_QUERY_BLOCK, (_MAX_KEY_BLOCK - band + 1) // 64 * 64)
+        bq = max(1, min(seqlen_q, bq))
+        return bq, max(1, min(seqlen_k, bq + band - 1))
     bc = max(1, min(_MAX_KEY_BLOCK, seqlen_k))
     if masked:
         # the blocks across the diagonal are computed whole and half masked: keep them
         # to about an eighth of the keys (L = 1024 causal: 128-key blocks)
         bc = min(bc, max(128, seqlen_k // 8 // 64 * 64))
-    if band is not None and band < bc:
-        bc = max(1, min(seqlen_k, -(-band // 64) * 64))
     bq = _SCORE_BLOCK_ELEMENTS // (bc * max(n_vec, 1))
     bq = max(1, min(seqlen_q, max(bq, _MIN_QUERY_BLOCK)))
     if masked:
         bq = min(bq, bc)
     return bq, bc
+
+
+# Query rows a block of all the vectorised heads must still have; with more heads
+# than fit, the heads are looped over (each its own tasks) instead: 16 heads of 64
+# rows make sixteen 64 x d x 512 products, slower than one head's 512-row product.
+_WIDE_QUERY_BLOCK = 256
+
+
+def _vector_dims(problem: Problem, batch5: tuple) -> int:
+    """How many trailing batch dims each BLAS call covers.
+
+    All the heads (and under GQA the group axis) while a block of all of them
+    keeps ``_WIDE_QUERY_BLOCK`` query rows within the score budget; otherwise
+    the heads are looped over (under GQA the kv heads; the group axis stays
+    vectorised).
+    """
+    n_max = 2 if problem.gqa_ratio > 1 else 1
+    heads = int(np.prod(batch5[len(batch5) - n_max:]))
+    masked = problem.window_left is not None or problem.window_right is not None
+    _, bc = _block_sizes(1, problem.seqlen_q, problem.seqlen_k, masked, _band(problem))
+    return n_max if heads * _WIDE_QUERY_BLOCK * bc <= _SCORE_BLOCK_ELEMENTS else n_max - 1
 
 
 def _band(problem: Problem) -> int | None:
@@ -78,12 +105,20 @@ def _band(problem: Problem) -> int | None:
     return problem.window_left + problem.window_right + 1
 
 
-def _workers(problem: Problem) -> int:
-    """Threads for this call: 1 for a problem too small to repay the pool."""
+def _workers(problem: Problem) -> tuple[int, object]:
+    """Threads for this call and the context to run it in.
+
+    A problem too small to repay the pool runs in the calling thread with BLAS
+    as the caller set it (BLAS does not split products this small anyway); a
+    larger one runs its tasks with BLAS held to one thread, whatever the
+    number of workers, so that its results do not depend on that number.
+    """
     n_batch = int(np.prod(problem.batch_shape, dtype=np.int64))
     work = n_batch * problem.seqlen_q * problem.seqlen_k * (problem.head_dim + problem.head_dim_v)
     n = _threads.num_threads()      # reads (and checks) CUPYFLASH_NUM_THREADS every call
-    return 1 if work < _MIN_PARALLEL_WORK else n
+    if work < _MIN_PARALLEL_WORK:
+        return 1, contextlib.nullcontext()
+    return n, _threads.single_threaded_blas()
 
 
 def block_bounds(i0, i1, j0, j1, offset, left, right):
@@ -106,16 +141,34 @@ def block_bounds(i0, i1, j0, j1, offset, left, right):
 
 
 def _visible(i0, i1, j0, j1, offset, left, right):
-    """Boolean (i1-i0, j1-j0) mask of admissible (query, key) pairs."""
-    # Compare a key row against a query column: only boolean (i1-i0, j1-j0) arrays
+    """Boolean (i1-i0, j1-j0) mask of admissible (query, key) pairs (read-only)."""
+    return _band_mask(i1 - i0, j1 - j0, j0 - i0 - offset, left, right)
+
+
+def _hidden(i0, i1, j0, j1, offset, left, right):
+    """``~_visible(...)`` (read-only)."""
+    return _band_mask(i1 - i0, j1 - j0, j0 - i0 - offset, left, right, negate=True)
+
+
+@functools.lru_cache(maxsize=16)
+def _band_mask(rows, cols, shift, left, right, negate=False):
+    """Mask of rows x cols with key - query - offset = shift + col - row in [-left, right].
+
+    Blocks along a band or a diagonal repeat the same few masks: cached (the
+    cache is thread-safe; the arrays are read-only).
+    """
+    # Compare a key row against a query column: only boolean (rows, cols) arrays
     # are formed, never an int64 one twice the size of the float32 score block.
-    keys = np.arange(j0, j1)[None, :]
-    diagonal = np.arange(i0, i1)[:, None] + offset
-    ok = np.ones((i1 - i0, j1 - j0), dtype=bool)
+    keys = np.arange(shift, shift + cols)[None, :]
+    diagonal = np.arange(rows)[:, None]
+    ok = np.ones((rows, cols), dtype=bool)
     if left is not None:
         ok &= keys >= diagonal - left
     if right is not None:
         ok &= keys <= diagonal + right
+    if negate:
+        ok = ~ok
+    ok.flags.writeable = False
     return ok
 
 
@@ -176,10 +229,9 @@ def _with_ones(vf):
 _LAZY_LIMIT = 2.0**32
 
 
-def _scores(qf, kf, j0, j1, i0, i1, kind, rows, out, mask_args, stack=1):
+def _scores(qf, kf, j0, j1, i0, i1, kind, rows, out, mask_args):
     """The (already scaled) scores of key block [j0, j1) as a ``rows + (j1 - j0,)`` array,
-    -inf where masked; into ``out`` when given (a full block).  ``stack`` query groups
-    of rows [i0, i1) lie one above the other (GQA)."""
+    -inf where masked; into ``out`` when given (a full block)."""
     kt = np.swapaxes(kf[..., j0:j1, :], -1, -2)
     if out is not None:
         s = np.matmul(qf, kt, out=out)
@@ -188,21 +240,19 @@ def _scores(qf, kf, j0, j1, i0, i1, kind, rows, out, mask_args, stack=1):
         if s.shape[:-1] != rows:
             s = np.broadcast_to(s, rows + (j1 - j0,)).copy()
     if kind == "partial":
-        visible = _visible(i0, i1, j0, j1, *mask_args)
-        np.copyto(s, -np.inf, where=~(np.tile(visible, (stack, 1)) if stack > 1 else visible))
+        np.copyto(s, -np.inf, where=_hidden(i0, i1, j0, j1, *mask_args))
     return s
 
 
-def _query_block(qf, kf, vf_ones, dv, i0, i1, vec_shape, bc, mask_args, acc_t, stack=1):
+def _query_block(qf, kf, vf_ones, dv, i0, i1, vec_shape, bc, mask_args, acc_t):
     """Online softmax over the key blocks for query rows [i0, i1).
 
-    ``qf`` holds the already scaled rows (``stack`` groups of rows [i0, i1) one
-    above the other, for GQA), ``vf_ones`` the ``dv`` value columns followed by
-    a column of ones (``_with_ones``).  Returns the normalised output rows and
-    their lse (float, -inf for rows that saw no key).
+    ``qf`` holds the already scaled rows, ``vf_ones`` the ``dv`` value columns
+    followed by a column of ones (``_with_ones``).  Returns the normalised output
+    rows and their lse (float, -inf for rows that saw no key).
     """
     lk = kf.shape[-2]
-    rows = vec_shape + (stack * (i1 - i0),)
+    rows = vec_shape + (i1 - i0,)
     m = np.full(rows, -np.inf, dtype=acc_t)                    # running row max
     l = np.zeros(rows, dtype=acc_t)                            # running row sum of exp
     acc = np.zeros(rows + (dv,), dtype=acc_t)                  # unnormalised output
@@ -211,13 +261,21 @@ def _query_block(qf, kf, vf_ones, dv, i0, i1, vec_shape, bc, mask_args, acc_t, s
     s_full = np.empty(rows + (bc,), dtype=acc_t)
     pv = np.empty(rows + (vf_ones.shape[-1],), dtype=acc_t)
     direct = np.broadcast_shapes(qf.shape[:-2], kf.shape[:-2]) == vec_shape
-    for j0 in range(0, lk, bc):
-        j1 = min(j0 + bc, lk)
+    offset, left, right = mask_args
+    first, stop = 0, lk
+    if left is not None:
+        # a window bounded on the left: key blocks start at the block's first key and
+        # stop after its last one, so that a narrow band is one or two key blocks
+        first = min(max(0, i0 + offset - left), lk)
+        if right is not None:
+            stop = max(first, min(lk, i1 - 1 + offset + right + 1))
+    for j0 in range(first, stop, bc):
+        j1 = min(j0 + bc, stop)
         kind = block_bounds(i0, i1, j0, j1, *mask_args)
         if kind == "empty":
             continue
         out = s_full if direct and j1 - j0 == bc else None
-        s = _scores(qf, kf, j0, j1, i0, i1, kind, rows, out, mask_args, stack)
+        s = _scores(qf, kf, j0, j1, i0, i1, kind, rows, out, mask_args)
         if not np.isneginf(m).any():
             # Every row has a finite running max: exponentiate against it and skip
             # this block's max pass.  Kept unless a row's new weights sum past
@@ -230,7 +288,7 @@ def _query_block(qf, kf, vf_ones, dv, i0, i1, vec_shape, bc, mask_args, acc_t, s
                 l += pv_block[..., dv]
                 acc += pv_block[..., :dv]
                 continue
-            s = _scores(qf, kf, j0, j1, i0, i1, kind, rows, out, mask_args, stack)
+            s = _scores(qf, kf, j0, j1, i0, i1, kind, rows, out, mask_args)
         m_new = np.maximum(m, s.max(axis=-1))
         m_safe = np.where(np.isneginf(m_new), 0, m_new)       # rows with no key yet
         s -= m_safe[..., None]
@@ -256,18 +314,13 @@ def forward(problem: Problem, out, lse) -> None:
     mask_args = (lk - lq, problem.window_left, problem.window_right)
     (q, o), (k, v) = _split_heads(problem, [problem.q, out], [problem.k, problem.v])
     lse5 = _lse_view(problem, lse) if lse is not None else None
-    n_vec = 2 if problem.gqa_ratio > 1 else 1
     batch5 = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    n_vec = _vector_dims(problem, batch5)
     vec_shape = batch5[len(batch5) - n_vec:]
     masked = problem.window_left is not None or problem.window_right is not None
     bq, bc = _block_sizes(int(np.prod(vec_shape)), lq, lk, masked, _band(problem))
     scale = acc_t.type(problem.scale)
     dv = v.shape[-1]
-    g = problem.gqa_ratio
-    if g > 1:
-        # GQA: the g query heads of a kv head are stacked into one g-times taller block,
-        # so each product is one (g * rows) x d by d x keys GEMM per kv head
-        vec_shape = vec_shape[:-1]
 
     def tasks():
         # k and v in the accumulator type (v with its ones column) once per batch index,
@@ -275,8 +328,6 @@ def forward(problem: Problem, out, lse) -> None:
         for idx in np.ndindex(*_loop_shape(batch5, n_vec)):
             kf = _index_into(k, idx).astype(acc_t, copy=False)
             vf_ones = _with_ones(_index_into(v, idx).astype(acc_t, copy=False))
-            if g > 1:                                           # drop the size-1 group axis
-                kf, vf_ones = kf[..., 0, :, :], vf_ones[..., 0, :, :]
             for i0 in range(0, lq, bq):
                 yield idx, kf, vf_ones, i0, min(i0 + bq, lq)
 
@@ -284,21 +335,14 @@ def forward(problem: Problem, out, lse) -> None:
         idx, kf, vf_ones, i0, i1 = task
         qf = _index_into(q, idx)[..., i0:i1, :].astype(acc_t)
         qf *= scale                                             # scale folded into q once
-        grouped = qf.shape
-        if g > 1:
-            qf = np.broadcast_to(qf, vec_shape + grouped[-3:]).reshape(
-                vec_shape + (g * (i1 - i0), grouped[-1]))
-        rows, rows_lse = _query_block(qf, kf, vf_ones, dv, i0, i1, vec_shape, bc, mask_args, acc_t,
-                                      stack=g)
-        if g > 1:
-            rows = rows.reshape(vec_shape + (g, i1 - i0, dv))
-            rows_lse = rows_lse.reshape(vec_shape + (g, i1 - i0))
+        rows, rows_lse = _query_block(qf, kf, vf_ones, dv, i0, i1, vec_shape, bc, mask_args, acc_t)
         o[idx][..., i0:i1, :] = rows                            # each task its own rows
         if lse5 is not None:
             lse5[idx][..., i0:i1] = rows_lse
 
-    with _threads.single_threaded_blas():
-        for _ in _threads.ordered_map(run, tasks(), _workers(problem)):
+    workers, blas = _workers(problem)
+    with blas:
+        for _ in _threads.ordered_map(run, tasks(), workers):
             pass
 
 
@@ -340,8 +384,8 @@ def backward(problem: Problem, dout, out, lse):
     scale = acc_t.type(problem.scale)
     (q, do, o), (k, v) = _split_heads(problem, [problem.q, dout, out], [problem.k, problem.v])
     lse5 = _lse_view(problem, lse)
-    n_vec = 2 if problem.gqa_ratio > 1 else 1
     batch5 = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    n_vec = _vector_dims(problem, batch5)
     vec_shape = batch5[len(batch5) - n_vec:]
     masked = problem.window_left is not None or problem.window_right is not None
     bq, bc = _block_sizes(int(np.prod(vec_shape)), lq, lk, masked, _band(problem))
@@ -403,11 +447,12 @@ def backward(problem: Problem, dout, out, lse):
         _accumulate(dk, idx, dk_i)
         _accumulate(dv, idx, dv_i)
 
-    with _threads.single_threaded_blas():
+    workers, blas = _workers(problem)
+    with blas:
         # results come in task order: the partial dQs are summed in the same order
         # whatever the number of threads
         for idx, j0, j1, dk_j, dv_j, rows0, dq_part in _threads.ordered_map(
-                run, tasks(), _workers(problem)):
+                run, tasks(), workers):
             if grads is None or grads[0] != idx:
                 if grads is not None:
                     finish_index()
