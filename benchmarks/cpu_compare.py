@@ -1,6 +1,6 @@
 """The CPU path beside naive NumPy and PyTorch's CPU SDPA: issue 33's table in one command.
 
-    python benchmarks/cpu_compare.py            # about 4-6 minutes on 2 cores
+    python benchmarks/cpu_compare.py            # about 8 minutes on a busy 2-core machine
 
 writes ``benchmarks/results/<date>-cpu-<N>core-compare.md`` and the raw numbers to
 ``benchmarks/results/cpu-compare/<date>-cpu-<N>core.json`` (a folder of its own: the
