@@ -65,10 +65,16 @@ class _Threads:
     """The worker pool and the BLAS limit, shared by all calls (one lock guards both)."""
 
     def __init__(self):
+        self._blas = None          # threadpoolctl's BLAS library controllers, found once
+        self.reset()
+
+    def reset(self) -> None:
+        """Fresh state: at start-up, and in a forked child, where the parent's worker
+        threads do not exist (a pool that still counted them would never run a task)
+        and the lock may have been held by one of the parent's threads."""
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
-        self._blas = None          # threadpoolctl's BLAS library controllers, found once
         self._active = 0           # calls inside single_threaded_blas
         self._saved: list[int] = []  # the BLAS thread counts before the first of them
 
@@ -118,6 +124,8 @@ class _Threads:
 
 
 _THREADS = _Threads()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_THREADS.reset)
 
 
 def num_threads() -> int:

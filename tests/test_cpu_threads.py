@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -124,3 +125,25 @@ def test_a_bad_thread_count_is_refused_before_any_work(value, monkeypatch):
     with pytest.raises(ValueError, match=f"{_threads.ENV_VAR} must be a positive integer"):
         cupyflash.attention(q, k, v, out=out)
     assert np.isnan(out).all(), "out was written before the error"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_gets_a_working_pool(monkeypatch):
+    monkeypatch.setenv(_threads.ENV_VAR, "2")
+    rng = np.random.default_rng(5)
+    q, k, v = random_qkv(rng, (2, 600, 32), (2, 600, 32), (2, 600, 32), np.float32)
+    expected = cupyflash.attention(q, k, v)              # the parent's pool now has threads
+    pid = os.fork()
+    if pid == 0:                                         # the child: exit status 0 if it matches
+        try:
+            os._exit(0 if np.array_equal(cupyflash.attention(q, k, v), expected) else 1)
+        finally:
+            os._exit(2)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's call did not finish (a pool with no threads?)")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
