@@ -1,8 +1,8 @@
 """asv: the CPU path (:func:`cupyflash.attention` on NumPy arrays) against naive NumPy attention.
 
 Both implementations come from :mod:`cupyflash._bench` (``python -m cupyflash
-bench`` times the same callables).  ``naive`` is matmul, ``scipy.special.softmax``,
-matmul, holding the L x L score matrix.  Sizes are small enough for
+bench`` times the same callables).  ``naive`` is matmul, softmax in place,
+matmul (:func:`cupyflash._bench.naive_attention`), holding the L x L score matrix.  Sizes are small enough for
 ``asv run --quick`` on two cores.
 """
 

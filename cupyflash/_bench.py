@@ -17,14 +17,15 @@ on the GPU
     fwd_wgmma, bwd_wgmma) and for backward cases ``cupyflash-wgmma-atomic``,
     ``cupyflash-v1`` (Algorithm 1, the fwd_v1 kernel, through
     :func:`cupyflash.reference.flash_attention_v1`), ``cupy-naive`` (matmul,
-    ``cupyx.scipy.special.softmax``, matmul) and, where PyTorch with CUDA is
+    softmax in place, matmul: :func:`naive_attention`) and, where PyTorch with CUDA is
     installed, ``torch.nn.functional.scaled_dot_product_attention`` as it
     dispatches (``torch-sdpa``) and forced to each backend (``torch-flash``,
     ``torch-efficient``, ``torch-cudnn``, ``torch-math``), fed the CuPy
     buffers zero-copy through DLPack;
 on the CPU
-    ``cupyflash`` (the NumPy CPU path), ``numpy-naive`` (matmul,
-    ``scipy.special.softmax``, matmul) and, where PyTorch is installed,
+    ``cupyflash`` (the NumPy CPU path), ``numpy-naive`` (matmul, softmax in
+    place, matmul: :func:`naive_attention`, the naive code ``python -m cupyflash``
+    times too) and, where PyTorch is installed,
     ``torch-sdpa``, ``torch-flash`` and ``torch-math`` on the NumPy buffers
     (``torch.from_numpy``, zero-copy).
 
@@ -73,7 +74,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Case", "flop_count", "cases", "bench", "run_case", "blank_row", "per_impl_seconds",
+__all__ = ["Case", "flop_count", "naive_attention", "naive_attention_backward", "softmax_", "cases", "bench", "run_case", "blank_row", "per_impl_seconds",
            "peer_ratios", "gemm_shares",
            "environment", "markdown", "merge",
            "gpu_available", "cuda_context_alive", "gemm_tflops", "main_bench", "COLUMNS", "REQUIRED_KEYS", "ROW_KEYS"]
@@ -227,21 +228,29 @@ def _sync(device: str) -> None:
 def naive_attention(q, k, v, *, causal=False):
     """``softmax(q kᵀ / √d) v`` with the whole score matrix, for NumPy or CuPy arrays.
 
-    Scores in the accumulator type (float32 for 16-bit inputs); ``causal`` is
-    bottom-right aligned, as cupyflash's.
+    The one naive peer that ``bench`` and ``python -m cupyflash`` time: two
+    matmuls and a softmax done in place on the score matrix (:func:`softmax_`),
+    so that it allocates one Lq x Lk array, as a careful hand-written version
+    would.  Scores in the accumulator type (float32 for 16-bit inputs);
+    ``causal`` is bottom-right aligned, as cupyflash's.
+
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 5, 4)).astype(np.float32) for _ in range(3))
+    >>> import cupyflash
+    >>> bool(np.allclose(naive_attention(q, k, v), cupyflash.attention(q, k, v), atol=1e-6))
+    True
     """
-    xp, softmax = _naive_namespace(q)
-    s = _naive_scores(xp, q, k, causal)
-    p = softmax(s, axis=-1)
+    xp = _xp_of(q)
+    p = softmax_(_naive_scores(xp, q, k, causal))
     return xp.matmul(p, v.astype(p.dtype, copy=False)).astype(q.dtype, copy=False)
 
 
 def naive_attention_backward(dout, q, k, v, *, causal=False):
     """(dq, dk, dv) of :func:`naive_attention`, recomputing the probabilities."""
-    xp, softmax = _naive_namespace(q)
+    xp = _xp_of(q)
     acc = _accumulator(q.dtype.name)
     scale = 1.0 / math.sqrt(q.shape[-1])
-    p = softmax(_naive_scores(xp, q, k, causal), axis=-1)
+    p = softmax_(_naive_scores(xp, q, k, causal))
     qa, ka, va, doa = (x.astype(acc, copy=False) for x in (q, k, v, dout))
     dv = xp.matmul(p.swapaxes(-1, -2), doa)
     dp = xp.matmul(doa, va.swapaxes(-1, -2))
@@ -252,15 +261,24 @@ def naive_attention_backward(dout, q, k, v, *, causal=False):
     return tuple(g.astype(q.dtype, copy=False) for g in (dq, dk, dv))
 
 
-def _naive_namespace(x):
+def softmax_(s):
+    """Softmax over the last axis of ``s``, in place (NumPy or CuPy); returns ``s``.
+
+    >>> softmax_(np.array([[0.0, np.log(3.0)]])).round(6).tolist()
+    [[0.25, 0.75]]
+    """
+    s -= s.max(axis=-1, keepdims=True)
+    _xp_of(s).exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    return s
+
+
+def _xp_of(x):
     if isinstance(x, np.ndarray):
-        import scipy.special
-
-        return np, scipy.special.softmax
+        return np
     import cupy
-    import cupyx.scipy.special
 
-    return cupy, cupyx.scipy.special.softmax
+    return cupy
 
 
 def _naive_scores(xp, q, k, causal):
@@ -269,7 +287,7 @@ def _naive_scores(xp, q, k, causal):
     s *= acc.type(1.0 / math.sqrt(q.shape[-1]))
     if causal:
         lq, lk = s.shape[-2:]
-        s = xp.where(xp.tri(lq, lk, lk - lq, dtype=bool), s, -xp.inf)
+        xp.copyto(s, -xp.inf, where=~xp.tri(lq, lk, lk - lq, dtype=bool))
     return s
 
 
@@ -1243,11 +1261,13 @@ def main_bench(argv=None) -> int:
         seqlens=args.seqlen, head_dims=args.head_dim, seqlen_k=args.seqlen_k,
         causal={"no": (False,), "yes": (True,), "both": (False, True)}[args.causal],
         backward=args.backward)
-    print(f"bench: {len(case_list)} case(s) on the {'GPU' if gpu else 'CPU'}", flush=True)
+    # progress on stderr, so that stdout is the table alone
+    print(f"bench: {len(case_list)} case(s) on the {'GPU' if gpu else 'CPU'}", file=sys.stderr,
+          flush=True)
     doc = bench(case_list, device=device, impls=args.impls, repeat=args.repeat,
                 warmup=args.warmup, memory=not args.no_memory, gemm=not args.no_gemm,
                 seed=args.seed, budget_s=args.budget, settle_s=args.settle,
-                log=None if args.quiet else (lambda line: print(line, flush=True)))
+                log=None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True)))
     doc["notes"] += args.note
     if args.append and args.json and Path(args.json).is_file():
         doc = merge(json.loads(Path(args.json).read_text(encoding="utf-8")), doc)
@@ -1258,5 +1278,5 @@ def main_bench(argv=None) -> int:
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             Path(path).write_text(text, encoding="utf-8")
-            print(f"bench: wrote {path}")
+            print(f"bench: wrote {path}", file=sys.stderr)
     return 0

@@ -18,6 +18,8 @@ import time
 import numpy as np
 
 import cupyflash
+from cupyflash._bench import naive_attention as naive_for_timing
+from cupyflash._bench import time_call
 from cupyflash.reference import naive_attention
 
 
@@ -81,20 +83,9 @@ def _check_backend(backend: str, rng) -> str:
     return "ok" if worst < 1e-4 else f"FAILED (max error {worst:.3g})"
 
 
-def _best_time(fn, repeat=3) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def _naive_numpy(q, k, v):
-    import scipy.special
-
-    s = q @ k.T * (1.0 / np.sqrt(q.shape[-1]))
-    return scipy.special.softmax(s, axis=-1) @ v
+def _median_time(fn, repeat=5) -> float:
+    """Median seconds per call after a warm-up call, timed as ``bench`` times on the CPU."""
+    return float(np.median(time_call(fn, "cpu", repeat=repeat)))
 
 
 def _timing_table(rng, lengths=(1024, 4096), d=64) -> list[str]:
@@ -102,8 +93,8 @@ def _timing_table(rng, lengths=(1024, 4096), d=64) -> list[str]:
              "|---|---|---|---|---|---|"]
     for n in lengths:
         q, k, v = (rng.standard_normal((n, d)).astype(np.float32) for _ in range(3))
-        t_flash = _best_time(lambda: cupyflash.attention(q, k, v))
-        t_naive = _best_time(lambda: _naive_numpy(q, k, v))
+        t_flash = _median_time(lambda: cupyflash.attention(q, k, v))
+        t_naive = _median_time(lambda: naive_for_timing(q, k, v))
         lines.append(f"| {n} | {d} | float32 | {t_flash * 1e3:.1f} | {t_naive * 1e3:.1f} | "
                      f"{t_naive / t_flash:.2f}x |")
     return lines
@@ -120,23 +111,41 @@ def _gpu_timing_table(lengths=(1024, 4096), d=64) -> list[str]:
             q, k, v = (cupy.random.standard_normal((8, n, d), dtype=np.float32).astype(dtype)
                        for _ in range(3))
 
-            def naive():
-                s = q @ k.swapaxes(-1, -2) * (1.0 / d ** 0.5)
-                s = cupy.exp(s - s.max(axis=-1, keepdims=True))
-                return (s / s.sum(axis=-1, keepdims=True)) @ v
-
             t_f = float(np.median(benchmark(cupyflash.attention, (q, k, v), n_repeat=10).gpu_times))
-            t_n = float(np.median(benchmark(naive, (), n_repeat=10).gpu_times))
+            t_n = float(np.median(benchmark(naive_for_timing, (q, k, v), n_repeat=10).gpu_times))
             lines.append(f"| {n} | {d} | {np.dtype(dtype).name} (8 heads) | {t_f * 1e3:.3f} | "
                          f"{t_n * 1e3:.3f} | {t_n / t_f:.2f}x |")
     return lines
 
 
-def check(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cupyflash",
-                                     description="Check the installation and time attention.")
+SUBCOMMANDS = (
+    ("(none)", "check the installation: versions, GPUs, every backend against the float64 "
+               "oracle, a timing table"),
+    ("kernels", "the static kernel report: registers, shared memory, spills, occupancy, SASS "
+                "mix of every kernel (NVRTC, no GPU needed)"),
+    ("bench", "time cupyflash beside naive attention and PyTorch on this machine, as a "
+              "table or JSON"),
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    epilog = "subcommands:\n" + "\n".join(f"  {name:<9} {line}" for name, line in SUBCOMMANDS)
+    epilog += "\n\n'python -m cupyflash SUBCOMMAND --help' shows a subcommand's options."
+    parser = argparse.ArgumentParser(prog="python -m cupyflash [SUBCOMMAND]",
+                                     description="Check the installation and time attention.",
+                                     epilog=epilog,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-timing", action="store_true", help="skip the timing table")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _note(message: str) -> None:
+    """Progress on stderr (stdout is the report)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def check(argv=None) -> int:
+    args = _parser().parse_args(argv)
     rng = np.random.default_rng(0)
     print("cupyflash installation check\n")
     for name, version in _versions():
@@ -150,6 +159,9 @@ def check(argv=None) -> int:
     failed = False
     backends = ["numpy"] + (["emulator"] if emu_ok else []) + (["cuda"] if found else [])
     for backend in backends:
+        if backend == "emulator":
+            _note("  (the emulator compiles its kernels with g++ on the first run: 10-20 s, "
+                  "cached after)")
         t0 = time.perf_counter()
         try:
             status = _check_backend(backend, rng)
@@ -159,7 +171,8 @@ def check(argv=None) -> int:
         print(f"  {backend:<9} {status}  ({time.perf_counter() - t0:.1f} s)")
 
     if not args.no_timing:
-        print("\nTiming, one head, best of 3 (CPU):")
+        _note("  (timing: about 10 s)")
+        print("\nTiming, one head, median of 5 (CPU; naive = cupyflash._bench.naive_attention, as in bench):")
         print("\n".join(_timing_table(rng)))
         if found:
             print("\nTiming on the GPU (CUDA events, median of 10):")

@@ -11,33 +11,114 @@ and the query-group axis under GQA) are vectorised in each BLAS call, leading
 ones are looped over.  Grouped-query attention splits q's head axis into
 (kv_heads, group) and gives k/v a size-1 group axis, after which GQA is plain
 broadcasting.
+
+The work is split into tasks that run on the worker threads of
+:mod:`cupyflash._threads` with BLAS held to one thread: in the forward one
+task per (leading batch index, query block), each writing its own rows of the
+output; in the backward one per (leading batch index, key block), each
+returning its key block's dK, dV and a partial dQ over the query rows it
+touches, which the calling thread adds up in task order.  Block sizes depend
+on the problem only, never on the thread count, so the results are
+bit-identical whatever the number of threads.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import numpy as np
 
+from . import _threads
 from ._validation import Problem
 
 __all__ = ["forward", "backward", "block_bounds"]
 
-# Elements of one score block (all vectorised heads together): 2**21 float32 is 8 MiB.
-_SCORE_BLOCK_ELEMENTS = 1 << 21
+# Elements of one score block (all vectorised heads together): 2**18 float32 is
+# 1 MiB, a core's L2 cache on current x86 server parts, so that the passes over
+# the block (max, exp, the P V product) read it from cache.
+_SCORE_BLOCK_ELEMENTS = 1 << 18
 _MAX_KEY_BLOCK = 512
+# Query rows per block at least (BLAS is inefficient on thinner products and the
+# per-block Python overhead grows), even where the score block then outgrows L2.
+_MIN_QUERY_BLOCK = 64
+# Below this many multiply-adds a call runs in the calling thread: handing tasks
+# to the pool costs some tens of microseconds.
+_MIN_PARALLEL_WORK = 1 << 22
 
 
-def _block_sizes(n_vec: int, seqlen_q: int, seqlen_k: int, masked: bool) -> tuple[int, int]:
+def _block_sizes(n_vec: int, seqlen_q: int, seqlen_k: int, masked: bool,
+                 band: int | None = None) -> tuple[int, int]:
     """Query and key block sizes so that one score block stays within budget.
 
     Under a causal or window mask the query block is no taller than the key
     block is wide, so that blocks entirely outside the band are skipped
-    (a causal square problem then computes about half of the blocks).
+    (a causal square problem then computes about half of the blocks), and key
+    blocks are at most an eighth of the keys (at least 128).  A window of
+    ``band`` keys narrower than the default key block gets query blocks of
+    ``bq`` rows and key blocks of the ``bq + band - 1`` keys such a block sees:
+    the forward starts its key blocks at the query block's first key, so that
+    each query block meets one key block (a 256-row band loop's work).
+    Never depends on the thread count.
     """
+    if band is not None and band < _MAX_KEY_BLOCK:
+        bq = max(_MIN_QUERY_BLOCK, (_MAX_KEY_BLOCK - band + 1) // 64 * 64)
+        bq = max(1, min(seqlen_q, bq))
+        return bq, max(1, min(seqlen_k, bq + band - 1))
     bc = max(1, min(_MAX_KEY_BLOCK, seqlen_k))
-    bq = max(1, min(seqlen_q, _SCORE_BLOCK_ELEMENTS // (bc * max(n_vec, 1))))
+    if masked:
+        # the blocks across the diagonal are computed whole and half masked: keep them
+        # to about an eighth of the keys (L = 1024 causal: 128-key blocks)
+        bc = min(bc, max(128, seqlen_k // 8 // 64 * 64))
+    bq = _SCORE_BLOCK_ELEMENTS // (bc * max(n_vec, 1))
+    bq = max(1, min(seqlen_q, max(bq, _MIN_QUERY_BLOCK)))
     if masked:
         bq = min(bq, bc)
     return bq, bc
+
+
+# Query rows a block of all the vectorised heads must still have; with more heads
+# than fit, the heads are looped over (each its own tasks) instead: 16 heads of 64
+# rows make sixteen 64 x d x 512 products, slower than one head's 512-row product.
+_WIDE_QUERY_BLOCK = 256
+
+
+def _vector_dims(problem: Problem, batch5: tuple) -> int:
+    """How many trailing batch dims each BLAS call covers.
+
+    All the heads (and under GQA the group axis) while a block of all of them
+    keeps ``_WIDE_QUERY_BLOCK`` query rows within the score budget; otherwise
+    the heads are looped over (under GQA the kv heads; the group axis stays
+    vectorised).
+    """
+    n_max = 2 if problem.gqa_ratio > 1 else 1
+    heads = int(np.prod(batch5[len(batch5) - n_max:]))
+    masked = problem.window_left is not None or problem.window_right is not None
+    _, bc = _block_sizes(1, problem.seqlen_q, problem.seqlen_k, masked, _band(problem))
+    return n_max if heads * _WIDE_QUERY_BLOCK * bc <= _SCORE_BLOCK_ELEMENTS else n_max - 1
+
+
+def _band(problem: Problem) -> int | None:
+    """Keys a query row may see under a window bounded on both sides, else None."""
+    if problem.window_left is None or problem.window_right is None:
+        return None
+    return problem.window_left + problem.window_right + 1
+
+
+def _workers(problem: Problem) -> tuple[int, object]:
+    """Threads for this call and the context to run it in.
+
+    A problem too small to repay the pool runs in the calling thread with BLAS
+    as the caller set it (BLAS does not split products this small anyway); a
+    larger one runs its tasks with BLAS held to one thread, whatever the
+    number of workers, so that its results do not depend on that number.
+    """
+    n_batch = int(np.prod(problem.batch_shape, dtype=np.int64))
+    work = n_batch * problem.seqlen_q * problem.seqlen_k * (problem.head_dim + problem.head_dim_v)
+    n = _threads.num_threads()      # reads (and checks) CUPYFLASH_NUM_THREADS every call
+    if work < _MIN_PARALLEL_WORK:
+        return 1, contextlib.nullcontext()
+    return n, _threads.single_threaded_blas()
 
 
 def block_bounds(i0, i1, j0, j1, offset, left, right):
@@ -60,16 +141,34 @@ def block_bounds(i0, i1, j0, j1, offset, left, right):
 
 
 def _visible(i0, i1, j0, j1, offset, left, right):
-    """Boolean (i1-i0, j1-j0) mask of admissible (query, key) pairs."""
-    # Compare a key row against a query column: only boolean (i1-i0, j1-j0) arrays
+    """Boolean (i1-i0, j1-j0) mask of admissible (query, key) pairs (read-only)."""
+    return _band_mask(i1 - i0, j1 - j0, j0 - i0 - offset, left, right)
+
+
+def _hidden(i0, i1, j0, j1, offset, left, right):
+    """``~_visible(...)`` (read-only)."""
+    return _band_mask(i1 - i0, j1 - j0, j0 - i0 - offset, left, right, negate=True)
+
+
+@functools.lru_cache(maxsize=16)
+def _band_mask(rows, cols, shift, left, right, negate=False):
+    """Mask of rows x cols with key - query - offset = shift + col - row in [-left, right].
+
+    Blocks along a band or a diagonal repeat the same few masks: cached (the
+    cache is thread-safe; the arrays are read-only).
+    """
+    # Compare a key row against a query column: only boolean (rows, cols) arrays
     # are formed, never an int64 one twice the size of the float32 score block.
-    keys = np.arange(j0, j1)[None, :]
-    diagonal = np.arange(i0, i1)[:, None] + offset
-    ok = np.ones((i1 - i0, j1 - j0), dtype=bool)
+    keys = np.arange(shift, shift + cols)[None, :]
+    diagonal = np.arange(rows)[:, None]
+    ok = np.ones((rows, cols), dtype=bool)
     if left is not None:
         ok &= keys >= diagonal - left
     if right is not None:
         ok &= keys <= diagonal + right
+    if negate:
+        ok = ~ok
+    ok.flags.writeable = False
     return ok
 
 
@@ -141,7 +240,7 @@ def _scores(qf, kf, j0, j1, i0, i1, kind, rows, out, mask_args):
         if s.shape[:-1] != rows:
             s = np.broadcast_to(s, rows + (j1 - j0,)).copy()
     if kind == "partial":
-        np.copyto(s, -np.inf, where=~_visible(i0, i1, j0, j1, *mask_args))
+        np.copyto(s, -np.inf, where=_hidden(i0, i1, j0, j1, *mask_args))
     return s
 
 
@@ -162,8 +261,16 @@ def _query_block(qf, kf, vf_ones, dv, i0, i1, vec_shape, bc, mask_args, acc_t):
     s_full = np.empty(rows + (bc,), dtype=acc_t)
     pv = np.empty(rows + (vf_ones.shape[-1],), dtype=acc_t)
     direct = np.broadcast_shapes(qf.shape[:-2], kf.shape[:-2]) == vec_shape
-    for j0 in range(0, lk, bc):
-        j1 = min(j0 + bc, lk)
+    offset, left, right = mask_args
+    first, stop = 0, lk
+    if left is not None:
+        # a window bounded on the left: key blocks start at the block's first key and
+        # stop after its last one, so that a narrow band is one or two key blocks
+        first = min(max(0, i0 + offset - left), lk)
+        if right is not None:
+            stop = max(first, min(lk, i1 - 1 + offset + right + 1))
+    for j0 in range(first, stop, bc):
+        j1 = min(j0 + bc, stop)
         kind = block_bounds(i0, i1, j0, j1, *mask_args)
         if kind == "empty":
             continue
@@ -207,26 +314,36 @@ def forward(problem: Problem, out, lse) -> None:
     mask_args = (lk - lq, problem.window_left, problem.window_right)
     (q, o), (k, v) = _split_heads(problem, [problem.q, out], [problem.k, problem.v])
     lse5 = _lse_view(problem, lse) if lse is not None else None
-    n_vec = 2 if problem.gqa_ratio > 1 else 1
     batch5 = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    n_vec = _vector_dims(problem, batch5)
     vec_shape = batch5[len(batch5) - n_vec:]
     masked = problem.window_left is not None or problem.window_right is not None
-    bq, bc = _block_sizes(int(np.prod(vec_shape)), lq, lk, masked)
+    bq, bc = _block_sizes(int(np.prod(vec_shape)), lq, lk, masked, _band(problem))
     scale = acc_t.type(problem.scale)
+    dv = v.shape[-1]
 
-    for idx in np.ndindex(*_loop_shape(batch5, n_vec)):
-        kf = _index_into(k, idx).astype(acc_t, copy=False)
-        vf_ones = _with_ones(_index_into(v, idx).astype(acc_t, copy=False))
-        dv = v.shape[-1]
-        for i0 in range(0, lq, bq):
-            i1 = min(i0 + bq, lq)
-            qf = _index_into(q, idx)[..., i0:i1, :].astype(acc_t)
-            qf *= scale                                         # scale folded into q once
-            rows, rows_lse = _query_block(qf, kf, vf_ones, dv, i0, i1, vec_shape, bc, mask_args,
-                                          acc_t)
-            o[idx][..., i0:i1, :] = rows
-            if lse5 is not None:
-                lse5[idx][..., i0:i1] = rows_lse
+    def tasks():
+        # k and v in the accumulator type (v with its ones column) once per batch index,
+        # here in the calling thread, shared by that index's query-block tasks
+        for idx in np.ndindex(*_loop_shape(batch5, n_vec)):
+            kf = _index_into(k, idx).astype(acc_t, copy=False)
+            vf_ones = _with_ones(_index_into(v, idx).astype(acc_t, copy=False))
+            for i0 in range(0, lq, bq):
+                yield idx, kf, vf_ones, i0, min(i0 + bq, lq)
+
+    def run(task):
+        idx, kf, vf_ones, i0, i1 = task
+        qf = _index_into(q, idx)[..., i0:i1, :].astype(acc_t)
+        qf *= scale                                             # scale folded into q once
+        rows, rows_lse = _query_block(qf, kf, vf_ones, dv, i0, i1, vec_shape, bc, mask_args, acc_t)
+        o[idx][..., i0:i1, :] = rows                            # each task its own rows
+        if lse5 is not None:
+            lse5[idx][..., i0:i1] = rows_lse
+
+    workers, blas = _workers(problem)
+    with blas:
+        for _ in _threads.ordered_map(run, tasks(), workers):
+            pass
 
 
 def _sum_to(x, shape):
@@ -267,55 +384,88 @@ def backward(problem: Problem, dout, out, lse):
     scale = acc_t.type(problem.scale)
     (q, do, o), (k, v) = _split_heads(problem, [problem.q, dout, out], [problem.k, problem.v])
     lse5 = _lse_view(problem, lse)
-    n_vec = 2 if problem.gqa_ratio > 1 else 1
     batch5 = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    n_vec = _vector_dims(problem, batch5)
     vec_shape = batch5[len(batch5) - n_vec:]
     masked = problem.window_left is not None or problem.window_right is not None
-    bq, bc = _block_sizes(int(np.prod(vec_shape)), lq, lk, masked)
+    bq, bc = _block_sizes(int(np.prod(vec_shape)), lq, lk, masked, _band(problem))
+
+    def tasks():
+        # per batch index, in the calling thread: the scaled q, the operands in the
+        # accumulator type, D and lse, shared by that index's key-block tasks
+        for idx in np.ndindex(*_loop_shape(batch5, n_vec)):
+            qf = _index_into(q, idx).astype(acc_t)
+            qf *= scale      # dK = scale dS^T Q = dS^T (scale Q), and S = (scale Q) K^T
+            dof = _index_into(do, idx).astype(acc_t, copy=False)
+            # D_i = rowsum(dO_i * O_i): the softmax Jacobian's correction term.
+            delta = np.einsum("...d,...d->...", dof, _index_into(o, idx).astype(acc_t, copy=False))
+            lse_i = _index_into(lse5, idx).astype(acc_t, copy=False)
+            lse_i = np.where(np.isneginf(lse_i), np.inf, lse_i)   # rows with no key: p = 0
+            ops = (qf, _index_into(k, idx).astype(acc_t, copy=False),
+                   _index_into(v, idx).astype(acc_t, copy=False), dof, delta, lse_i)
+            for j0 in range(0, lk, bc):
+                yield idx, ops, j0, min(j0 + bc, lk)
+
+    def run(task):
+        idx, (qf, kf, vf, dof, delta, lse_i), j0, j1 = task
+        kj, vj = kf[..., j0:j1, :], vf[..., j0:j1, :]
+        kjt, vjt = np.swapaxes(kj, -1, -2), np.swapaxes(vj, -1, -2)
+        blocks = [(i0, min(i0 + bq, lq)) for i0 in range(0, lq, bq)]
+        kinds = [block_bounds(i0, i1, j0, j1, offset, left, right) for i0, i1 in blocks]
+        live = [(i0, i1, kind) for (i0, i1), kind in zip(blocks, kinds) if kind != "empty"]
+        if not live:
+            return idx, j0, j1, None, None, 0, None
+        rows0, rows1 = live[0][0], live[-1][1]           # the query rows this key block meets
+        bufs = _BackwardBuffers(acc_t, vec_shape)
+        dk_j = np.zeros(vec_shape + kj.shape[-2:], dtype=acc_t)
+        dv_j = np.zeros(vec_shape + vj.shape[-2:], dtype=acc_t)
+        dq_part = np.zeros(vec_shape + (rows1 - rows0, qf.shape[-1]), dtype=acc_t)
+        for i0, i1, kind in live:
+            qi, doi = qf[..., i0:i1, :], dof[..., i0:i1, :]
+            p = bufs.matmul("s", qi, kjt)                       # scaled scores
+            p -= lse_i[..., i0:i1, None]
+            np.exp(p, out=p)
+            if kind == "partial":
+                p *= _visible(i0, i1, j0, j1, offset, left, right)
+            dv_j += bufs.matmul("kv", np.swapaxes(p, -1, -2), doi)
+            ds = bufs.matmul("dp", doi, vjt)
+            ds -= delta[..., i0:i1, None]
+            ds *= p                                             # dS = P o (dP - D)
+            dk_j += bufs.matmul("kv", np.swapaxes(ds, -1, -2), qi)
+            dq_part[..., i0 - rows0:i1 - rows0, :] += bufs.matmul("q", ds, kj)
+        return idx, j0, j1, dk_j, dv_j, rows0, dq_part
 
     dq = np.zeros(q.shape, dtype=acc_t)
     dk = np.zeros(k.shape, dtype=acc_t)
     dv = np.zeros(v.shape, dtype=acc_t)
-    bufs = _BackwardBuffers(acc_t, vec_shape)
-    for idx in np.ndindex(*_loop_shape(batch5, n_vec)):
-        qf = _index_into(q, idx).astype(acc_t)
-        qf *= scale          # dK = scale dS^T Q = dS^T (scale Q), and S = (scale Q) K^T
-        kf = _index_into(k, idx).astype(acc_t, copy=False)
-        vf = _index_into(v, idx).astype(acc_t, copy=False)
-        dof = _index_into(do, idx).astype(acc_t, copy=False)
-        # D_i = rowsum(dO_i * O_i): the softmax Jacobian's correction term.
-        delta = np.einsum("...d,...d->...", dof, _index_into(o, idx).astype(acc_t, copy=False))
-        lse_i = _index_into(lse5, idx).astype(acc_t, copy=False)
-        lse_i = np.where(np.isneginf(lse_i), np.inf, lse_i)   # rows with no key: p = 0
-        dq_i = np.zeros(vec_shape + qf.shape[-2:], dtype=acc_t)
-        dk_i = np.zeros(vec_shape + kf.shape[-2:], dtype=acc_t)
-        dv_i = np.zeros(vec_shape + vf.shape[-2:], dtype=acc_t)
-        for j0 in range(0, lk, bc):
-            j1 = min(j0 + bc, lk)
-            kj, vj = kf[..., j0:j1, :], vf[..., j0:j1, :]
-            kjt, vjt = np.swapaxes(kj, -1, -2), np.swapaxes(vj, -1, -2)
-            for i0 in range(0, lq, bq):
-                i1 = min(i0 + bq, lq)
-                kind = block_bounds(i0, i1, j0, j1, offset, left, right)
-                if kind == "empty":
-                    continue
-                qi, doi = qf[..., i0:i1, :], dof[..., i0:i1, :]
-                p = bufs.matmul("s", qi, kjt)                       # scaled scores
-                p -= lse_i[..., i0:i1, None]
-                np.exp(p, out=p)
-                if kind == "partial":
-                    p *= _visible(i0, i1, j0, j1, offset, left, right)
-                pt = np.swapaxes(p, -1, -2)
-                dv_i[..., j0:j1, :] += bufs.matmul("kv", pt, doi)
-                ds = bufs.matmul("dp", doi, vjt)
-                ds -= delta[..., i0:i1, None]
-                ds *= p                                             # dS = P o (dP - D)
-                dk_i[..., j0:j1, :] += bufs.matmul("kv", np.swapaxes(ds, -1, -2), qi)
-                dq_i[..., i0:i1, :] += bufs.matmul("q", ds, kj)
-        dq_i *= scale                                               # dQ = scale dS K, once
+    grads = None                                # (idx, dq_i, dk_i, dv_i) of the current index
+
+    def finish_index():
+        idx, dq_i, dk_i, dv_i = grads
+        dq_i *= scale                                           # dQ = scale dS K, once
         _accumulate(dq, idx, dq_i)
         _accumulate(dk, idx, dk_i)
         _accumulate(dv, idx, dv_i)
+
+    workers, blas = _workers(problem)
+    with blas:
+        # results come in task order: the partial dQs are summed in the same order
+        # whatever the number of threads
+        for idx, j0, j1, dk_j, dv_j, rows0, dq_part in _threads.ordered_map(
+                run, tasks(), workers):
+            if grads is None or grads[0] != idx:
+                if grads is not None:
+                    finish_index()
+                grads = (idx, np.zeros(vec_shape + (lq, q.shape[-1]), dtype=acc_t),
+                         np.zeros(vec_shape + (lk, k.shape[-1]), dtype=acc_t),
+                         np.zeros(vec_shape + (lk, v.shape[-1]), dtype=acc_t))
+            if dk_j is None:
+                continue
+            grads[2][..., j0:j1, :] = dk_j
+            grads[3][..., j0:j1, :] = dv_j
+            grads[1][..., rows0:rows0 + dq_part.shape[-2], :] += dq_part
+        if grads is not None:
+            finish_index()
 
     def finish(grad, like):
         return grad.reshape(like.shape).astype(like.dtype, copy=False)

@@ -40,7 +40,7 @@ import threading
 import time
 import warnings
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -489,7 +489,8 @@ def _dynamic_shared_bytes(inst) -> int:
 
 
 def kernel_report(archs: Sequence = ("sm_80",), instantiations=None, *,
-                  sass: bool = True, sass_text: bool = False, max_workers: int | None = None) -> list[dict]:
+                  sass: bool = True, sass_text: bool = False, max_workers: int | None = None,
+                  progress=None) -> list[dict]:
     """One row per (instantiation, arch), compiling each entry file once per arch.
 
     Parameters
@@ -504,6 +505,9 @@ def kernel_report(archs: Sequence = ("sm_80",), instantiations=None, *,
         Also give each row its kernel's SASS text (key ``sass_text``; needs ``sass``).
     max_workers : int, optional
         Parallel compiles (NVRTC releases the GIL); default one per CPU.
+    progress : callable, optional
+        Called as ``progress(done, total, entry, arch)`` as each module (one
+        entry file for one arch) finishes compiling, in the calling thread.
 
     Returns
     -------
@@ -535,8 +539,13 @@ def kernel_report(archs: Sequence = ("sm_80",), instantiations=None, *,
                                    filename=f"cuda_src/{entry}")
 
     workers = max_workers or max(1, min(len(jobs), os.cpu_count() or 1))
+    modules = {}
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        modules = dict(pool.map(run, jobs))
+        for done, future in enumerate(as_completed([pool.submit(run, job) for job in jobs]), 1):
+            (entry, arch), module = future.result()
+            modules[(entry, arch)] = module
+            if progress is not None:
+                progress(done, len(jobs), entry.removesuffix(".cu"), arch)
 
     rows = []
     for arch in arch_names:
@@ -655,6 +664,15 @@ def main_kernels(argv=None) -> int:
             return 2
     start = time.perf_counter()
     archs = list(dict.fromkeys(archs))
+
+    def progress(done, total, entry, arch):         # on stderr: stdout stays the table / JSON
+        line = f"compiling {done}/{total} {entry} {arch}..."
+        if sys.stderr.isatty():                     # one line, rewritten in place
+            print(f"\r{line}\033[K", end="\n" if done == total else "", file=sys.stderr, flush=True)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    progress = None if args.json else progress
     if args.launchable:
         from ._kernels import launchable
 
@@ -662,9 +680,10 @@ def main_kernels(argv=None) -> int:
         for arch in archs:
             names = launchable(int(arch.removeprefix("sm_")))
             rows += kernel_report([arch], [r for r in rows_in if r.name_expression in names],
-                                  sass=not args.no_sass, sass_text=args.sass is not None)
+                                  sass=not args.no_sass, sass_text=args.sass is not None, progress=progress)
     else:
-        rows = kernel_report(archs, rows_in, sass=not args.no_sass, sass_text=args.sass is not None)
+        rows = kernel_report(archs, rows_in, sass=not args.no_sass, sass_text=args.sass is not None,
+                             progress=progress)
     if args.sass is not None:
         for r in rows:
             print(f"// {r['name']}  ({r['arch']}, target {r['target']})")

@@ -99,7 +99,18 @@ def array_kind(x, name: str) -> str:
             f"`{name}` must be a NumPy or CuPy array, got a {type(x).__name__}; "
             f"convert it first, e.g. numpy.asarray({name})"
         )
-    raise TypeError(f"`{name}` must be a NumPy or CuPy array, got {type(x).__module__}.{type(x).__name__}")
+    raise TypeError(f"`{name}` must be a NumPy or CuPy array, got {type(x).__module__}.{type(x).__name__}"
+                    + _conversion_hint(x, name))
+
+
+def _conversion_hint(x, name: str) -> str:
+    """How to turn a host array of another library into a NumPy array ('' if unknown)."""
+    if type(x).__module__.split(".")[0] == "torch":
+        return (f"; for a PyTorch CPU tensor pass {name}.numpy() (zero-copy; "
+                f"{name}.detach().numpy() if it requires grad)")
+    if hasattr(x, "__array__") or hasattr(x, "__dlpack__"):
+        return f"; convert it first, e.g. numpy.asarray({name})"
+    return ""
 
 
 def _to_cupy(x):
@@ -130,7 +141,9 @@ def _check_dtype(x, name: str) -> np.dtype:
     if ok is None:
         ok = _supported[dtype] = _dtype_name(dtype) in _FLOAT_KINDS
     if not ok:
-        raise TypeError(f"`{name}` must have dtype {SUPPORTED_DTYPES}, got {dtype.name}")
+        hint = (f"; convert it first, e.g. {name}.astype(numpy.float32)"
+                if dtype.kind in "iub" else "")
+        raise TypeError(f"`{name}` must have dtype {SUPPORTED_DTYPES}, got {dtype.name}{hint}")
     return dtype
 
 
@@ -173,7 +186,7 @@ def _check_window(window, causal) -> tuple[int | None, int | None]:
     return left, right
 
 
-def _broadcast(shapes: dict[str, tuple]) -> tuple:
+def _broadcast(shapes: dict[str, tuple], hint: str = "") -> tuple:
     first, *rest = shapes.values()
     if all(s == first for s in rest):      # the common case, without NumPy's general rule
         return tuple(first)
@@ -181,7 +194,18 @@ def _broadcast(shapes: dict[str, tuple]) -> tuple:
         return tuple(np.broadcast_shapes(*shapes.values()))
     except ValueError:
         found = ", ".join(f"{n} {s}" for n, s in shapes.items())
-        raise ValueError(f"batch dimensions do not broadcast: {found}") from None
+        raise ValueError(f"batch dimensions do not broadcast: {found}{hint}") from None
+
+
+def _gqa_hint(q, k, v) -> str:
+    """A hint to pass enable_gqa=True when the head counts (axis -3) look like GQA."""
+    if min(q.ndim, k.ndim, v.ndim) < 3:
+        return ""
+    hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
+    if hk == hv and 1 < hk < hq and hq % hk == 0:
+        return (f"; q has {hq} heads and k, v {hk} (axis -3): for grouped-query attention "
+                f"pass enable_gqa=True")
+    return ""
 
 
 def check_forward(q, k, v, *, scale, causal, window, enable_gqa, backend, extra=()) -> Problem:
@@ -275,7 +299,8 @@ def check_forward(q, k, v, *, scale, causal, window, enable_gqa, backend, extra=
         outer = _broadcast({"q": q.shape[:-3], "k": k.shape[:-3], "v": v.shape[:-3]})
         batch_shape = outer + (hq,)
     else:
-        batch_shape = _broadcast({"q": q.shape[:-2], "k": k.shape[:-2], "v": v.shape[:-2]})
+        batch_shape = _broadcast({"q": q.shape[:-2], "k": k.shape[:-2], "v": v.shape[:-2]},
+                                 _gqa_hint(q, k, v))
 
     left, right = _check_window(window, causal)
     scale = _check_scale(scale, head_dim)

@@ -197,6 +197,21 @@ def test_every_page_is_found():
     assert "index.md" in PAGES and len(PAGES) >= 10, PAGES
 
 
+# Control characters other than newline: a TAB where a backslash escape was meant
+# ("\top" written in a normal Python string) renders as P^<TAB>op in the HTML.
+_CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f\x7f]")
+
+
+def test_docs_and_docstrings_have_no_control_characters():
+    files = [DOCS / page for page in PAGES] + [ROOT / "README.md"]
+    files += sorted((ROOT / "cupyflash").rglob("*.py"))
+    found = [f"{path.relative_to(ROOT)}:{n}: {line!r}"
+             for path in files
+             for n, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1)
+             if _CONTROL.search(line)]
+    assert not found, "control characters (a TAB from an unescaped \\t?):\n" + "\n".join(found)
+
+
 # ---- the Sphinx build -----------------------------------------------------------------------
 
 _SPHINX_PACKAGES = ("sphinx", "myst_parser", "numpydoc", "pydata_sphinx_theme")
