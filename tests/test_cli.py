@@ -24,7 +24,7 @@ def test_the_check_times_the_naive_attention_bench_times():
     assert _cli.naive_for_timing is _bench.naive_attention
 
 
-def _fake_report(archs, rows_in, *, sass=True, progress=None):
+def _fake_report(archs, rows_in, *, sass=True, sass_text=False, progress=None):
     for done in (1, 2, 3):
         if progress is not None:
             progress(done, 3, ["fwd_simt", "fwd_mma", "bwd_mma"][done - 1], archs[0])
