@@ -139,46 +139,50 @@ def assert_within_twice_naive_half_error(actual, expected, naive, *, what="gradi
         f"(+ {floor:.3g}, one rounding of the largest gradient)")
 
 
-def backward_term_sizes(dout, q, k, v, **kw):
+def backward_term_sizes(dout, q, k, v, *, unit_probabilities=False, **kw):
     """Per element of (dq, dk, dv), the sum of the absolute values of the float64 terms
     the exact gradient sums: |dS| <= P o (|dO| |V|^T + rowsum|dO o O|), then
     scale |dS| |K|, scale |dS|^T |Q| and P^T |dO|, reduced to the shapes of q, k
     and v as the gradients are.  A summation's rounding error is bounded by a
-    multiple of this (not of the result, which can cancel to ~0)."""
-    from cupyflash._validation import check_forward
-    from cupyflash.reference import _probabilities, _sum_to_shape
+    multiple of this (not of the result, which can cancel to ~0).
 
-    kw = dict(dict(scale=None, causal=False, window=None, enable_gqa=False), **kw)
-    kw.pop("deterministic", None)
-    problem, _ = check_forward(q, k, v, backend="numpy", **kw)
-    _, p, _, q64, k64, v64 = _probabilities(problem)
-    do = np.abs(np.asarray(dout, np.float64))
-    o = np.abs(p @ v64)
-    ds = p * (do @ np.swapaxes(np.abs(v64), -1, -2) + np.sum(do * o, axis=-1, keepdims=True))
-    dq = ds @ np.abs(k64) * problem.scale
-    dk = np.swapaxes(ds, -1, -2) @ np.abs(q64) * problem.scale
+    ``unit_probabilities``: the same sums with every admissible P replaced by 1 (and
+    |O| by the largest |V| of the row's keys): multiplied by float32's smallest normal,
+    a bound on what probabilities flushed to zero (below it) take from a gradient."""
+    from cupyflash.reference import _probabilities, _reduce_to
+
+    kw = {n: x for n, x in kw.items() if n in ("scale", "causal", "window", "enable_gqa")}
+    _, p, _, o = _probabilities(q, k, v, **kw)
+    do = np.abs(np.broadcast_to(np.asarray(dout, np.float64), p.shape[:-1] + (o.v.shape[-1],)))
+    out = np.abs(p @ o.v)
+    if unit_probabilities:
+        p = np.broadcast_to(o.visible, p.shape).astype(np.float64)
+        out = np.broadcast_to(np.abs(o.v).max(axis=-2, keepdims=True, initial=0.0), out.shape)
+    ds = p * (do @ np.swapaxes(np.abs(o.v), -1, -2) + np.sum(do * out, axis=-1, keepdims=True))
+    dq = ds @ np.abs(o.k) * abs(o.scale)
+    dk = np.swapaxes(ds, -1, -2) @ np.abs(o.q) * abs(o.scale)
     dv = np.swapaxes(p, -1, -2) @ do
-    g = problem.gqa_ratio
-    if g > 1:
-        dk = dk.reshape(dk.shape[:-3] + (dk.shape[-3] // g, g) + dk.shape[-2:]).sum(axis=-3)
-        dv = dv.reshape(dv.shape[:-3] + (dv.shape[-3] // g, g) + dv.shape[-2:]).sum(axis=-3)
-    return (_sum_to_shape(dq, np.shape(q)), _sum_to_shape(dk, np.shape(k)),
-            _sum_to_shape(dv, np.shape(v)))
+    return (_reduce_to(dq, np.shape(q)), _reduce_to(dk, np.shape(k), o.kv_head, o.kv_heads),
+            _reduce_to(dv, np.shape(v), o.kv_head, o.kv_heads))
 
 
-def assert_within_term_bound(actual, expected, size, *, eps, head_dim, floor=0.0, what="gradient"):
+def assert_within_term_bound(actual, expected, size, *, eps, head_dim, floor=0.0, logits=0.0, what="gradient"):
     """|actual - oracle| <= 32 eps x (the size of the terms the element sums, from
     :func:`backward_term_sizes`), widened by sqrt(head_dim) / 4 past 16: the float32
     and float64 gradient bound of the GPU tier.  Relative to the terms, not to the
     result: where dP - delta cancels (one key: P = 1, dP = delta) the exact gradient
     is ~0 and the rounding of dP and delta, each a sum over the head dim in its own
     order, is all that is left.  ``floor``: an absolute allowance (the float32
-    kernels' exp2 flushes probabilities below float32's smallest normal to zero)."""
+    kernels' exp2 flushes probabilities below float32's smallest normal to zero).
+    ``logits``: ``max_ij |scale| sum_c |q_ic k_jc|`` where the scale is large: each
+    score is then off by about ``eps * logits`` and every term, through P = exp(S - lse),
+    by twice that relatively, twice again for random rounding over sqrt(d) terms:
+    ``4 * eps * logits`` times the term size more (docs/testing.md)."""
     import math
 
     widen = max(1.0, math.sqrt(head_dim) / 4)
     err = np.abs(np.asarray(actual).astype(np.float64) - expected)
-    bound = widen * 32 * eps * size + floor   # CPU path and emulator: <= 0.1 of this
+    bound = widen * (32 + 4 * logits) * eps * size + floor   # CPU path and emulator: <= 0.1 of 32
     bound[size == 0] = 0.0                    # nothing summed: exactly zero
     worst = np.unravel_index(np.argmax(err - bound), err.shape) if err.size else ()
     assert (err <= bound).all(), (

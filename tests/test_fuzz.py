@@ -44,7 +44,7 @@ Outputs are compared with the oracle evaluated on the *same rounded inputs*:
   (``assert_grad_close``'s bound) **plus** ``CANCELLATION_FACTOR * u *
   sum|terms|`` per element, where ``sum|terms|`` is the sum of the absolute
   values of the terms the gradient element is a sum of (computed in float64
-  from the oracle's probabilities, ``gradient_term_magnitudes``).  Why: ``dP =
+  from the oracle's probabilities, ``backward_term_sizes`` in tests/_backward_util.py).  Why: ``dP =
   dout v^T`` and ``delta = rowsum(dout o out)`` cancel in ``dS = P o (dP -
   delta)``; a row that sees a single key has ``dq = 0`` exactly, yet every
   correct float32 backward returns ``u * |dout| |v| |k|``-sized values there
@@ -78,10 +78,11 @@ import cupyflash
 from cupyflash import _dispatch, _gpu
 from cupyflash._validation import check_forward as validate
 from cupyflash.emulator import EmulatorExecutor, emulator_available
-from cupyflash.reference import _probabilities, naive_attention, naive_attention_backward
+from cupyflash.reference import naive_attention, naive_attention_backward
 
 from _strategies import batch_shapes
-from _backward_util import assert_within_twice_naive_half_error, naive_half_backward, sum_to_shape
+from _backward_util import (assert_within_twice_naive_half_error, backward_term_sizes, naive_half_backward,
+                            sum_to_shape)
 from _util import DTYPES, HALF, TOLERANCE, accum_dtype, assert_close, assert_lse_close
 
 EMULATOR_OK, EMULATOR_WHY = emulator_available()
@@ -329,7 +330,7 @@ def check_backward(problem, backend, xp=np, precision="ieee", deterministic=True
     naive = (None,) * 3
     if problem.dtype.itemsize == 2:
         naive = naive_half_yardstick(dout, q, k, v, out, checked)
-    terms = gradient_term_magnitudes(dout, q, k, v, checked) if problem.dtype.itemsize > 2 else (None,) * 3
+    terms = backward_term_sizes(dout, q, k, v, **kw) if problem.dtype.itemsize > 2 else (None,) * 3
     ratios = []
     for name, g, e, h, t, x in zip(("dq", "dk", "dv"), grads, expected, naive, terms, (q, k, v)):
         g = _host(g)
@@ -348,31 +349,6 @@ def check_backward(problem, backend, xp=np, precision="ieee", deterministic=True
             f"u * sum|terms| there {u * t.flat[err.argmax()]:.3g}")
         ratios.append(float(((err - table) / (u * np.maximum(t, 1e-300))).max(initial=0.0)))
     return max(ratios, default=None)
-
-
-def gradient_term_magnitudes(dout, q, k, v, checked):
-    """For every element of dq, dk, dv: the sum of the absolute values of the terms it is
-    the sum of (float64, from the oracle's probabilities).
-
-    ``dq = scale (P o (dP - delta)) k``, ``dk = scale (P o (dP - delta))^T q``,
-    ``dv = P^T dout``: ``dP = dout v^T`` and ``delta = rowsum(dout o out)`` cancel
-    where the gradient is small (a row that sees one key has dq = 0 exactly), so the
-    rounding error of a correct float32 backward is a few ``u * sum|terms|``, with
-    ``|dP - delta|`` counted as ``|dP| + |delta|``, not ``u * |gradient|``.
-    """
-    _, p, _, q64, k64, v64 = _probabilities(checked)
-    do = np.asarray(dout, np.float64)
-    out = p @ v64
-    spread = p * (np.abs(do @ np.swapaxes(v64, -1, -2)) + np.abs((do * out).sum(axis=-1, keepdims=True)))
-    scale = abs(checked.scale)
-    dq = scale * spread @ np.abs(k64)
-    dk = scale * np.swapaxes(spread, -1, -2) @ np.abs(q64)
-    dv = np.swapaxes(p, -1, -2) @ np.abs(do)
-    g = checked.gqa_ratio
-    if g > 1:
-        dk, dv = (x.reshape(x.shape[:-3] + (x.shape[-3] // g, g) + x.shape[-2:]).sum(axis=-3) for x in (dk, dv))
-    return tuple(sum_to_shape(np.broadcast_to(m, np.broadcast_shapes(m.shape, x.shape)), x.shape)
-                 for m, x in zip((dq, dk, dv), (q, k, v)))
 
 
 def naive_half_yardstick(dout, q, k, v, out, checked):
