@@ -75,7 +75,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import cupyflash
-from cupyflash import _dispatch, _gpu
+from cupyflash import _cpu, _dispatch, _gpu
 from cupyflash._validation import check_forward as validate
 from cupyflash.emulator import EmulatorExecutor, emulator_available
 from cupyflash.reference import naive_attention, naive_attention_backward
@@ -155,13 +155,17 @@ ALIGNED_OUT_LAYOUTS = ("contiguous", "blhd", "reversed")
 
 @st.composite
 def problems(draw, *, max_len, dtypes=DTYPES, scales=("default", "moderate", "tiny", "zero", "huge"),
-             tensor_core=False):
+             tensor_core=False, key_block=None):
     """One attention call: shapes, options, layouts and a seed for the values.
 
     ``tensor_core``: only calls the tensor-core kernels (fwd_mma, bwd_mma, and
     fwd_wgmma, bwd_wgmma where on) take -- 16-bit dtypes, d = dv a multiple of 8,
     row-aligned layouts, a positive scale.  Drawn freely, about one call in a
     hundred qualifies, and the rest run the SIMT kernels.
+
+    ``key_block``: the backend's key block; long problems then draw, half the time,
+    Lk from just past it (up to two blocks), so that the online softmax's running
+    max, sum and output move from block to block.
     """
     if tensor_core:
         dtypes = [x for x in dtypes if x.itemsize == 2]
@@ -169,7 +173,9 @@ def problems(draw, *, max_len, dtypes=DTYPES, scales=("default", "moderate", "ti
     dtype = np.dtype(draw(st.sampled_from(dtypes)))
     big = draw(st.booleans())
     if big:     # long sequences: few heads
-        lq, lk = draw(st.integers(0, max_len)), draw(st.integers(0, max_len))
+        lq = draw(st.integers(0, max_len))
+        lk = draw(st.integers(0, max_len) if key_block is None else
+                  st.one_of(st.integers(0, max_len), st.integers(key_block + 1, 2 * key_block)))
         max_dims, max_side = 2, 2
     else:
         lq, lk = draw(st.integers(0, 20)), draw(st.integers(0, 20))
@@ -377,6 +383,9 @@ def naive_half_yardstick(dout, q, k, v, out, checked):
 # ---- the fuzzers ------------------------------------------------------------------------------------
 
 NUMPY_MAX_LEN = 300
+# The CPU path's key block (keys per step of its online softmax): the CPU fuzzers draw
+# Lk past it too, whatever it is, so that their examples cross key blocks.
+NUMPY_KEY_BLOCK = _cpu._MAX_KEY_BLOCK
 EMULATOR_MAX_LEN = 150
 BACKWARD_SCALES = ("default", "moderate", "tiny", "zero")
 
@@ -390,17 +399,54 @@ SINGLE_KEY_ROW = Problem(dtype=np.dtype(np.float32), q_shape=(4, 181), k_shape=(
                          scale_kind="default", seed=0)
 
 
-@fuzz_settings("numpy_forward")
-@given(problems(max_len=NUMPY_MAX_LEN))
-def test_cpu_path_forward_matches_oracle(problem):
-    check_forward(problem, "numpy")
+def crosses_key_blocks(problem, key_block):
+    """Whether some query row of ``problem`` sees keys in two key blocks of the CPU path."""
+    lq, lk = problem.q_shape[-2], problem.k_shape[-2]
+    if lq == 0 or lk <= key_block:
+        return False
+    return any(a < key_block <= b for a, b in (_row_keys(problem, i) for i in range(lq)))
 
 
-@fuzz_settings("numpy_backward")
-@given(problems(max_len=NUMPY_MAX_LEN, scales=BACKWARD_SCALES))
-@example(SINGLE_KEY_ROW)
-def test_cpu_path_backward_matches_oracle(problem):
-    check_backward(problem, "numpy")
+def _row_keys(problem, i):
+    """First and last key query row i sees (bottom-right aligned window, causal folded in)."""
+    lq, lk = problem.q_shape[-2], problem.k_shape[-2]
+    left, right = (None, None) if problem.options["window"] is None else problem.options["window"]
+    left, right = (None if w in (None, -1) else w for w in (left, right))
+    if problem.options["causal"]:
+        right = 0 if right is None else min(right, 0)
+    diag = i + lk - lq
+    return (0 if left is None else max(0, diag - left)), (lk - 1 if right is None else min(lk - 1, diag + right))
+
+
+# How many of the CPU fuzzers' examples must cross a key block (audit finding 3: none did).
+MIN_CROSSING = {"numpy_forward": 40, "numpy_backward": 20}
+
+
+def test_cpu_path_forward_matches_oracle():
+    crossing = []
+
+    @fuzz_settings("numpy_forward")
+    @given(problems(max_len=NUMPY_MAX_LEN, key_block=NUMPY_KEY_BLOCK))
+    def fuzz(problem):
+        crossing.append(crosses_key_blocks(problem, NUMPY_KEY_BLOCK))
+        check_forward(problem, "numpy")
+
+    fuzz()
+    assert sum(crossing) >= MIN_CROSSING["numpy_forward"], f"{sum(crossing)} of {len(crossing)} cross a key block"
+
+
+def test_cpu_path_backward_matches_oracle():
+    crossing = []
+
+    @fuzz_settings("numpy_backward")
+    @given(problems(max_len=NUMPY_MAX_LEN, scales=BACKWARD_SCALES, key_block=NUMPY_KEY_BLOCK))
+    @example(SINGLE_KEY_ROW)
+    def fuzz(problem):
+        crossing.append(crosses_key_blocks(problem, NUMPY_KEY_BLOCK))
+        check_backward(problem, "numpy")
+
+    fuzz()
+    assert sum(crossing) >= MIN_CROSSING["numpy_backward"], f"{sum(crossing)} of {len(crossing)} cross a key block"
 
 
 @needs_emulator
