@@ -211,7 +211,8 @@ def run_one(m: Mutation, copy: Path, env: dict) -> tuple[str, float, str]:
     start = time.perf_counter()
     try:
         proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                               "-p", "no:randomly", "-o", "addopts=", *m.selection],
+                               "-p", "no:randomly", "-o", "addopts=", "--hypothesis-profile=mutations",
+                               *m.selection],
                               cwd=copy, env=env, capture_output=True, text=True)
     finally:
         path.write_text(original)
