@@ -130,26 +130,37 @@ HALF_YARDSTICK_FACTOR = 1.25
 TF32_YARDSTICK_FACTOR = 2.0
 
 
-def assert_within_yardstick(actual, expected, yardstick, *, factor=HALF_YARDSTICK_FACTOR, what="gradient"):
-    """max |actual - oracle| <= factor * max |yardstick - oracle| + floor; ``yardstick`` a
-    backward that rounds as the kernels must (naive_half_backward, naive_tf32_backward).
+def assert_within_yardstick(actual, expected, yardstick, *, factor=HALF_YARDSTICK_FACTOR, sizes=None,
+                            what="gradient"):
+    """|actual - oracle| <= factor * max |yardstick - oracle| + floor, element-wise;
+    ``yardstick`` a backward that rounds as the kernels must (naive_half_backward,
+    naive_tf32_backward).
 
-    The floor is a float32 rounding of the largest gradient, plus, for 16-bit results,
-    one rounding of it to their dtype (the yardstick returns float32; a 16-bit result
-    is rounded once more).  No part of the bound comes from ``actual``.
+    The floor is what float32 sums and cancellation leave, which the yardstick,
+    summing in another order, may happen not to show (a row that sees one key has
+    dq = 0 exactly, and the yardstick's dP - delta can round to 0 too): 4 u times
+    the size of the terms each element sums (``sizes``, backward_term_sizes;
+    without them, float32's rounding of the largest gradient), plus, for 16-bit
+    results, one rounding of the largest gradient to their dtype (the yardstick
+    returns float32), at least one subnormal spacing of it.  No part of the bound comes from ``actual``.
     """
     actual = np.asarray(actual)
     half_u = _HALF_UNIT_ROUNDOFF.get(np.dtype(actual.dtype).name, 0.0)
+    # below the 16-bit dtype's normal range its rounding is absolute: one subnormal spacing
+    spacing = float(np.finfo(actual.dtype).smallest_subnormal) if half_u else 0.0
     actual = actual.astype(np.float64)
     yardstick = np.asarray(yardstick).astype(np.float64)
     assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
-    err = np.abs(actual - expected).max(initial=0.0)
+    err = np.abs(actual - expected)
     yard_err = np.abs(yardstick - expected).max(initial=0.0)
     largest = np.abs(expected).max(initial=0.0)
-    floor = 2.0**-24 * max(1.0, largest) + half_u * largest
-    assert err <= factor * yard_err + floor, (
-        f"{what}: max error {err:.3g} exceeds {factor} times the yardstick's {yard_err:.3g} "
-        f"(+ {floor:.3g}: float32's and the result's rounding of the largest gradient)")
+    float32_part = 4 * 2.0**-24 * (np.asarray(sizes) if sizes is not None else max(1.0, largest))
+    bound = factor * yard_err + float32_part + half_u * largest + spacing
+    worst = np.unravel_index(np.argmax(err - bound), err.shape) if err.size else ()
+    assert (err <= bound).all(), (
+        f"{what}: error {err[worst]:.3g} at {worst} exceeds {factor} times the yardstick's largest, "
+        f"{yard_err:.3g}, + {np.broadcast_to(bound, err.shape)[worst] - factor * yard_err:.3g} "
+        f"(float32's sums there and the result's rounding of the largest gradient)")
 
 
 def backward_term_sizes(dout, q, k, v, *, unit_probabilities=False, **kw):

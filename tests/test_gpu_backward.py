@@ -96,7 +96,7 @@ def _check(grads, dout, q, k, v, out, dtype, **kw):
             assert_within_term_bound(a, e, size, eps=np.finfo(dtype).eps,
                                      head_dim=max(q.shape[-1], v.shape[-1]), what=name)
         else:
-            assert_within_yardstick(a, e, h, what=name)
+            assert_within_yardstick(a, e, h, sizes=size, what=name)
 
 
 # ---- correctness matrix ----------------------------------------------------------------

@@ -147,7 +147,7 @@ def check_backward(q, k, v, *, precision, window=(None, None), gqa_ratio=1, dete
             assert_within_term_bound(g, e, size, eps=np.finfo(np.float32).eps, head_dim=q.shape[-1],
                                      floor=terms * np.finfo(np.float32).tiny, what=name)
         else:
-            assert_within_yardstick(g, e, n, factor=TF32_YARDSTICK_FACTOR, what=name)
+            assert_within_yardstick(g, e, n, factor=TF32_YARDSTICK_FACTOR, sizes=size, what=name)
 
 
 BWD_ROWS = [r for r in instantiations() if r.family == "bwd_tf32" and "dkdv" in r.name_expression]
