@@ -6,6 +6,7 @@ Usage (from anywhere inside a checkout)::
     python tests/mutations.py NAME [NAME ...] # only these
     python tests/mutations.py --fast          # the subset CI runs every time (tests/test_mutations.py)
     python tests/mutations.py --list          # names, files and selections, nothing run
+    python tests/mutations.py --baseline ...  # first check that every selection passes unmutated
 
 Each entry of :data:`MUTATIONS` is a file of the checkout, an exact text that
 must occur in it exactly once, its replacement (the planted bug) and the pytest
@@ -205,7 +206,7 @@ def check_imports_copy(copy: Path, env: dict) -> None:
 def run_one(m: Mutation, copy: Path, env: dict) -> tuple[str, float, str]:
     path = copy / m.file
     original = path.read_text()
-    if original.count(m.text) != 1:
+    if m.text and original.count(m.text) != 1:
         return "MISSING", 0.0, f"text found {original.count(m.text)} times in {m.file}: {m.text!r}"
     path.write_text(original.replace(m.text, m.replacement))
     start = time.perf_counter()
@@ -228,6 +229,8 @@ def main(argv=None) -> int:
     parser.add_argument("--fast", action="store_true", help="only the subset CI runs every time")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
     parser.add_argument("--verbose", action="store_true", help="print pytest's last lines for each")
+    parser.add_argument("--baseline", action="store_true",
+                        help="first run each selection unmutated: it must pass, or 'caught' means nothing")
     args = parser.parse_args(argv)
     known = {m.name: m for m in MUTATIONS}
     unknown = [n for n in args.names if n not in known]
@@ -247,6 +250,15 @@ def main(argv=None) -> int:
         copy_checkout(ROOT, copy)
         env = child_env(copy, cache)
         check_imports_copy(copy, env)
+        if args.baseline:
+            for selection in dict.fromkeys(m.selection for m in chosen):
+                status, seconds, tail = run_one(Mutation("baseline", chosen[0].file, "", "", selection), copy, env)
+                ok = status == "SURVIVED"       # nothing planted: the selection passes
+                print(f"{'baseline' if ok else 'BASELINE':8s} {' '.join(selection)[:60]:60s} {seconds:7.1f} s",
+                      flush=True)
+                if not ok:
+                    print("    " + tail.replace("\n", "\n    "), flush=True)
+                    return 1
         for m in chosen:
             status, seconds, tail = run_one(m, copy, env)
             print(f"{status:8s} {m.name:45s} {seconds:7.1f} s", flush=True)
