@@ -25,7 +25,7 @@ HALF = [d for d in DTYPES if d.itemsize == 2]   # float16 (and bfloat16 where av
 TOLERANCE = {
     np.dtype(np.float16): dict(rtol=2e-3, atol=2e-3),
     np.dtype(np.float32): dict(rtol=2e-5, atol=2e-6),
-    np.dtype(np.float64): dict(rtol=1e-12, atol=1e-13),
+    np.dtype(np.float64): dict(rtol=4e-14, atol=4e-15),
 }
 if bfloat16 is not None:
     TOLERANCE[bfloat16] = dict(rtol=1.6e-2, atol=1.6e-2)

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]      # this checkout's tests and cupyflash
 
 SHAPE_Q, SHAPE_K = (1, 2, 130, 64), (1, 2, 150, 64)
 
@@ -130,10 +131,10 @@ def main():
     ]
     print("| family | dtypes | rule | share of the bound |\n|---|---|---|---|")
     for name, dtypes, rule, run in rows:
-        print(f"| {name} | {dtypes} | {rule} | {' / '.join(f'{x:.2f}' for x in run())} |", flush=True)
+        print(f"| {name} | {dtypes} | {rule} | {' / '.join(f'{x:.2g}' for x in run())} |", flush=True)
     with sm90_wgmma_and_dmma():
         for name, dtypes, rule, run in wgmma:
-            print(f"| {name} | {dtypes} | {rule} | {' / '.join(f'{x:.2f}' for x in run())} |", flush=True)
+            print(f"| {name} | {dtypes} | {rule} | {' / '.join(f'{x:.2g}' for x in run())} |", flush=True)
 
 
 if __name__ == "__main__":
