@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import typing
 
 import numpy as np
 import scipy.special
@@ -24,42 +25,105 @@ from ._validation import check_forward
 __all__ = ["naive_attention", "naive_attention_backward", "flash_attention_v1"]
 
 
-def _repeat_kv(problem):
-    """k and v with their head axis repeated for GQA (the oracle may copy)."""
-    k, v = np.asarray(problem.k, np.float64), np.asarray(problem.v, np.float64)
-    g = problem.gqa_ratio
-    if g > 1:
-        # k or v may have a single (broadcast) head: give both Hkv heads first
-        hkv = problem.batch_shape[-1] // g
-        k = np.repeat(np.broadcast_to(k, k.shape[:-3] + (hkv,) + k.shape[-2:]), g, axis=-3)
-        v = np.repeat(np.broadcast_to(v, v.shape[:-3] + (hkv,) + v.shape[-2:]), g, axis=-3)
-    return k, v
+# ---- the oracle: no code in common with the library's validation and dispatch ----------------
+#
+# The oracle reads its arguments itself (its own default scale, its own mask rule, its own
+# broadcasting and grouping of heads), so that a mistake in cupyflash._validation, which every
+# backend shares, cannot hide by being made twice.  It trusts its caller: arguments the
+# library would reject give an error here too, though not necessarily the same one.
 
 
-def _mask(problem):
-    """Boolean (Lq, Lk) array, True where query i may attend to key j."""
-    lq, lk = problem.seqlen_q, problem.seqlen_k
-    diff = np.arange(lk)[None, :] - np.arange(lq)[:, None] - (lk - lq)
-    ok = np.ones((lq, lk), dtype=bool)
-    if problem.window_left is not None:
-        ok &= diff >= -problem.window_left
-    if problem.window_right is not None:
-        ok &= diff <= problem.window_right
+class _Oracle(typing.NamedTuple):
+    q: np.ndarray        # float64, (*batch, Lq, d), batch including the query heads
+    k: np.ndarray        # float64, (*batch, Lk, d): each query head's own kv head
+    v: np.ndarray        # float64, (*batch, Lk, dv)
+    scale: float
+    visible: np.ndarray  # bool (Lq, Lk): query i may attend to key j
+    kv_head: np.ndarray | None   # under GQA, the kv head (axis -3 of k, v) of each query head
+    kv_heads: int                # under GQA, how many kv heads there are
+
+
+def _bounds(causal, window):
+    """(left, right) of the window, None for unbounded; causal caps right at 0."""
+    left = right = None
+    if window is not None:
+        left, right = (None if w is None or w == -1 else int(w) for w in window)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return left, right
+
+
+def _visible(lq, lk, causal, window):
+    """Query i sits at key position i + Lk - Lq (bottom-right alignment) and sees key j
+    when j is no more than ``left`` keys before it and no more than ``right`` after."""
+    left, right = _bounds(causal, window)
+    i = np.arange(lq)[:, None]
+    j = np.arange(lk)[None, :]
+    offset = lk - lq
+    ok = np.full((lq, lk), True)
+    if left is not None:
+        ok &= j >= i + offset - left
+    if right is not None:
+        ok &= j <= i + offset + right
     return ok
 
 
-def _probabilities(problem):
-    """Scaled scores, probabilities and lse, all float64 and L x L."""
-    q = np.asarray(problem.q, np.float64)
-    k, v = _repeat_kv(problem)
-    s = np.matmul(q, np.swapaxes(k, -1, -2)) * problem.scale
-    s = np.where(_mask(problem), s, -np.inf)
+def _common_shape(*shapes):
+    """The broadcast of ``shapes``: right-aligned, each axis 1 or one common size."""
+    ndim = max((len(s) for s in shapes), default=0)
+    padded = [(1,) * (ndim - len(s)) + tuple(s) for s in shapes]
+    out = []
+    for sizes in zip(*padded):
+        others = {n for n in sizes if n != 1}
+        if len(others) > 1:
+            raise ValueError(f"batch dimensions do not broadcast: {shapes}")
+        out.append(others.pop() if others else 1)
+    return tuple(out)
+
+
+def _oracle(q, k, v, scale, causal, window, enable_gqa):
+    q, k, v = (np.asarray(x).astype(np.float64) for x in (q, k, v))
+    if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"shapes do not fit: q {q.shape}, k {k.shape}, v {v.shape}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    kv_head, hkv = None, 0
+    if enable_gqa:
+        hq, hkv = q.shape[-3], max(k.shape[-3], v.shape[-3])
+        if hq % hkv:
+            raise ValueError(f"{hq} query heads cannot share {hkv} kv heads")
+        kv_head = np.arange(hq) // (hq // hkv)        # query head h reads kv head h // group
+        outer = _common_shape(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+        batch = outer + (hq,)
+        k, v = (np.take(np.broadcast_to(x, outer + (hkv,) + x.shape[-2:]), kv_head, axis=-3) for x in (k, v))
+    else:
+        batch = _common_shape(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    q, k, v = (np.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v))
+    return _Oracle(q, k, v, scale, _visible(q.shape[-2], k.shape[-2], causal, window), kv_head, hkv)
+
+
+def _probabilities(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=False):
+    """The oracle's float64 scaled scores, probabilities and lse (all L x L) and its
+    :class:`_Oracle` reading of the arguments; for the tests' error bounds too."""
+    o = _oracle(q, k, v, scale, causal, window, enable_gqa)
+    s = np.where(o.visible, np.matmul(o.q, np.swapaxes(o.k, -1, -2)) * o.scale, -np.inf)
     with np.errstate(divide="ignore", invalid="ignore"):
         lse = scipy.special.logsumexp(s, axis=-1)
         # softmax reduces with max(), which has no identity on an empty key axis (Lk = 0)
         p = scipy.special.softmax(s, axis=-1) if s.shape[-1] else np.zeros_like(s)
     p = np.nan_to_num(p, nan=0.0)       # rows with no admissible key: all -inf -> NaN -> 0
-    return s, p, lse, q, k, v
+    return s, p, lse, o
+
+
+def _reduce_to(grad, like, kv_head=None, kv_heads=0):
+    """The gradient ``grad`` of a broadcast (and, under GQA, head-gathered) operand summed
+    back onto the operand's own shape ``like``."""
+    if kv_head is not None:       # every query head's part onto the kv head it read
+        heads = np.zeros(grad.shape[:-3] + (kv_heads,) + grad.shape[-2:])
+        np.add.at(heads, (Ellipsis, kv_head, slice(None), slice(None)), grad)
+        grad = heads
+    grad = grad.sum(axis=tuple(range(grad.ndim - len(like))))
+    axes = tuple(a for a, n in enumerate(like) if n == 1 and grad.shape[a] != 1)
+    return grad.sum(axis=axes, keepdims=True)
 
 
 def naive_attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=False,
@@ -68,7 +132,9 @@ def naive_attention(q, k, v, /, *, scale=None, causal=False, window=None, enable
 
     Forms the full ``(..., Lq, Lk)`` score matrix, so it needs O(Lq·Lk)
     memory.  Arguments and semantics are those of :func:`cupyflash.attention`;
-    the result is always float64 (NumPy arrays only).
+    the result is always float64 (NumPy arrays only).  It shares no code with
+    the library's argument checks: its mask rule, default scale, broadcasting
+    and head grouping are written out here a second time.
 
     Returns
     -------
@@ -86,21 +152,10 @@ def naive_attention(q, k, v, /, *, scale=None, causal=False, window=None, enable
     array([[0.5, 0.5],
            [0.5, 0.5]])
     """
-    problem, _ = check_forward(q, k, v, scale=scale, causal=causal, window=window,
-                               enable_gqa=enable_gqa, backend="numpy")
-    _, p, lse, _, _, v64 = _probabilities(problem)
-    out = np.matmul(p, v64)
-    out = np.broadcast_to(out, problem.out_shape).copy()
-    lse = np.broadcast_to(lse, problem.lse_shape).copy()
+    _, p, lse, o = _probabilities(q, k, v, scale=scale, causal=causal, window=window,
+                                  enable_gqa=enable_gqa)
+    out = np.matmul(p, o.v)
     return (out, lse) if return_lse else out
-
-
-def _sum_to_shape(x, shape):
-    """Reduce a broadcast gradient back to ``shape``."""
-    lead = x.ndim - len(shape)
-    x = x.sum(axis=tuple(range(lead))) if lead else x
-    axes = tuple(a for a, n in enumerate(shape) if n == 1 and x.shape[a] != 1)
-    return x.sum(axis=axes, keepdims=True) if axes else x
 
 
 def naive_attention_backward(dout, q, k, v, /, *, scale=None, causal=False, window=None,
@@ -139,22 +194,29 @@ def naive_attention_backward(dout, q, k, v, /, *, scale=None, causal=False, wind
     array([[0., 0.],
            [0., 0.]])
     """
-    problem, _ = check_forward(q, k, v, scale=scale, causal=causal, window=window,
-                               enable_gqa=enable_gqa, backend="numpy")
-    _, p, _, q64, k64, v64 = _probabilities(problem)
-    do = np.asarray(dout, np.float64)
-    out = np.matmul(p, v64)
+    _, p, _, o = _probabilities(q, k, v, scale=scale, causal=causal, window=window,
+                                enable_gqa=enable_gqa)
+    do = np.broadcast_to(np.asarray(dout).astype(np.float64), p.shape[:-1] + (o.v.shape[-1],))
+    out = np.matmul(p, o.v)
     dv = np.matmul(np.swapaxes(p, -1, -2), do)
-    dp = np.matmul(do, np.swapaxes(v64, -1, -2))
+    dp = np.matmul(do, np.swapaxes(o.v, -1, -2))
     ds = p * (dp - np.sum(do * out, axis=-1, keepdims=True))
-    dq = np.matmul(ds, k64) * problem.scale
-    dk = np.matmul(np.swapaxes(ds, -1, -2), q64) * problem.scale
-    g = problem.gqa_ratio
-    if g > 1:   # sum each group's query heads onto their kv head
-        dk = dk.reshape(dk.shape[:-3] + (dk.shape[-3] // g, g) + dk.shape[-2:]).sum(axis=-3)
-        dv = dv.reshape(dv.shape[:-3] + (dv.shape[-3] // g, g) + dv.shape[-2:]).sum(axis=-3)
-    return (_sum_to_shape(dq, np.shape(q)), _sum_to_shape(dk, np.shape(k)),
-            _sum_to_shape(dv, np.shape(v)))
+    dq = np.matmul(ds, o.k) * o.scale
+    dk = np.matmul(np.swapaxes(ds, -1, -2), o.q) * o.scale
+    return (_reduce_to(dq, np.shape(q)), _reduce_to(dk, np.shape(k), o.kv_head, o.kv_heads),
+            _reduce_to(dv, np.shape(v), o.kv_head, o.kv_heads))
+
+
+def _window_mask(problem):
+    """Algorithm 1's mask: boolean (Lq, Lk), True where query i may attend to key j."""
+    lq, lk = problem.seqlen_q, problem.seqlen_k
+    diff = np.arange(lk)[None, :] - np.arange(lq)[:, None] - (lk - lq)
+    ok = np.ones((lq, lk), dtype=bool)
+    if problem.window_left is not None:
+        ok &= diff >= -problem.window_left
+    if problem.window_right is not None:
+        ok &= diff <= problem.window_right
+    return ok
 
 
 def _algorithm1(q, k, v, sram_size, scale, mask):
@@ -252,7 +314,7 @@ def flash_attention_v1(q, k, v, /, *, sram_size, scale=None, causal=False, windo
         return run_forward_v1(problem, int(sram_size), return_lse)
     out = np.empty(problem.out_shape, dtype=problem.dtype)
     lse = np.empty(problem.lse_shape, dtype=problem.accum_dtype)
-    mask = _mask(problem)
+    mask = _window_mask(problem)
     g = problem.gqa_ratio
     kv_batch = problem.batch_shape[:-1] + (problem.batch_shape[-1] // g,) if g > 1 else problem.batch_shape
     q_full = np.broadcast_to(q, problem.batch_shape + q.shape[-2:])

@@ -8,6 +8,13 @@ import zlib
 
 import numpy as np
 import pytest
+from hypothesis import Phase, settings
+
+from _util import on_ci
+
+# tests/mutations.py runs its selections with --hypothesis-profile=mutations: a planted bug
+# needs one failing example, not the smallest one (shrinking a fuzzer's example takes minutes).
+settings.register_profile("mutations", phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target])
 
 
 @functools.lru_cache(maxsize=1)
@@ -30,6 +37,28 @@ def gpu_status() -> tuple[bool, str]:
 #   and process), so that CI's two CPUs compile the catalogue once, not per worker;
 # - the GPU tier, so that one process at a time holds the device and its memory.
 REPORT_FIXTURES = frozenset({"report", "rows"})
+
+
+EMULATOR_SKIP = "CPU emulator unavailable"   # the start of every emulator test's skip reason
+
+
+def pytest_sessionstart(session):
+    from cupyflash.emulator import emulator_available
+
+    ok, why = emulator_available()
+    if not ok and on_ci():
+        pytest.exit(f"CI=true and the CPU emulator cannot be built here ({why}): the emulated "
+                    f"kernel tests would all skip and CI would go green without them", returncode=1)
+
+
+def pytest_terminal_summary(terminalreporter):
+    skipped = [r for r in terminalreporter.stats.get("skipped", [])
+               if EMULATOR_SKIP in str(getattr(r, "longrepr", ""))]
+    if skipped:
+        from cupyflash.emulator import emulator_available
+
+        terminalreporter.write_line(f"cupyflash: {len(skipped)} tests skipped, the CPU emulator is unavailable "
+                                    f"({emulator_available()[1]}); with CI=true they fail", yellow=True)
 
 
 @pytest.hookimpl(tryfirst=True)   # before pytest-xdist's, which reads xdist_group

@@ -18,7 +18,7 @@ import pytest
 
 import cupyflash
 from cupyflash import _cpu
-from cupyflash.reference import flash_attention_v1, naive_attention
+from cupyflash.reference import flash_attention_v1, naive_attention, naive_attention_backward
 
 from _util import (
     DTYPE_IDS,
@@ -186,6 +186,57 @@ def test_oracle_matches_the_definition():
     out, lse = naive_attention(q, k, v, scale=0.7, return_lse=True)
     np.testing.assert_allclose(out, p @ v, rtol=1e-13, atol=1e-14)
     np.testing.assert_allclose(lse, np.log(np.exp(s).sum(axis=1)), rtol=1e-13)
+
+
+def test_oracle_shares_no_code_with_the_validation(monkeypatch):
+    # A mistake in _validation (say, causal not folded into the window) is made by every
+    # backend at once; the oracle must not make it too.
+    from cupyflash import _validation
+
+    def refuse(*args, **kw):
+        raise AssertionError("the oracle called cupyflash._validation")
+
+    monkeypatch.setattr(_validation, "check_forward", refuse)
+    rng = _rng("independent")
+    q, k, v = random_qkv(rng, (2, 4, 5, 3), (2, 2, 7, 3), (1, 2, 7, 2), np.float64)
+    dout = random_array(rng, (2, 4, 5, 2), np.float64)
+    naive_attention(q, k, v, causal=True, window=(2, 4), enable_gqa=True)
+    naive_attention_backward(dout, q, k, v, causal=True, window=(2, 4), enable_gqa=True)
+
+
+@pytest.mark.parametrize("lq, lk, kw", [(4, 11, dict(causal=True, window=(1, 5))), (11, 4, dict(window=(2, 1))),
+                                        (6, 6, dict(causal=True, window=(None, -1))), (9, 1, dict(causal=True))],
+                         ids=["causal-window", "window", "causal-unbounded", "causal-9x1"])
+def test_oracle_follows_its_own_mask_rule(lq, lk, kw):
+    # v = I: the output row is the probability row, zero exactly where the hand-written
+    # loop (visible_mask) says the key is masked.
+    rng = _rng("oracle-mask", lq, lk)
+    q, k = random_array(rng, (lq, 4), np.float64), random_array(rng, (lk, 4), np.float64)
+    out, lse = naive_attention(q, k, np.eye(lk), return_lse=True, **kw)
+    ok = visible_mask(lq, lk, **kw)
+    np.testing.assert_array_equal(out > 0, ok)
+    np.testing.assert_array_equal(np.isneginf(lse), ~ok.any(axis=1))
+
+
+def test_oracle_groups_and_broadcasts_heads_as_a_loop_does():
+    # GQA (query head h reads kv head h // 3) and a broadcast batch axis, against one
+    # plain 2-D call per (batch, head), forward and backward.
+    rng = _rng("oracle-heads")
+    q, k, v = random_qkv(rng, (2, 6, 5, 3), (1, 2, 7, 3), (2, 1, 7, 4), np.float64)
+    dout = random_array(rng, (2, 6, 5, 4), np.float64)
+    out = naive_attention(q, k, v, enable_gqa=True, causal=True)
+    grads = naive_attention_backward(dout, q, k, v, enable_gqa=True, causal=True)
+    expected = [np.zeros(x.shape) for x in (q, k, v)]
+    for b in range(2):
+        for h in range(6):
+            kk, vv = k[0, h // 3], v[b, 0]
+            np.testing.assert_allclose(out[b, h], naive_attention(q[b, h], kk, vv, causal=True), rtol=1e-14)
+            dq, dk, dv = naive_attention_backward(dout[b, h], q[b, h], kk, vv, causal=True)
+            expected[0][b, h] += dq
+            expected[1][0, h // 3] += dk
+            expected[2][b, 0] += dv
+    for name, g, e in zip(("dq", "dk", "dv"), grads, expected):
+        np.testing.assert_allclose(g, e, rtol=1e-12, atol=1e-14, err_msg=name)
 
 
 # ---- semantics: masks, scale, GQA, broadcasting --------------------------------------

@@ -8,11 +8,11 @@ HMMA, LDSM (ldmatrix) and LDGSTS (cp.async), with the main loop emitted once.
 Emulated tier: the kernels run on the CPU emulator (race checks on, threads in
 shuffled order, outputs poisoned with NaN) through :func:`cupyflash._gpu.forward`,
 exactly as the GPU path calls them.  Accuracy criterion: the error against the
-float64 oracle (on the same rounded inputs) is at most twice the error of
+float64 oracle (on the same rounded inputs) is at most 1.25 times the error of
 naive attention from the same half-precision inputs with float32
 accumulation and P rounded to the input dtype before P V -- what a
-tensor-core kernel computes, without the tiling -- plus one ulp of the dtype
-at 1.0.
+tensor-core kernel computes, without the tiling -- plus one rounding of the
+largest output to the dtype.
 """
 
 from __future__ import annotations
@@ -259,18 +259,28 @@ class Recorder:
 
 def naive_half_attention(q, k, v, *, scale, window, gqa_ratio):
     """Attention as a tensor-core kernel computes it, untiled: scores and softmax in float32
-    from the half inputs, P rounded to the input dtype before P V, output rounded to it."""
+    from the half inputs, the unnormalised P = exp(S - rowmax) rounded to the input dtype
+    before P V, the row sum of P taken before that rounding, the output in float32 (not
+    rounded: check_against_oracle allows for the kernels' one rounding of it)."""
     dtype = q.dtype
     k = np.repeat(k, gqa_ratio, axis=1) if gqa_ratio > 1 else k
     v = np.repeat(v, gqa_ratio, axis=1) if gqa_ratio > 1 else v
     s = np.matmul(q.astype(np.float32), np.swapaxes(k.astype(np.float32), -1, -2)) * np.float32(scale)
     s = np.where(visible(q.shape[-2], k.shape[-2], window), s, -np.inf)
     m = s.max(axis=-1, keepdims=True, initial=-np.inf)
-    p = np.exp(s - np.where(np.isfinite(m), m, 0))
-    total = p.sum(axis=-1, keepdims=True)
-    p = np.where(total > 0, p / np.where(total > 0, total, 1), 0).astype(np.float32)
-    p = p.astype(dtype).astype(np.float32)
-    return np.matmul(p, v.astype(np.float32)).astype(dtype)
+    p = np.exp(s - np.where(np.isfinite(m), m, 0)).astype(np.float32)
+    total = p.sum(axis=-1, keepdims=True, dtype=np.float32)
+    pv = np.matmul(p.astype(dtype).astype(np.float32), v.astype(np.float32))
+    return np.where(total > 0, pv / np.where(total > 0, total, 1), 0).astype(np.float32)
+
+
+# Unit roundoff of the 16-bit dtypes: one rounding of the output may be off by this, relatively.
+HALF_UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
+# How much further from the oracle than naive_half_attention the kernels may be, besides their
+# one rounding of the output (docs/testing.md, "Error analysis"): both round P where a
+# tensor-core kernel must, and differ in float32 order and in where P is rounded (against the
+# running maximum), not in what is rounded.
+HALF_FORWARD_FACTOR = 1.25
 
 
 # One ulp at 1.0 (machine epsilon): 10 and 7 explicit mantissa bits.
@@ -302,8 +312,9 @@ def run_mma(executor, q, k, v, *, window=(None, None), gqa_ratio=1, scale=None, 
 
 
 def check_against_oracle(out, lse, q, k, v, *, scale=None, window=(None, None), gqa_ratio=1):
-    """Every element written; out within twice the error of naive half-precision attention
-    (plus one ulp) of the float64 oracle; lse (unless None) to its tolerance."""
+    """Every element written; out no further from the float64 oracle than HALF_FORWARD_FACTOR
+    times naive_half_attention, plus one rounding of the largest output (and float32's);
+    lse (unless None) to its tolerance."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     assert not np.isnan(out.astype(np.float64)).any(), "output element left unwritten (NaN)"
     oracle, oracle_lse = naive_attention(q, k, v, scale=scale, window=window,
@@ -311,8 +322,10 @@ def check_against_oracle(out, lse, q, k, v, *, scale=None, window=(None, None), 
     naive = naive_half_attention(q, k, v, scale=scale, window=window, gqa_ratio=gqa_ratio)
     err = np.abs(out.astype(np.float64) - oracle).max(initial=0.0)
     naive_err = np.abs(naive.astype(np.float64) - oracle).max(initial=0.0)
-    bound = 2 * naive_err + ULP_AT_ONE[q.dtype.name]
-    assert err <= bound, f"max error {err:.3g} > 2 x naive float32-accumulate error {naive_err:.3g} + 1 ulp"
+    largest = np.abs(oracle).max(initial=0.0)
+    bound = HALF_FORWARD_FACTOR * naive_err + (HALF_UNIT_ROUNDOFF[q.dtype.name] + 2.0**-24) * largest
+    assert err <= bound, (f"max error {err:.3g} > {HALF_FORWARD_FACTOR} x the yardstick's {naive_err:.3g} "
+                          f"+ one rounding of the largest output {largest:.3g}")
     if lse is not None:
         assert_lse_close(lse, oracle_lse, q.dtype)
 

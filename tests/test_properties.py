@@ -2,7 +2,9 @@
 
 Shapes (batch dims that broadcast, Lq/Lk 0..64, d/dv 1..40), dtypes, causal,
 window, GQA and scale are drawn by hypothesis; the inputs themselves come from a
-drawn seed.  Budgets are bounded so the file runs in seconds.
+drawn seed.  Derandomized: the same examples on every run.  The small-block tests
+draw float32 and float64 with key blocks of 1 to 9 keys, so that every example of
+more than 9 keys crosses key blocks.  Budgets are bounded so the file runs in seconds.
 """
 
 from __future__ import annotations
@@ -18,10 +20,15 @@ from cupyflash import _cpu
 from cupyflash.reference import naive_attention, naive_attention_backward
 
 from _strategies import batch_shapes
-from _util import DTYPES, assert_close, assert_grad_close, assert_lse_close, random_array, random_qkv
+from _backward_util import assert_within_term_bound, backward_term_sizes
+from _util import DTYPES, assert_close, assert_lse_close, random_array, random_qkv
 
-# database=None: no .hypothesis/ directory in the working tree; deadline=None: timing varies on CI.
-PROPERTY_SETTINGS = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+# derandomize=True: the same examples on every run (a mutation caught on one seed in four
+# is not caught); database=None: no .hypothesis/ directory in the working tree;
+# deadline=None: timing varies on CI.
+PROPERTY_SETTINGS = dict(deadline=None, database=None, derandomize=True,
+                         suppress_health_check=[HealthCheck.too_slow])
+SMALL_BLOCK_DTYPES = [np.dtype(np.float32), np.dtype(np.float64)]
 
 window_bound = st.one_of(st.none(), st.just(-1), st.integers(0, 70))
 
@@ -59,20 +66,19 @@ def test_cpu_path_matches_oracle(problem):
     _check_forward(q, k, v, kw)
 
 
-@settings(max_examples=60, **PROPERTY_SETTINGS)
-@given(problems(dtypes=[np.dtype(np.float64)]), st.integers(1, 9), st.integers(1, 40))
+@settings(max_examples=100, **PROPERTY_SETTINGS)
+@given(problems(dtypes=SMALL_BLOCK_DTYPES), st.integers(1, 9), st.integers(1, 40))
 def test_cpu_path_with_small_blocks_matches_oracle(problem, key_block, score_elements):
-    # Small block sizes push even tiny problems through tails and every block kind.
-    # float64 only: with key blocks of 1 or 2 keys the accumulator is rescaled up to
-    # Lk times, and float32's rounding of each rescale adds up beyond its table entry.
+    # Small block sizes push even tiny problems through tails and every block kind,
+    # across key blocks (Lk up to 64 is up to 64 blocks).
     q, k, v, kw = problem
     with mock.patch.object(_cpu, "_MAX_KEY_BLOCK", key_block), \
             mock.patch.object(_cpu, "_SCORE_BLOCK_ELEMENTS", score_elements):
         _check_forward(q, k, v, kw)
 
 
-@settings(max_examples=60, **PROPERTY_SETTINGS)
-@given(problems(dtypes=[np.dtype(np.float64)]), st.integers(1, 9), st.integers(1, 40))
+@settings(max_examples=100, **PROPERTY_SETTINGS)
+@given(problems(dtypes=SMALL_BLOCK_DTYPES), st.integers(1, 9), st.integers(1, 40))
 def test_backward_matches_naive_backward(problem, key_block, score_elements):
     q, k, v, kw = problem
     out, lse = cupyflash.attention(q, k, v, return_lse=True, **kw)
@@ -81,9 +87,18 @@ def test_backward_matches_naive_backward(problem, key_block, score_elements):
             mock.patch.object(_cpu, "_SCORE_BLOCK_ELEMENTS", score_elements):
         grads = cupyflash.attention_backward(dout, q, k, v, out, lse, **kw)
     expected = naive_attention_backward(dout, q, k, v, **kw)
-    for name, g, e, x in zip(("dq", "dk", "dv"), grads, expected, (q, k, v)):
+    # Relative to the terms each element sums: a row that sees one key has dq = 0
+    # exactly, and float32 leaves the rounding of dP - delta there (docs/testing.md).
+    # A scale below the dtype's subnormal spacing is rounded to it with an absolute error of up
+    # to half that spacing: a relative error of spacing / (2 |scale|) in dq and dk.
+    sizes = backward_term_sizes(dout, q, k, v, **kw)
+    scale = 1 / np.sqrt(q.shape[-1]) if kw["scale"] is None else abs(kw["scale"])
+    scale_rounding = min(1.0, np.finfo(q.dtype).smallest_subnormal / scale) if scale else 0.0
+    for name, g, e, x, size in zip(("dq", "dk", "dv"), grads, expected, (q, k, v), sizes):
         assert g.shape == x.shape and g.dtype == x.dtype, name
-        assert_grad_close(g, e, q.dtype, what=name)
+        floor = scale_rounding * size if name != "dv" else 0.0
+        assert_within_term_bound(g, e, size, eps=np.finfo(q.dtype).eps, head_dim=q.shape[-1], floor=floor,
+                                 what=name)
 
 
 @settings(max_examples=100, **PROPERTY_SETTINGS)

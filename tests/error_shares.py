@@ -1,0 +1,141 @@
+"""How much of its error bound each kernel family uses: the table of docs/testing.md.
+
+Run by hand, ``python tests/error_shares.py`` (emulator kernels: minutes).  For one
+representative problem per family (two heads, Lq = 130, Lk = 150, d = 64, causal),
+the largest ratio of error to bound under the rule the tests apply to that family:
+
+- forward, float32/float64 (and the 16-bit dtypes on the SIMT kernels and the CPU
+  path): the tolerance table of tests/_util.py;
+- forward, 16-bit on the tensor cores: tests/test_fwd_mma.py's check_against_oracle;
+- backward, float32/float64: assert_within_term_bound's 32 eps per term size;
+- backward, 16-bit: assert_within_yardstick (1.25 times naive_half_backward's error).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]      # this checkout's tests and cupyflash
+
+SHAPE_Q, SHAPE_K = (1, 2, 130, 64), (1, 2, 150, 64)
+
+
+def _inputs(dtype, seed=0):
+    from _util import random_array
+
+    rng = np.random.default_rng(seed)
+    q = random_array(rng, SHAPE_Q, dtype)
+    k, v = random_array(rng, SHAPE_K, dtype), random_array(rng, SHAPE_K, dtype)
+    return q, k, v, rng
+
+
+def forward_share(dtype, backend, precision="ieee", rule="table"):
+    import cupyflash
+    from _util import TOLERANCE
+    from cupyflash.reference import naive_attention
+    from test_fwd_mma import HALF_FORWARD_FACTOR, HALF_UNIT_ROUNDOFF, naive_half_attention
+
+    q, k, v, _ = _inputs(dtype)
+    out = cupyflash.attention(q, k, v, causal=True, backend=backend, precision=precision).astype(np.float64)
+    ref = naive_attention(q, k, v, causal=True)
+    err = np.abs(out - ref)
+    if rule == "table":
+        tol = TOLERANCE[np.dtype(dtype)]
+        return float((err / (tol["atol"] + tol["rtol"] * np.abs(ref))).max())
+    naive = naive_half_attention(q, k, v, scale=1 / math.sqrt(64), window=(None, 0), gqa_ratio=1)
+    bound = (HALF_FORWARD_FACTOR * np.abs(naive - ref).max()
+             + (HALF_UNIT_ROUNDOFF[np.dtype(dtype).name] + 2.0**-24) * np.abs(ref).max())
+    return float(err.max() / bound)
+
+
+def backward_share(dtype, backend, precision="ieee"):
+    import cupyflash
+    from _backward_util import (HALF_YARDSTICK_FACTOR, _HALF_UNIT_ROUNDOFF, backward_term_sizes,
+                                naive_half_backward)
+    from _util import random_array
+    from cupyflash.reference import naive_attention_backward
+
+    q, k, v, rng = _inputs(dtype)
+    out, lse = cupyflash.attention(q, k, v, causal=True, return_lse=True)
+    dout = random_array(rng, out.shape, dtype)
+    grads = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True, backend=backend,
+                                         precision=precision)
+    expected = naive_attention_backward(dout, q, k, v, causal=True)
+    shares = []
+    if np.dtype(dtype).itemsize == 2:
+        naive = naive_half_backward(dout, q, k, v, out, scale=1 / math.sqrt(64), window=(None, 0), lse=lse)
+        for g, e, n in zip(grads, expected, naive):
+            largest = np.abs(e).max()
+            floor = 2.0**-24 * max(1.0, largest) + _HALF_UNIT_ROUNDOFF[np.dtype(dtype).name] * largest
+            shares.append(np.abs(g.astype(np.float64) - e).max() / (HALF_YARDSTICK_FACTOR * np.abs(n - e).max()
+                                                                   + floor))
+    else:
+        eps = np.finfo(np.float32 if precision != "ieee" or dtype != np.float64 else np.float64).eps
+        for g, e, size in zip(grads, expected, backward_term_sizes(dout, q, k, v, causal=True)):
+            bound = 2 * 32 * eps * size        # widen = sqrt(64) / 4 = 2
+            ok = size > 0
+            shares.append((np.abs(g.astype(np.float64) - e)[ok] / bound[ok]).max())
+    return float(max(shares))
+
+
+@contextlib.contextmanager
+def sm90_wgmma_and_dmma():
+    from cupyflash import _dispatch, _gpu
+    from cupyflash.emulator import EmulatorExecutor
+
+    key = ("emulator",)
+    saved = _dispatch._executors.get(key), _gpu.wgmma_override, _gpu.dmma_override
+    _dispatch._executors[key] = EmulatorExecutor(arch=90, seed=90, shuffle=True, race_check=True)
+    _gpu.wgmma_override = _gpu.dmma_override = True
+    try:
+        yield
+    finally:
+        _dispatch._executors.pop(key)
+        if saved[0] is not None:
+            _dispatch._executors[key] = saved[0]
+        _gpu.wgmma_override, _gpu.dmma_override = saved[1:]
+
+
+def main():
+    from _util import bfloat16
+
+    f16, f32, f64 = np.float16, np.float32, np.float64
+    rows = [
+        ("CPU path forward", "float16 / bfloat16 / float32 / float64", "table",
+         lambda: [forward_share(d, "numpy") for d in (f16, bfloat16, f32, f64)]),
+        ("CPU path backward", "float32 / float64", "term bound",
+         lambda: [backward_share(d, "numpy") for d in (f32, f64)]),
+        ("fwd_simt", "float32 / float64", "table", lambda: [forward_share(d, "emulator") for d in (f32, f64)]),
+        ("fwd_mma (sm_80)", "float16 / bfloat16", "yardstick x 1.25 + rounding",
+         lambda: [forward_share(d, "emulator", rule="mma") for d in (f16, bfloat16)]),
+        ("fwd_tf32, tf32x3", "float32", "table", lambda: [forward_share(f32, "emulator", "tf32x3")]),
+        ("bwd_simt", "float32 / float64", "term bound", lambda: [backward_share(d, "emulator") for d in (f32, f64)]),
+        ("bwd_mma (sm_80)", "float16 / bfloat16", "yardstick x 1.25",
+         lambda: [backward_share(d, "emulator") for d in (f16, bfloat16)]),
+        ("bwd_tf32, tf32x3", "float32", "term bound",
+         lambda: [backward_share(f32, "emulator", "tf32x3")]),
+    ]
+    wgmma = [
+        ("fwd_wgmma (sm_90)", "float16 / bfloat16", "yardstick x 1.25 + rounding",
+         lambda: [forward_share(d, "emulator", rule="mma") for d in (f16, bfloat16)]),
+        ("fwd_dmma (sm_90)", "float64", "table", lambda: [forward_share(f64, "emulator")]),
+        ("bwd_wgmma (sm_90)", "float16 / bfloat16", "yardstick x 1.25",
+         lambda: [backward_share(d, "emulator") for d in (f16, bfloat16)]),
+        ("bwd_dmma (sm_90)", "float64", "term bound", lambda: [backward_share(f64, "emulator")]),
+    ]
+    print("| family | dtypes | rule | share of the bound |\n|---|---|---|---|")
+    for name, dtypes, rule, run in rows:
+        print(f"| {name} | {dtypes} | {rule} | {' / '.join(f'{x:.2g}' for x in run())} |", flush=True)
+    with sm90_wgmma_and_dmma():
+        for name, dtypes, rule, run in wgmma:
+            print(f"| {name} | {dtypes} | {rule} | {' / '.join(f'{x:.2g}' for x in run())} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

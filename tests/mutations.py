@@ -1,0 +1,276 @@
+"""Mutation harness: plant one known bug at a time and check that the tests catch it.
+
+Usage (from anywhere inside a checkout)::
+
+    python tests/mutations.py                 # every mutation
+    python tests/mutations.py NAME [NAME ...] # only these
+    python tests/mutations.py --fast          # the subset CI runs every time (tests/test_mutations.py)
+    python tests/mutations.py --list          # names, files and selections, nothing run
+    python tests/mutations.py --baseline ...  # first check that every selection passes unmutated
+
+Each entry of :data:`MUTATIONS` is a file of the checkout, an exact text that
+must occur in it exactly once, its replacement (the planted bug) and the pytest
+selection that must catch it.  The harness copies the checkout's files (those
+git tracks, plus untracked ones it does not ignore; without git, everything but
+``.git`` and caches) to a temporary folder, checks that Python run there imports
+*that* copy of cupyflash, and then, for one mutation at a time, writes the
+mutated file, runs ``python -m pytest -x -q -p no:cacheprovider SELECTION`` in
+the copy with an emulator cache of its own (``CUPYFLASH_EMULATOR_CACHE``, empty
+at the start of the run; modules are keyed by their source, so a mutated kernel
+is always rebuilt) and restores the file.  It prints one line per mutation,
+``caught`` or ``SURVIVED`` (or ``MISSING`` when the text is not found exactly
+once, ``ERROR`` when pytest could not run the selection: a selection that no
+longer exists), with the seconds it took, then ``N caught, M survived`` and
+exits 1 if anything was not caught -- so that the list is kept up to date as
+the code moves.
+
+A selection that skips (no g++ for the emulator) passes, and so reports the
+mutation as SURVIVED: loud, as it should be.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    file: str           # relative to the checkout's root
+    text: str           # must occur exactly once
+    replacement: str
+    selection: tuple    # pytest arguments (test ids), relative to the root
+    fast: bool = False  # in the subset CI runs every time (CPU path and NumPy code: no g++)
+    why: str = ""
+
+
+def M(name, file, text, replacement, *selection, fast=False, why=""):
+    return Mutation(name, file, text, replacement, tuple(selection), fast, why)
+
+
+T = "tests/"
+CPU_FUZZ = T + "test_fuzz.py::test_cpu_path_forward_matches_oracle"
+
+MUTATIONS = [
+    # ---- the CPU path (cupyflash/_cpu.py) and the NumPy code: cheap, the CI subset ---------------
+    M("cpu-causal-diagonal-off-by-one", "cupyflash/_cpu.py",
+      "diagonal = np.arange(i0, i1)[:, None] + offset",
+      "diagonal = np.arange(i0, i1)[:, None] + offset + 1",
+      T + "test_cpu_path.py::test_causal_is_not_top_left_aligned_when_lq_lt_lk", fast=True,
+      why="audit: caught"),
+    M("cpu-float32-accumulation-for-float64", "cupyflash/_validation.py",
+      'return np.dtype(np.float64) if self.dtype.name == "float64" else np.dtype(np.float32)',
+      "return np.dtype(np.float32)",
+      T + "test_cpu_path.py::test_output_and_lse_dtypes", fast=True, why="audit: caught"),
+    M("cpu-no-running-output-rescale", "cupyflash/_cpu.py",
+      "acc *= alpha[..., None]", "acc *= 1",
+      CPU_FUZZ, fast=True,
+      why="audit finding 3: survived both CPU fuzzers, which never crossed a key block"),
+    M("cpu-no-running-sum-rescale", "cupyflash/_cpu.py",
+      "l *= alpha", "l *= 1",
+      CPU_FUZZ, fast=True),
+    M("cpu-lazy-limit-ignored", "cupyflash/_cpu.py",
+      "if np.all(pv_block[..., dv] <= _LAZY_LIMIT):", "if True:",
+      T + "test_cpu_path.py::test_later_key_blocks_with_larger_scores", fast=True),
+    M("cpu-backward-ds-sign", "cupyflash/_cpu.py",
+      "ds -= delta[..., i0:i1, None]", "ds += delta[..., i0:i1, None]",
+      T + "test_backward_cpu.py::test_backward_matches_naive_backward", fast=True),
+    M("cpu-backward-dq-unscaled", "cupyflash/_cpu.py",
+      "dq_i *= scale ", "dq_i *= 1 ",
+      T + "test_backward_cpu.py::test_backward_matches_naive_backward", fast=True),
+    M("cpu-gqa-head-h-uses-kv-head-h-mod-hkv", "cupyflash/_cpu.py",
+      "return x.reshape(x.shape[:-3] + (x.shape[-3] // g, g) + x.shape[-2:])",
+      "return np.swapaxes(x.reshape(x.shape[:-3] + (g, x.shape[-3] // g) + x.shape[-2:]), -4, -3)",
+      T + "test_cpu_path.py::test_gqa_query_head_h_uses_kv_head_h_over_group", fast=True),
+    M("validation-causal-not-folded-into-window", "cupyflash/_validation.py",
+      "right = 0 if right is None else min(right, 0)", "right = 0 if right is None else right",
+      T + "test_cpu_path.py::test_cpu_path_and_algorithm1_match_oracle", fast=True,
+      why="audit finding 8: passed every oracle comparison while the oracle shared check_forward"),
+    M("oracle-mask-off-by-one", "cupyflash/reference.py",
+      "ok &= j <= i + offset + right", "ok &= j <= i + offset + right + 1",
+      T + "test_cpu_path.py::test_oracle_follows_its_own_mask_rule", fast=True),
+
+    # ---- the CUDA kernels, on the emulator (each recompiles its kernels with g++) ----------------
+    M("mask-last-key-off-by-one", "cuda_src/mask.cuh",
+      "return min64(seqlen_k - 1, i + diagonal + right); }",
+      "return min64(seqlen_k - 1, i + diagonal + right + 1); }",
+      T + "test_kernels_emulated.py::test_simt_masks_match_oracle", why="audit: caught"),
+    M("fwd-mma-mask-includes-key-hi", "cuda_src/fwd_blocks.cuh",
+      "if (key < lo || key >= hi) s[r][c] = neg_inf<float>();",
+      "if (key < lo || key > hi) s[r][c] = neg_inf<float>();",
+      T + "test_fwd_mma.py::test_masks_match_oracle", why="audit: caught"),
+    M("softmax-no-output-rescale", "cuda_src/softmax.cuh",
+      "            l[r] = t;\n            scale_in_place(o[r], rescale);",
+      "            l[r] = t;",
+      T + "test_kernels_emulated.py::test_simt_masks_match_oracle", why="audit: caught"),
+    M("softmax-no-row-sum-rescale", "cuda_src/softmax.cuh",
+      "        l[r] *= rescale;\n", "",
+      T + "test_fwd_mma.py::test_row_maxima_growing_from_block_to_block", why="audit: caught"),
+    M("softmax-nan-row-sum-gives-minus-inf-lse", "cuda_src/softmax.cuh",
+      "return l == Acc(0) ? neg_inf<Acc>()", "return !(l > Acc(0)) ? neg_inf<Acc>()",
+      T + "test_bad_inputs.py::test_nonfinite_query_makes_its_row_nan_and_no_other", "-k", "emulator",
+      why="audit: caught (the NaN-row bug of the first reliability sweep)"),
+    M("fwd-simt-score-scale-off-by-1e-3", "cuda_src/fwd_simt.cu",
+      "for (int jj = 0; jj < TN; ++jj) s[ii][jj] *= scale_log2;",
+      "for (int jj = 0; jj < TN; ++jj) s[ii][jj] *= scale_log2 * Acc(1.001);",
+      T + "test_kernels_emulated.py::test_simt_every_instantiation_matches_oracle",
+      why="the score epilogue: a relative error of 1e-3 in every logit"),
+    M("fwd-gqa-head-h-reads-kv-head-h-mod-hkv", "cuda_src/block_info.cuh",
+      "const int64_t head_kv = static_cast<int>(head) / static_cast<int>(p.gqa_ratio);",
+      "const int64_t head_kv = static_cast<int>(head) % static_cast<int>(p.heads_q / p.gqa_ratio);",
+      T + "test_kernels_emulated.py::test_gqa_query_heads_share_kv_heads"),
+    M("bwd-simt-ds-adds-delta", "cuda_src/bwd_simt.cu",
+      "dp[ii][jj] = p[ii][jj] * (dp[ii][jj] - query_stat<kQueryRows>(delta, ii, jj));",
+      "dp[ii][jj] = p[ii][jj] * (dp[ii][jj] + query_stat<kQueryRows>(delta, ii, jj));",
+      T + "test_backward_emulated.py::test_masks_match_oracle", why="dS of bwd_simt"),
+    M("bwd-tensor-core-ds-adds-delta", "cuda_src/bwd_blocks.cuh",
+      "dp[r][c] = p[r][c] * (dp[r][c] - delta(r, c));",
+      "dp[r][c] = p[r][c] * (dp[r][c] + delta(r, c));",
+      T + "test_backward_emulated.py::test_mma_masks_match_oracle",
+      why="dS of the tensor-core backward kernels (mma, wgmma, tf32, dmma)"),
+    M("bwd-mma-dp-rounded-to-half-before-ds", "cuda_src/bwd_mma.cu",
+      "mma_own_stream<Tr>(dp, sV, sdO, row0);                         // dP^T = V dO^T",
+      "mma_own_stream<Tr>(dp, sV, sdO, row0); for (auto& row : dp) for (float& x : row) "
+      "x = static_cast<float>(static_cast<T>(x));",
+      T + "test_backward_emulated.py::test_mma_every_instantiation_matches_oracle",
+      why="audit finding 2: a 2-3x precision loss that passed all 70 bwd_mma tests"),
+    M("bwd-mma-dk-unscaled", "cuda_src/bwd_mma.cu",
+      "static_cast<float>(p.scale), keys_valid, d);", "1.0f, keys_valid, d);",
+      T + "test_backward_emulated.py::test_mma_every_instantiation_matches_oracle", why="dK scaling"),
+    M("bwd-mma-dv-scaled", "cuda_src/bwd_mma.cu",
+      "1.0f, keys_valid, static_cast<int>(p.head_dim_v));",
+      "static_cast<float>(p.scale), keys_valid, static_cast<int>(p.head_dim_v));",
+      T + "test_backward_emulated.py::test_mma_every_instantiation_matches_oracle", why="dV scaling"),
+    M("bwd-mma-gqa-group-sums-one-head", "cuda_src/bwd_mma.cu",
+      "const int64_t head_end = first_head + p.gqa_ratio;", "const int64_t head_end = first_head + 1;",
+      T + "test_backward_emulated.py::test_mma_every_instantiation_matches_oracle",
+      why="GQA: dK, dV summed over the group's query heads"),
+    M("bwd-tf32-halved-gradients-at-large-scales", "cuda_src/bwd_tf32.cu",
+      "store_row_tf32(dst + row * row_stride, g[r], factor, cols_valid)",
+      "store_row_tf32(dst + row * row_stride, g[r], fabsf(factor) > 1.0f ? 0.5f * factor : factor, cols_valid)",
+      T + "test_bwd_tf32.py::test_extreme_and_negative_scales[large-tf32x3]",
+      why="audit finding 1: passed all 60 tests of test_bwd_tf32.py, whose large-scale test could not fail"),
+]
+
+
+# ---- running ------------------------------------------------------------------------------------
+
+def checkout_files(root: Path) -> list[str]:
+    """The checkout's files, relative to root: git's tracked and unignored untracked files."""
+    try:
+        out = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others",
+                              "--exclude-standard"], check=True, capture_output=True).stdout
+        return [f for f in out.decode().split("\0") if f and (root / f).is_file()]
+    except (OSError, subprocess.CalledProcessError):
+        skip = {".git", "__pycache__", ".hypothesis", ".pytest_cache"}
+        return [str(p.relative_to(root)) for p in root.rglob("*")
+                if p.is_file() and not skip & set(p.relative_to(root).parts)]
+
+
+def copy_checkout(root: Path, dest: Path) -> None:
+    for rel in checkout_files(root):
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / rel, target)
+
+
+def child_env(copy: Path, cache: Path) -> dict:
+    env = dict(os.environ)
+    env.pop("CUPYFLASH_CUDA_SRC", None)                 # the copy's own cuda_src/
+    env.pop("PYTHONPATH", None)
+    env["CUPYFLASH_EMULATOR_CACHE"] = str(cache)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def check_imports_copy(copy: Path, env: dict) -> None:
+    probe = ("import cupyflash, cupyflash._source as s; "
+             "print(cupyflash.__file__); print(s.cuda_src_dir())")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=copy, env=env, check=True,
+                         capture_output=True, text=True).stdout.split("\n")
+    for line in out[:2]:
+        if not Path(line).resolve().is_relative_to(copy.resolve()):
+            raise SystemExit(f"mutations.py: Python in the copy imports {line}, not the copy's files")
+
+
+def run_one(m: Mutation, copy: Path, env: dict) -> tuple[str, float, str]:
+    path = copy / m.file
+    original = path.read_text()
+    if m.text and original.count(m.text) != 1:
+        return "MISSING", 0.0, f"text found {original.count(m.text)} times in {m.file}: {m.text!r}"
+    path.write_text(original.replace(m.text, m.replacement))
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                               "-p", "no:randomly", "-o", "addopts=", "--hypothesis-profile=mutations",
+                               *m.selection],
+                              cwd=copy, env=env, capture_output=True, text=True)
+    finally:
+        path.write_text(original)
+    seconds = time.perf_counter() - start
+    tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-3:])
+    status = {0: "SURVIVED", 1: "caught"}.get(proc.returncode, "ERROR")
+    return status, seconds, tail
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("names", nargs="*", help="mutations to run (default: all)")
+    parser.add_argument("--fast", action="store_true", help="only the subset CI runs every time")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--verbose", action="store_true", help="print pytest's last lines for each")
+    parser.add_argument("--baseline", action="store_true",
+                        help="first run each selection unmutated: it must pass, or 'caught' means nothing")
+    args = parser.parse_args(argv)
+    known = {m.name: m for m in MUTATIONS}
+    unknown = [n for n in args.names if n not in known]
+    if unknown:
+        parser.error(f"unknown mutation(s): {', '.join(unknown)}")
+    chosen = [known[n] for n in args.names] if args.names else MUTATIONS
+    if args.fast:
+        chosen = [m for m in chosen if m.fast]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:45s} {'fast' if m.fast else '    '} {m.file:28s} {' '.join(m.selection)}")
+        return 0
+    caught = survived = 0
+    total = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="cupyflash-mutations-") as tmp:
+        copy, cache = Path(tmp) / "checkout", Path(tmp) / "emulator-cache"
+        copy_checkout(ROOT, copy)
+        env = child_env(copy, cache)
+        check_imports_copy(copy, env)
+        if args.baseline:
+            for selection in dict.fromkeys(m.selection for m in chosen):
+                status, seconds, tail = run_one(Mutation("baseline", chosen[0].file, "", "", selection), copy, env)
+                ok = status == "SURVIVED"       # nothing planted: the selection passes
+                print(f"{'baseline' if ok else 'BASELINE':8s} {' '.join(selection)[:60]:60s} {seconds:7.1f} s",
+                      flush=True)
+                if not ok:
+                    print("    " + tail.replace("\n", "\n    "), flush=True)
+                    return 1
+        for m in chosen:
+            status, seconds, tail = run_one(m, copy, env)
+            print(f"{status:8s} {m.name:45s} {seconds:7.1f} s", flush=True)
+            if status == "caught":
+                caught += 1
+            else:
+                survived += 1
+            if status != "caught" or args.verbose:
+                print("    " + tail.replace("\n", "\n    "), flush=True)
+    print(f"{caught} caught, {survived} survived ({time.perf_counter() - total:.0f} s)")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
