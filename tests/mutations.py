@@ -64,8 +64,8 @@ CPU_FUZZ = T + "test_fuzz.py::test_cpu_path_forward_matches_oracle"
 MUTATIONS = [
     # ---- the CPU path (cupyflash/_cpu.py) and the NumPy code: cheap, the CI subset ---------------
     M("cpu-causal-diagonal-off-by-one", "cupyflash/_cpu.py",
-      "diagonal = np.arange(i0, i1)[:, None] + offset",
-      "diagonal = np.arange(i0, i1)[:, None] + offset + 1",
+      "diagonal = np.arange(rows)[:, None]",
+      "diagonal = np.arange(rows)[:, None] + 1",
       T + "test_cpu_path.py::test_causal_is_not_top_left_aligned_when_lq_lt_lk", fast=True,
       why="audit: caught"),
     M("cpu-float32-accumulation-for-float64", "cupyflash/_validation.py",
