@@ -434,7 +434,7 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def time_table(rows: list[dict], deadline: float, log=print, *, device: str = "gpu") -> None:
+def fill_table(rows: list[dict], deadline: float, log=print, *, device: str = "gpu") -> None:
     """Time the table's rows in place until ``deadline`` (``time.perf_counter()``): per case,
     one set of inputs for all its implementations.  ``device="cpu"`` times what
     :mod:`cupyflash._bench` runs on the CPU (the tests do)."""
@@ -568,7 +568,7 @@ def main(argv=None) -> int:
     rows = table_rows()
     doc["table"] = rows
     try:
-        time_table(rows, deadline)
+        fill_table(rows, deadline)
     except KeyboardInterrupt:   # gpu_check.sh's time limit: keep the rows timed so far
         print("first_contact: interrupted; the rows timed so far are kept")
     except Exception as error:  # noqa: BLE001 - the table is the last step: keep what it has

@@ -243,7 +243,7 @@ def test_the_table_times_each_row_of_a_case_on_the_same_inputs_until_the_deadlin
     monkeypatch.setattr(_bench, "implementations", lambda device, case: ["cupyflash", "torch-flash"])
     rows = fc.table_rows(shapes=((1, 2, 64, 16),))
     lines = []
-    fc.time_table(rows, time.perf_counter() + 60, log=lines.append, device="cpu")
+    fc.fill_table(rows, time.perf_counter() + 60, log=lines.append, device="cpu")
     timed = [r for r in rows if r["impl"] == "cupyflash"]
     assert len(timed) == 4 and all(r["ms"] > 0 and r["status"].startswith("ok") for r in timed)
     assert all(r["tflops"] == pytest.approx(fc.tflops(r)) for r in timed)
@@ -254,7 +254,7 @@ def test_the_table_times_each_row_of_a_case_on_the_same_inputs_until_the_deadlin
     assert len(lines) == len(seen) == 4 * 2   # a line per row run: 4 cases, 2 implementations
     # a deadline already passed: nothing is timed
     rows = fc.table_rows(shapes=((1, 2, 64, 16),))
-    fc.time_table(rows, time.perf_counter() - 1, log=lines.append, device="cpu")
+    fc.fill_table(rows, time.perf_counter() - 1, log=lines.append, device="cpu")
     assert {r["status"] for r in rows} == {"not reached", "not built"}
 
 
