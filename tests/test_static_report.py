@@ -425,7 +425,8 @@ def test_report_tests_share_one_xdist_worker(tmp_path):
     # pytest 9.2 broke that silently (pytest-xdist issue 1386).  Six tests of a
     # `report` fixture and six others, on two workers: every `report` test on one.
     pytest.importorskip("xdist")
-    shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
+    for helper in ("conftest.py", "_util.py"):   # the conftest imports _util
+        shutil.copy(Path(__file__).with_name(helper), tmp_path / helper)
     for name in ("a", "b"):
         (tmp_path / f"test_{name}.py").write_text(
             "import time\nimport pytest\n\n"
