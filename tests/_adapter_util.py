@@ -44,3 +44,19 @@ def allowed(seqlen_q: int, seqlen_k: int, *, causal=False, window=None) -> np.nd
     if right is not None:
         mask &= j <= i + right
     return mask
+
+
+def spy_on_library(monkeypatch, adapter) -> dict:
+    """Wrap ``adapter``'s references to the library's forward and backward so that each
+    call's keywords land in the returned dict, under "forward" and "backward"."""
+    calls = {}
+
+    def spy(name, function):
+        def call(*arrays, **keywords):
+            calls[name] = keywords
+            return function(*arrays, **keywords)
+        return call
+
+    monkeypatch.setattr(adapter, "_attention", spy("forward", adapter._attention))
+    monkeypatch.setattr(adapter, "_attention_backward", spy("backward", adapter._attention_backward))
+    return calls

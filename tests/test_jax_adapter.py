@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import cupyflash
-from _adapter_util import CASES, allowed, require
+from _adapter_util import CASES, allowed, require, spy_on_library
 from _util import TOLERANCE, bfloat16
 
 jax = require("jax")
@@ -147,16 +147,7 @@ def test_float32_and_bfloat16_are_the_library_bit_for_bit(dtype):
 
 
 def test_every_keyword_reaches_the_library(monkeypatch):
-    calls = {}
-
-    def spy(name, function):
-        def call(*arrays, **keywords):
-            calls[name] = keywords
-            return function(*arrays, **keywords)
-        return call
-
-    monkeypatch.setattr(cfj, "_attention", spy("forward", cfj._attention))
-    monkeypatch.setattr(cfj, "_attention_backward", spy("backward", cfj._attention_backward))
+    calls = spy_on_library(monkeypatch, cfj)
     q, k, v = _inputs(CASES["gqa"][1], dtype="float32")
     jax.grad(lambda q: jnp.sum(cfj.attention(
         q, k, v, scale=0.5, causal=True, window=(None, 2), enable_gqa=True, precision="tf32x3",

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import cupyflash
-from _adapter_util import CASES, allowed, require
+from _adapter_util import CASES, allowed, require, spy_on_library
 
 torch = require("torch")
 import cupyflash.torch as cft  # noqa: E402
@@ -124,16 +124,7 @@ def test_emulator_backend_is_forwarded():
 
 
 def test_every_keyword_reaches_the_library(monkeypatch):
-    calls = {}
-
-    def spy(name, function):
-        def call(*arrays, **keywords):
-            calls[name] = keywords
-            return function(*arrays, **keywords)
-        return call
-
-    monkeypatch.setattr(cft, "_attention", spy("forward", cft._attention))
-    monkeypatch.setattr(cft, "_attention_backward", spy("backward", cft._attention_backward))
+    calls = spy_on_library(monkeypatch, cft)
     q, k, v = _inputs(CASES["gqa"][1], dtype=torch.float32)
     out = cft.attention(q, k, v, scale=0.5, causal=True, window=(None, 2), enable_gqa=True,
                         precision="tf32x3", deterministic=False, backend="numpy")
