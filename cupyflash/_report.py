@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from ._arch import SM_LIMITS, SMLimits
 from ._loader import COMPILE_OPTIONS, module_source
 
 __all__ = [
@@ -69,46 +70,6 @@ REQUIRED_KEYS = ("name", "family", "dtype", "head_dim", "head_dim_v", "arch", "t
                  "registers", "static_shared_bytes", "dynamic_shared_bytes", "shared_bytes",
                  "spill_stores", "spill_loads", "stack_bytes", "barriers", "occupancy",
                  "occupancy_limit", "sass", "compile_seconds")
-
-
-@dataclass(frozen=True)
-class SMLimits:
-    """Per-SM resource limits of one compute capability (what occupancy is computed from)."""
-
-    max_threads_per_sm: int
-    max_blocks_per_sm: int
-    max_threads_per_block: int
-    registers_per_sm: int          # 32-bit registers in the SM's register file
-    registers_per_block: int       # most one block may hold
-    max_registers_per_thread: int  # ptxas never exceeds 255
-    register_alloc_unit: int       # registers are allocated per warp in units of this many
-    sub_partitions: int            # the register file is split evenly over these
-    shared_per_sm: int             # bytes, largest carveout
-    shared_per_block_optin: int    # bytes, with cudaFuncAttributeMaxDynamicSharedMemorySize
-    shared_reserved_per_block: int  # bytes the driver reserves per block (sm_80+)
-    shared_alloc_unit: int         # bytes, shared memory allocation granularity
-    barriers_per_block_slot: int   # block barriers per resident block slot (0: not a limit)
-
-
-# Sources:
-# - CUDA C++ Programming Guide, "Compute Capabilities", table "Technical
-#   Specifications per Compute Capability": max resident threads per SM (2048 for
-#   8.0 and 9.0, 1536 for 8.6 and 8.9), max resident blocks per SM (32, 16, 24,
-#   32), 64 K 32-bit registers per SM and per block, 255 registers per thread,
-#   1024 threads per block, shared memory per SM (164 KB for 8.0, 100 KB for 8.6
-#   and 8.9, 228 KB for 9.0) and per block (163 KB, 99 KB, 99 KB, 227 KB).
-# - NVIDIA Ampere / Ada / Hopper tuning guides, "Shared Memory": the driver
-#   reserves 1 KB of shared memory per thread block.
-# - cuda_occupancy.h (CUDA toolkit): register allocation unit 256 per warp, 4
-#   sub-partitions, shared memory granularity 128 bytes; block barriers limit
-#   occupancy from Hopper on (2 per block slot on 9.0).  tests/test_static_report.py
-#   checks occupancy() against that header's calculator.
-SM_LIMITS: dict[int, SMLimits] = {
-    80: SMLimits(2048, 32, 1024, 65536, 65536, 255, 256, 4, 164 * 1024, 163 * 1024, 1024, 128, 0),
-    86: SMLimits(1536, 16, 1024, 65536, 65536, 255, 256, 4, 100 * 1024, 99 * 1024, 1024, 128, 0),
-    89: SMLimits(1536, 24, 1024, 65536, 65536, 255, 256, 4, 100 * 1024, 99 * 1024, 1024, 128, 0),
-    90: SMLimits(2048, 32, 1024, 65536, 65536, 255, 256, 4, 228 * 1024, 227 * 1024, 1024, 128, 2),
-}
 
 
 def _target_name(arch) -> str:

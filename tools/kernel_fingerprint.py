@@ -1,0 +1,110 @@
+"""Registers, spills, stack and SASS instruction counts of every kernel row, as JSON.
+
+A developer tool for refactors that must not change the kernels' code: run it on
+the commit before and after, then ``--compare BEFORE.json AFTER.json`` prints the
+rows whose registers or main-loop instructions grew by more than a threshold.
+
+The main loop of a kernel is taken as the longest backward branch in its SASS
+(the span from the branch target to the branch, in instructions): for every
+kernel here that is the loop over key (or streamed) blocks.
+
+    python tools/kernel_fingerprint.py --arch sm_80 --arch sm_90 -o before.json
+    python tools/kernel_fingerprint.py --compare before.json after.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+_ADDRESS = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_BRANCH = re.compile(r"\bBRA(?:\.\S+)?\s+(?:`\(\S+\)\s*)?0x([0-9a-f]+)")
+
+
+def loop_spans(sass_text: str) -> list[int]:
+    """Instruction counts of every backward branch's span (target .. branch)."""
+    addresses = []
+    spans = []
+    for line in sass_text.splitlines():
+        m = _ADDRESS.match(line)
+        if not m:
+            continue
+        address = int(m.group(1), 16)
+        addresses.append(address)
+        b = _BRANCH.search(m.group(2))
+        if b:
+            target = int(b.group(1), 16)
+            if target < address:
+                spans.append(sum(1 for a in addresses if target <= a <= address))
+    return spans
+
+
+def fingerprint(archs) -> list[dict]:
+    from cupyflash._report import kernel_report, sass_instructions
+
+    rows = kernel_report(archs, sass=True, sass_text=True)
+    out = []
+    for r in rows:
+        text = r.get("sass_text") or ""
+        spans = loop_spans(text)
+        out.append(dict(name=r["name"], arch=r["arch"], registers=r["registers"],
+                        spill_stores=r["spill_stores"], spill_loads=r["spill_loads"],
+                        stack_bytes=r["stack_bytes"], shared_bytes=r["shared_bytes"],
+                        instructions=len(sass_instructions(text)),
+                        main_loop=max(spans, default=0)))
+    return out
+
+
+def compare(before: list[dict], after: list[dict], threshold: float) -> int:
+    old = {(r["arch"], r["name"]): r for r in before}
+    bad = 0
+    missing = [k for k in old if k not in {(r["arch"], r["name"]) for r in after}]
+    print(f"{len(old)} rows before, {len(after)} after, {len(missing)} rows gone")
+    for k in missing[:20]:
+        print("  gone:", *k)
+    grew = []
+    for r in after:
+        o = old.get((r["arch"], r["name"]))
+        if r["spill_stores"] or r["spill_loads"] or r["stack_bytes"]:
+            print(f"SPILL {r['arch']} {r['name']}: {r['spill_stores']}/{r['spill_loads']} B, stack {r['stack_bytes']}")
+            bad += 1
+        if o is None:
+            continue
+        for key in ("registers", "main_loop", "instructions"):
+            if o[key] and (r[key] - o[key]) / o[key] > threshold and key != "instructions":
+                grew.append((r["arch"], r["name"], key, o[key], r[key]))
+    for arch, name, key, a, b in grew:
+        print(f"GREW {arch} {name} {key}: {a} -> {b} ({(b - a) / a:+.1%})")
+    bad += len(grew)
+    for key in ("registers", "main_loop", "instructions"):
+        pairs = [(old[(r["arch"], r["name"])][key], r[key]) for r in after if (r["arch"], r["name"]) in old]
+        up = sum(1 for a, b in pairs if b > a)
+        down = sum(1 for a, b in pairs if b < a)
+        print(f"{key}: {len(pairs)} rows, {up} up, {down} down, {len(pairs) - up - down} unchanged; "
+              f"total {sum(a for a, _ in pairs)} -> {sum(b for _, b in pairs)}")
+    return bad
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", action="append", default=None)
+    p.add_argument("-o", "--output")
+    p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
+    p.add_argument("--threshold", type=float, default=0.03)
+    a = p.parse_args(argv)
+    if a.compare:
+        before, after = (json.load(open(f)) for f in a.compare)
+        return 1 if compare(before, after, a.threshold) else 0
+    rows = fingerprint(a.arch or ["sm_80", "sm_90"])
+    text = json.dumps(rows, indent=0)
+    if a.output:
+        open(a.output, "w").write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
