@@ -50,7 +50,7 @@ def precompile(*, dtypes=None, head_dims=None, families=None, device=None):
     >>> import numpy as np
     >>> import cupyflash
     >>> rows = cupyflash.precompile(dtypes=[np.float16], head_dims=[128])  # doctest: +SKIP
-    >>> sorted({r.family for r in rows})                                   # doctest: +SKIP
+    >>> sorted({r.family.name for r in rows})                              # doctest: +SKIP
     ['bwd_simt', 'fwd_mma', 'fwd_simt', 'fwd_v1']
     """
     from ._loader import precompile as _precompile

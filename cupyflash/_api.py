@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 
 from ._dispatch import run_backward, run_forward
+from ._options import KernelOptions
 from ._validation import check_backward, check_forward, check_output, check_precision
 
-__all__ = ["attention", "attention_backward"]
+__all__ = ["attention", "attention_backward", "run_attention", "run_attention_backward"]
 
 
 def attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=False,
@@ -108,13 +109,21 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=F
     >>> out.shape, out.dtype, lse.shape
     ((2, 4, 128, 64), dtype('float32'), (2, 4, 128))
     """
+    return run_attention(q, k, v, scale=scale, causal=causal, window=window, enable_gqa=enable_gqa,
+                         return_lse=return_lse, out=out, precision=precision, backend=backend)
+
+
+def run_attention(q, k, v, *, scale=None, causal=False, window=None, enable_gqa=False, return_lse=False,
+                  out=None, precision="ieee", backend="auto", options: KernelOptions | None = None):
+    """:func:`attention` with explicit dispatch ``options`` (tests and benchmarks; None: read
+    ``CUPYFLASH_WGMMA`` / ``CUPYFLASH_DMMA`` from the environment, as :func:`attention` does)."""
     problem, _ = check_forward(q, k, v, scale=scale, causal=causal, window=window,
                                enable_gqa=enable_gqa, backend=backend)
     problem.precision = check_precision(precision, problem.dtype)
     if out is not None:
         check_output(out, "out", problem.out_shape, problem.dtype, problem.kind,
                      (problem.q, problem.k, problem.v))
-    return run_forward(problem, out, bool(return_lse))
+    return run_forward(problem, out, bool(return_lse), options)
 
 
 def attention_backward(dout, q, k, v, out, lse, /, *, scale=None, causal=False, window=None,
@@ -190,6 +199,15 @@ def attention_backward(dout, q, k, v, out, lse, /, *, scale=None, causal=False, 
     >>> dq.shape, dk.shape, dv.shape
     ((2, 16, 8), (2, 16, 8), (2, 16, 8))
     """
+    return run_attention_backward(dout, q, k, v, out, lse, scale=scale, causal=causal, window=window,
+                                  enable_gqa=enable_gqa, deterministic=deterministic, precision=precision,
+                                  backend=backend)
+
+
+def run_attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, window=None, enable_gqa=False,
+                           deterministic=True, precision="ieee", backend="auto",
+                           options: KernelOptions | None = None):
+    """:func:`attention_backward` with explicit dispatch ``options`` (see :func:`run_attention`)."""
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"`deterministic` must be a bool, got {type(deterministic).__name__}")
     problem, dout, out, lse = check_backward(
@@ -197,4 +215,4 @@ def attention_backward(dout, q, k, v, out, lse, /, *, scale=None, causal=False, 
         enable_gqa=enable_gqa, backend=backend,
     )
     problem.precision = check_precision(precision, problem.dtype)
-    return run_backward(problem, dout, out, lse, deterministic=bool(deterministic))
+    return run_backward(problem, dout, out, lse, deterministic=bool(deterministic), options=options)

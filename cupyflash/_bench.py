@@ -381,40 +381,20 @@ def prepare(impl: str, case: Case, inputs, device: str):
         return (lambda: cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal,
                                                      deterministic=False),
                 _cupyflash_kernel(case, q, k, v, deterministic=False))
-    if impl in ("cupyflash-wgmma", "cupyflash-wgmma-atomic"):
-        from . import _gpu
+    if impl in ("cupyflash-wgmma", "cupyflash-wgmma-atomic", "cupyflash-dmma"):
+        from ._api import run_attention, run_attention_backward
+        from ._options import KernelOptions
 
-        deterministic = impl == "cupyflash-wgmma"
-        if case.backward:
-            out, lse = cupyflash.attention(q, k, v, causal=causal, return_lse=True)
-
-        def run_wgmma():
-            _gpu.wgmma_override = True
-            try:
-                if case.backward:
-                    return cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal,
-                                                        deterministic=deterministic)
-                return cupyflash.attention(q, k, v, causal=causal)
-            finally:
-                _gpu.wgmma_override = None
-
-        return run_wgmma, _cupyflash_kernel(case, q, k, v, deterministic=deterministic, wgmma=True)
-    if impl == "cupyflash-dmma":
-        from . import _gpu
-
-        if case.backward:
-            out, lse = cupyflash.attention(q, k, v, causal=causal, return_lse=True)
-
-        def run_dmma():
-            _gpu.dmma_override = _gpu.dmma_float32_override = True
-            try:
-                if case.backward:
-                    return cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
-                return cupyflash.attention(q, k, v, causal=causal)
-            finally:
-                _gpu.dmma_override = _gpu.dmma_float32_override = None
-
-        return run_dmma, _cupyflash_kernel(case, q, k, v, dmma=True)
+        deterministic = impl != "cupyflash-wgmma-atomic"
+        env = KernelOptions.from_environment()
+        options = (env.replace(wgmma=True) if impl.startswith("cupyflash-wgmma")
+                   else env.replace(dmma=frozenset({"float64", "float32"})))
+        kernel = _cupyflash_kernel(case, q, k, v, deterministic=deterministic, options=options)
+        if not case.backward:
+            return (lambda: run_attention(q, k, v, causal=causal, options=options)), kernel
+        out, lse = run_attention(q, k, v, causal=causal, return_lse=True, options=options)
+        return (lambda: run_attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic,
+                                               options=options)), kernel
     if impl in ("cupyflash-tf32", "cupyflash-tf32x3"):
         precision = impl.split("-")[1]
         kernel = _cupyflash_kernel(case, q, k, v, precision=precision)
@@ -450,7 +430,7 @@ def _compute_capability() -> int:
 
 def _dmma_gpu() -> bool:
     """Whether the current device is one fwd_dmma runs on (compute capability 8.0 or 9.0)."""
-    from ._kernels import DMMA_ARCHS
+    from ._arch import DMMA_ARCHS
 
     return _compute_capability() in DMMA_ARCHS
 
@@ -464,33 +444,33 @@ def _is_sm90() -> bool:
     return _compute_capability() == 90
 
 
-def _cupyflash_kernel(case: Case, q, k, v, deterministic: bool = True, wgmma: bool | None = None,
-                      dmma: bool | None = None, precision: str = "ieee") -> str:
+def _cupyflash_kernel(case: Case, q, k, v, deterministic: bool = True, options=None,
+                      precision: str = "ieee") -> str:
     """The kernel family :func:`cupyflash.attention` dispatches to for these CuPy arrays
-    (backward: ``attention_backward`` with ``deterministic``; ", atomic dQ" where no dQ
-    kernel runs; forward: ", N splits" where the keys are split over N CTAs)."""
+    under ``options`` (None: the environment's; backward: ``attention_backward`` with
+    ``deterministic``; ", atomic dQ" where no dQ kernel runs; forward: ", N splits" where
+    the keys are split over N CTAs)."""
     import cupy
 
-    from . import _gpu_bwd
-    from ._gpu import rows_aligned, select
     from ._launch import num_splits
+    from ._options import KernelOptions
+    from ._run import backward_plan, forward_plan
 
+    options = KernelOptions.from_environment() if options is None else options
     arch = int(cupy.cuda.Device().compute_capability)
-    # the output (and, backward, dout) is allocated like q, so q's alignment stands for it
-    aligned = rows_aligned(q, k, v)
+    # the output (and, backward, dout and dq) is allocated like q, so q stands for it
     if case.backward:
         # the delta pre-pass is always bwd_simt's; the family is that of the last launch
-        rows = _gpu_bwd.select(q.dtype, case.head_dim, case.head_dim, arch, aligned=aligned,
-                               deterministic=deterministic, wgmma=wgmma, dmma=dmma, precision=precision,
-                               seqlen_q=case.seqlen_q, seqlen_k=case.seqlen_k)
-        atomic = not any(r.name_expression.split("<")[0].endswith("_dq_kernel") for r in rows)
-        return rows[-1].family + (", atomic dQ" if atomic else "")
-    inst = select(q.dtype, case.head_dim, case.head_dim, arch, aligned=aligned, wgmma=wgmma, dmma=dmma,
-                  precision=precision, seqlen_k=case.seqlen_k)
+        rows = backward_plan(q, q, k, v, q, arch=arch, options=options, deterministic=deterministic,
+                             precision=precision)
+        atomic = not any(r.role == "dq" for r in rows)
+        return rows[-1].family.name + (", atomic dQ" if atomic else "")
+    _, (row,) = forward_plan(q, k, v, q, scale=1.0 / case.head_dim ** 0.5, arch=arch, options=options,
+                             precision=precision)
     sms = int(cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())["multiProcessorCount"])
-    splits = num_splits(inst, batch=case.batch, heads=case.heads, seqlen_q=case.seqlen_q,
-                        seqlen_k=case.seqlen_k, arch=arch, multiprocessors=sms)
-    return inst.family + (f", {splits} splits" if splits > 1 else "")
+    splits = options.splits or num_splits(row, batch=case.batch, heads=case.heads, seqlen_q=case.seqlen_q,
+                                          seqlen_k=case.seqlen_k, arch=arch, multiprocessors=sms)
+    return row.family.name + (f", {splits} splits" if splits > 1 else "")
 
 
 def _prepare_torch(impl: str, case: Case, inputs):

@@ -1,8 +1,8 @@
 """Routing a checked call to a backend.
 
 ``numpy`` runs the CPU path (:mod:`cupyflash._cpu`).  ``cuda`` and
-``emulator`` run the CUDA kernels (:mod:`cupyflash._gpu`, backward
-:mod:`cupyflash._gpu_bwd`) through an executor:
+``emulator`` run the CUDA kernels (:mod:`cupyflash._run`, which asks
+:func:`cupyflash._families.select` for the kernels) through an executor:
 :class:`cupyflash._loader.CudaExecutor` on the current CuPy device and stream,
 or :class:`cupyflash.emulator.EmulatorExecutor` on the CPU.  The kernels take
 (B, H, L, d) strided views; this module builds them from the broadcast batch
@@ -19,6 +19,7 @@ import threading
 import numpy as np
 
 from . import _cpu
+from ._options import KernelOptions
 from ._params import KernelView
 from ._validation import Problem
 
@@ -68,33 +69,39 @@ def _allocate(problem: Problem, out, return_lse: bool):
     return out, lse
 
 
-def run_forward(problem: Problem, out, return_lse: bool):
+def run_forward(problem: Problem, out, return_lse: bool, options: KernelOptions | None = None):
+    """(out[, lse]) of a checked problem; ``options`` steers kernel dispatch (None: read
+    from the environment now)."""
     out, lse = _allocate(problem, out, return_lse)
     if out.size == 0 and (lse is None or lse.size == 0):
         return (out, lse) if return_lse else out
     if problem.backend == "numpy":
         _cpu.forward(problem, out, lse)
     else:
-        _run_kernel(problem, out, lse, sram_size=None)
+        _run_kernel(problem, out, lse, sram_size=None,
+                    options=KernelOptions.from_environment() if options is None else options)
     return (out, lse) if return_lse else out
 
 
 def run_forward_v1(problem: Problem, sram_size: int, return_lse: bool):
     out, lse = _allocate(problem, None, return_lse)
     if out.size:
-        _run_kernel(problem, out, lse, sram_size=sram_size)
+        _run_kernel(problem, out, lse, sram_size=sram_size, options=None)
     return (out, lse) if return_lse else out
 
 
-def run_backward(problem: Problem, dout, out, lse, *, deterministic: bool = True):
+def run_backward(problem: Problem, dout, out, lse, *, deterministic: bool = True,
+                 options: KernelOptions | None = None):
     """(dq, dk, dv) with the shapes and dtypes of q, k and v.
 
     The CPU path is deterministic whatever ``deterministic`` says; the CUDA
-    kernels add dq with atomics when it is False (:mod:`cupyflash._gpu_bwd`).
+    kernels add dq with atomics when it is False (:func:`cupyflash._run.backward`).
+    ``options`` steers kernel dispatch (None: read from the environment now).
     """
     if problem.backend == "numpy":
         return _cpu.backward(problem, dout, out, lse)
-    return _run_backward_kernels(problem, dout, out, lse, deterministic)
+    return _run_backward_kernels(problem, dout, out, lse, deterministic,
+                                 KernelOptions.from_environment() if options is None else options)
 
 
 # ---- (B, H, L, d) views for the kernels ------------------------------------------
@@ -173,8 +180,8 @@ def _kernel_copy(x):
     return x if _kernel_ready(x) else x.copy(order="C")
 
 
-def _run_kernel(problem: Problem, out, lse, *, sram_size):
-    from . import _gpu
+def _run_kernel(problem: Problem, out, lse, *, sram_size, options):
+    from . import _run
 
     xp = _xp(problem.kind)
     g = problem.gqa_ratio
@@ -190,9 +197,9 @@ def _run_kernel(problem: Problem, out, lse, *, sram_size):
         common = dict(scale=problem.scale, window_left=problem.window_left,
                       window_right=problem.window_right, gqa_ratio=g, executor=executor)
         if sram_size is None:
-            _gpu.forward(qv, kv, vv, ov, lv, precision=problem.precision, **common)
+            _run.forward(qv, kv, vv, ov, lv, precision=problem.precision, options=options, **common)
         else:
-            _gpu.forward_v1(qv, kv, vv, ov, lv, sram_size=sram_size, **common)
+            _run.forward_v1(qv, kv, vv, ov, lv, sram_size=sram_size, **common)
     if target is not out:
         out[...] = target
 
@@ -206,8 +213,8 @@ def _sum_to_shape(x, shape):
     return (x.sum(axis=axes) if axes else x).reshape(shape)
 
 
-def _run_backward_kernels(problem: Problem, dout, out, lse, deterministic: bool):
-    from . import _gpu_bwd
+def _run_backward_kernels(problem: Problem, dout, out, lse, deterministic: bool, options):
+    from . import _run
 
     xp = _xp(problem.kind)
     g = problem.gqa_ratio
@@ -229,9 +236,9 @@ def _run_backward_kernels(problem: Problem, dout, out, lse, deterministic: bool)
     executor = executor_for(problem.backend)
     for qv, kv, vv, ov, dov, lv, dqv, dkv, dvv in _kernel_views(
             problem, [q, k, v, out, dout, lse, dq, dk, dv]):
-        _gpu_bwd.backward(dov, qv, kv, vv, ov, lv, dqv, dkv, dvv, scale=problem.scale,
-                          window_left=problem.window_left, window_right=problem.window_right,
-                          gqa_ratio=g, deterministic=deterministic, executor=executor,
-                          precision=problem.precision)
+        _run.backward(dov, qv, kv, vv, ov, lv, dqv, dkv, dvv, scale=problem.scale,
+                      window_left=problem.window_left, window_right=problem.window_right,
+                      gqa_ratio=g, deterministic=deterministic, executor=executor, options=options,
+                      precision=problem.precision)
     return tuple(_sum_to_shape(grad, x.shape).astype(problem.dtype, copy=False)
                  for grad, x in ((dq, problem.q), (dk, problem.k), (dv, problem.v)))

@@ -254,11 +254,11 @@ def _compile_rawmodule(device_id: int) -> Callable[[str, tuple[str, ...]], objec
     def compile_module(entry: str, name_expressions: tuple[str, ...]):
         import cupy
 
-        from ._kernels import compile_target
+        from ._families import entry_family
 
         with cupy.cuda.Device(device_id):
             arch = f"sm_{cupy.cuda.Device(device_id).compute_capability}"
-            target = compile_target(entry, arch)
+            target = entry_family(entry).compile_target(arch)
             if target is None:
                 raise RuntimeError(f"cupyflash: cuda_src/{entry} has no kernels for {arch} "
                                    f"(device {device_id})")
@@ -461,11 +461,11 @@ def select(instantiations: Sequence, *, dtypes=None, head_dims=None, families=No
     rows = list(instantiations)
     if families is not None:
         wanted = {families} if isinstance(families, str) else set(families)
-        unknown = wanted - {r.family for r in rows}
+        unknown = wanted - {r.family.name for r in rows}
         if unknown:
             raise ValueError(f"unknown kernel families {sorted(unknown)}; "
-                             f"known: {sorted({r.family for r in rows})}")
-        rows = [r for r in rows if r.family in wanted]
+                             f"known: {sorted({r.family.name for r in rows})}")
+        rows = [r for r in rows if r.family.name in wanted]
     if dtypes is not None:
         if isinstance(dtypes, (str, np.dtype, type)):
             dtypes = [dtypes]
@@ -476,7 +476,7 @@ def select(instantiations: Sequence, *, dtypes=None, head_dims=None, families=No
         chosen = []
         groups: dict[tuple[str, str], list] = {}
         for r in rows:
-            groups.setdefault((r.family, r.dtype), []).append(r)
+            groups.setdefault((r.family.name, r.dtype), []).append(r)
         for group in groups.values():
             for d in dims:
                 fits = [r for r in group if r.head_dim >= int(d) and r.head_dim_v >= int(d)]
@@ -522,14 +522,14 @@ def precompile(*, dtypes=None, head_dims=None, families=None, device=None,
     """
     import cupy
 
-    from ._kernels import instantiations, launchable
+    from ._families import catalogue, launchable
 
-    rows = select(instantiations(), dtypes=dtypes, head_dims=head_dims, families=families)
+    rows = select(catalogue(), dtypes=dtypes, head_dims=head_dims, families=families)
     if device is None:
         device_id = cupy.cuda.runtime.getDevice()
     else:
         device_id = int(getattr(device, "id", device))
-    keep = launchable(int(cupy.cuda.Device(device_id).compute_capability))
+    keep = {r.name_expression for r in launchable(int(cupy.cuda.Device(device_id).compute_capability))}
     rows = [r for r in rows if r.name_expression in keep]
     cache = module_caches.for_device(device_id)
 

@@ -1,4 +1,4 @@
-"""The forward kernels' one argument: a NumPy mirror of ``cf::FwdParams``.
+"""The kernels' one argument: NumPy mirrors of ``cf::FwdParams`` and ``cf::BwdParams``.
 
 ``FWD_PARAMS`` is a structured dtype laid out exactly like the C++ struct in
 ``cuda_src/params.cuh`` (same fields, same order, ``align=True``); every field
@@ -7,6 +7,11 @@ arrays of a call and returns a NumPy structured scalar, which CuPy passes to
 the kernel by value and the emulator as raw bytes.  The tests compile
 ``params.cuh`` with the host compiler and compare every ``offsetof`` with
 ``FWD_PARAMS.fields``.
+
+``BWD_PARAMS`` mirrors ``cuda_src/params_bwd.cuh``: the forward's struct nested
+as ``fwd`` (the backward sees q, k, v, out, lse, the sizes, the window and the
+scale as the forward did), then the pointers and strides of dout, the gradients
+and the ``delta`` workspace; :func:`bwd_params` fills one.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import struct
 
 import numpy as np
 
-__all__ = ["FWD_PARAMS", "UNBOUNDED", "KernelView", "fwd_params", "data_pointer", "element_strides"]
+__all__ = ["FWD_PARAMS", "BWD_PARAMS", "UNBOUNDED", "KernelView", "fwd_params", "bwd_params", "data_pointer",
+           "element_strides"]
 
 # cf::kUnbounded: the window bound meaning "no limit on that side".
 UNBOUNDED = 1 << 62
@@ -148,3 +154,50 @@ def fwd_fields(q, k, v, out, lse, *, scale: float, window_left, window_right, gq
             batch, heads_q, gqa_ratio, seqlen_q, k.shape[2], head_dim, v.shape[3],
             _window(window_left), _window(window_right), block_m, block_n, num_splits,
             float(scale), float(scale) * math.log2(math.e))
+
+
+# ---- backward ----------------------------------------------------------------------------------
+
+_BWD_POINTERS = ("dout", "dq", "dk", "dv", "delta")
+
+BWD_PARAMS = np.dtype(
+    [("fwd", FWD_PARAMS)]
+    + [(name, np.uint64) for name in _BWD_POINTERS]
+    + [(f"{t}_{axis}_stride", np.int64) for t in _BWD_POINTERS for axis in ("batch", "head", "row")],
+    align=True,
+)
+assert BWD_PARAMS.itemsize == FWD_PARAMS.itemsize + 20 * 8
+# The fields in one struct.pack format (see cupyflash._params).
+_BWD_PACK = struct.Struct(_FWD_PACK.format + "5Q15q")
+assert _BWD_PACK.size == BWD_PARAMS.itemsize
+
+
+def bwd_params(dout, q, k, v, out, lse, dq, dk, dv, delta, *, scale: float, window_left,
+               window_right, gqa_ratio: int) -> np.void:
+    """Fill a :data:`BWD_PARAMS` scalar for the backward launches of one call.
+
+    Parameters
+    ----------
+    dout, out : arrays
+        ``(B, Hq, Lq, dv)``, the input dtype.
+    q, k, v : arrays
+        ``(B, Hq, Lq, d)``, ``(B, Hkv, Lk, d)``, ``(B, Hkv, Lk, dv)``.
+    lse : array
+        ``(B, Hq, Lq)``, the accumulator type.
+    dq, dk, dv : arrays
+        ``(B, Hq, Lq, d)``, ``(B, Hkv, Lk, d)``, ``(B, Hkv, Lk, dv)``, the accumulator type.
+    delta : array
+        ``(B, Hq, Lq)`` workspace, the accumulator type.
+    scale, window_left, window_right, gqa_ratio
+        As for :func:`cupyflash._params.fwd_params`.
+
+    Every array has a unit-stride last axis (where it has one) and is NumPy
+    for the emulator, CuPy for the GPU.
+    """
+    strides = []
+    for a in (dout, dq, dk, dv, delta):
+        strides += element_strides(a, 3)
+    fields = fwd_fields(q, k, v, out, lse, scale=scale, window_left=window_left,
+                        window_right=window_right, gqa_ratio=gqa_ratio)
+    pointers = (data_pointer(a) for a in (dout, dq, dk, dv, delta))
+    return np.frombuffer(bytearray(_BWD_PACK.pack(*fields, *pointers, *strides)), BWD_PARAMS)[0]

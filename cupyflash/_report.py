@@ -444,9 +444,7 @@ def compile_report(source: str, name_expressions: Iterable[str], arch="sm_80", *
 
 def _dynamic_shared_bytes(inst) -> int:
     """Dynamic shared memory the launch configuration gives ``inst`` on a representative shape."""
-    from ._launch import representative_shared_bytes
-
-    return int(representative_shared_bytes(inst))
+    return int(inst.family.representative_shared_bytes(inst))
 
 
 def kernel_report(archs: Sequence = ("sm_80",), instantiations=None, *,
@@ -459,7 +457,7 @@ def kernel_report(archs: Sequence = ("sm_80",), instantiations=None, *,
     archs : sequence of str
         Targets, from :data:`ARCHS`.
     instantiations : sequence of Instantiation, optional
-        Default: :func:`cupyflash._kernels.instantiations`.
+        Default: :func:`cupyflash._families.catalogue`.
     sass : bool, default True
         Disassemble and count SASS opcodes.
     sass_text : bool, default False
@@ -477,7 +475,7 @@ def kernel_report(archs: Sequence = ("sm_80",), instantiations=None, *,
         rows ordered like the catalogue, arch by arch.
     """
     if instantiations is None:
-        from ._kernels import instantiations as catalogue
+        from ._families import catalogue
 
         instantiations = catalogue()
     rows_in = list(instantiations)
@@ -487,16 +485,15 @@ def kernel_report(archs: Sequence = ("sm_80",), instantiations=None, *,
         groups.setdefault(inst.entry, []).append(inst)
     # An entry with an architecture-specific target (fwd_wgmma: sm_90a) is compiled
     # for that target on its arch and not at all on the others.
-    from ._kernels import compile_target
-
+    family = {entry: rows[0].family for entry, rows in groups.items()}
     jobs = [(entry, arch) for arch in arch_names for entry in groups
-            if compile_target(entry, arch) is not None]
+            if family[entry].compile_target(arch) is not None]
     sources = {entry: module_source(entry) for entry in groups}
 
     def run(job):
         entry, arch = job
         names = [inst.name_expression for inst in groups[entry]]
-        return job, compile_report(sources[entry], names, compile_target(entry, arch), sass=sass,
+        return job, compile_report(sources[entry], names, family[entry].compile_target(arch), sass=sass,
                                    filename=f"cuda_src/{entry}")
 
     workers = max_workers or max(1, min(len(jobs), os.cpu_count() or 1))
@@ -520,7 +517,7 @@ def kernel_report(archs: Sequence = ("sm_80",), instantiations=None, *,
             blocks, limiter = occupancy(arch, threads=inst.threads, registers=fn.registers,
                                         shared_bytes=shared, barriers=fn.barriers)
             rows.append(dict(
-                name=inst.name_expression, family=inst.family, entry=inst.entry,
+                name=inst.name_expression, family=inst.family.name, entry=inst.entry,
                 dtype=inst.dtype, head_dim=inst.head_dim, head_dim_v=inst.head_dim_v,
                 arch=arch, threads=inst.threads, registers=fn.registers,
                 static_shared_bytes=fn.static_shared_bytes, dynamic_shared_bytes=dynamic,
@@ -611,13 +608,13 @@ def main_kernels(argv=None) -> int:
         print(f"cupyflash kernels: cannot load NVRTC ({type(error).__name__}: {error}); install "
               "the test extra (cuda-pathfinder and the NVRTC/CUDA header wheels)", file=sys.stderr)
         return 1
-    from ._kernels import compile_target, instantiations
+    from ._families import catalogue
 
-    rows_in = instantiations()
+    rows_in = catalogue()
     if args.family:
-        rows_in = [r for r in rows_in if r.family in set(args.family)]
+        rows_in = [r for r in rows_in if r.family.name in set(args.family)]
     if specific_only:
-        rows_in = [r for r in rows_in if compile_target(r.entry, "sm_90") == "sm_90a"]
+        rows_in = [r for r in rows_in if r.family.compile_target("sm_90") == "sm_90a"]
     if args.sass is not None:
         rows_in = [r for r in rows_in if args.sass in r.name_expression]
         if not rows_in:
@@ -635,11 +632,11 @@ def main_kernels(argv=None) -> int:
 
     progress = None if args.json else progress
     if args.launchable:
-        from ._kernels import launchable
+        from ._families import launchable
 
         rows = []
         for arch in archs:
-            names = launchable(int(arch.removeprefix("sm_")))
+            names = {r.name_expression for r in launchable(int(arch.removeprefix("sm_")))}
             rows += kernel_report([arch], [r for r in rows_in if r.name_expression in names],
                                   sass=not args.no_sass, sass_text=args.sass is not None, progress=progress)
     else:

@@ -1,0 +1,114 @@
+"""bwd_wgmma (``cuda_src/bwd_wgmma.cu``): the backward on Hopper's warpgroup mma, sm_90a.
+
+Where bwd_mma would run on a 9.0 device in a head dim of :attr:`BwdWgmma.tiles`
+and :attr:`KernelOptions.wgmma <cupyflash._options.KernelOptions.wgmma>` allows
+it (the forward's switch): bwd_simt's delta kernel, the dK/dV kernel (dV then
+dK from head dim 192 on) and the dQ kernel -- or, not deterministic, up to
+head dim 128 and with 8-byte aligned dq rows, the dK/dV kernel that adds dQ by
+atomics.
+"""
+
+from __future__ import annotations
+
+from .._arch import WGMMA_ARCH
+from ._family import DKDV, DQ, Call, Family, Sizes
+from .bwd_mma import BWD_GRAD_DK, BWD_GRAD_DQ_ATOMIC, BWD_GRAD_DV
+from .bwd_simt import BWD_SIMT
+from .fwd_mma import MMA_DTYPES, mma_bucket, whole_blocks
+
+__all__ = ["BWD_WGMMA"]
+
+
+def wgmma_bwd_shared_bytes(head_dim: int, own: int, streamed: int, needs_v: bool, atomic_dq: bool) -> int:
+    """``WgmmaBwdTraits::kSmemBytes`` (bwd_wgmma.cu): the own tiles (two with ``needs_v``),
+    two stages of two streamed tiles and of two floats per streamed row, the dS^T tile
+    with ``atomic_dq``, and 1 KB to align the start to 1024 bytes."""
+    return ((2 if needs_v else 1) * own * head_dim * 2 + 2 * 2 * streamed * head_dim * 2
+            + 2 * 2 * streamed * 4 + (own * streamed * 2 if atomic_dq else 0) + 1024)
+
+
+class BwdWgmma(Family):
+    name = "bwd_wgmma"
+    entry = "bwd_wgmma.cu"
+    direction = "backward"
+    arch_specific = {"sm_90": "sm_90a"}
+    # Per head dim: (the dK/dV launches as (kGrads, streamed query rows), warpgroups,
+    # streamed keys of the dQ kernel).  A CTA owns 64 rows per warpgroup (keys in
+    # dK/dV, query rows in dQ), one CTA per SM; the streamed tiles are
+    # double-buffered.  Per thread in dK/dV: dK and dV d / 4 floats each, S^T and
+    # dP^T streamed / 4.  From 192 on, dK and dV together would take 2 x 48+
+    # floats on top of S^T and dP^T, so dV and dK are launched apart (as bwd_mma
+    # does from 160), and d = 256 streams 32 rows in its dK and dQ kernels, whose
+    # own tiles alone are 128 KB.  deterministic=False adds dQ by atomics in the
+    # dK launch where a warpgroup's dQ slice is whole 64-column pages (d <= 128);
+    # 192 and 256 always run the dQ kernel.  Registers from the static report
+    # (NVRTC 13.5, sm_90a), no spills; not yet timed on a GPU (FlashAttention-3's
+    # Hopper backward uses the same 128-key x 64-query (d = 128) and 128 x 128
+    # (d = 64) blocks).
+    tiles = {
+        64: (((BWD_GRAD_DV | BWD_GRAD_DK, 128),), 2, 128),   # dK/dV 255 regs, 99 KB (131 KB atomic); dQ 224, 99 KB
+        128: (((BWD_GRAD_DV | BWD_GRAD_DK, 64),), 2, 128),   # dK/dV 255 regs, 130 KB (146 KB atomic); dQ 255, 195 KB
+        192: (((BWD_GRAD_DV, 64), (BWD_GRAD_DK, 64)), 2, 64),    # dV 254 regs, 146 KB; dK 254, 194 KB; dQ 215, 194 KB
+        256: (((BWD_GRAD_DV, 64), (BWD_GRAD_DK, 32)), 2, 32),    # dV 255 regs, 194 KB; dK 254, 194 KB; dQ 210, 194 KB
+    }
+
+    def _atomic_dq(self, head_dim: int, streamed: int, groups: int) -> bool:
+        """Whether a dK launch streaming ``streamed`` rows can add dQ by atomics: each
+        warpgroup one m64 slice of the block's queries and a head-dim slice of whole
+        64-column pages, and the dS^T tile within sm_90's 227 KB."""
+        if streamed % 64 or groups % (streamed // 64):
+            return False
+        cols = head_dim // (groups // (streamed // 64))
+        return cols % 64 == 0 and wgmma_bwd_shared_bytes(head_dim, 64 * groups, streamed, True, True) <= 227 * 1024
+
+    def dq_keys(self, head_dim: int) -> int:
+        """Keys per block of the dQ kernel at compile-time ``head_dim``."""
+        return self.tiles[head_dim][2]
+
+    def kernels(self, dtype: str, head_dim: int, deterministic: bool = True, whole_k: bool = False) -> tuple:
+        """The dK/dV launches (or dV, then dK), then dQ -- or, not ``deterministic`` where
+        the dK launch can (:meth:`_atomic_dq`), no dQ kernel.  ``whole_k``: the dQ
+        kernel's whole-stream instantiation (``kWholeStream``).  The dK/dV kernels have
+        none: at 255 registers, ptxas spent more instructions without their bounds than
+        with them."""
+        if head_dim not in self.tiles:
+            raise ValueError(f"bwd_wgmma has no kernel for head_dim={head_dim}")
+        launches, groups, streamed_dq = self.tiles[head_dim]
+        own = 64 * groups
+        atomic = not deterministic and all(self._atomic_dq(head_dim, streamed, groups)
+                                           for grads, streamed in launches if grads & BWD_GRAD_DK)
+        common = dict(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim, threads=128 * groups, kv_stages=2)
+        rows = []
+        for grads, streamed in launches:
+            if atomic and grads & BWD_GRAD_DK:
+                grads |= BWD_GRAD_DQ_ATOMIC
+            rows.append(self.row("bwd_wgmma_dkdv_kernel", dtype, head_dim, own, streamed, groups, grads,
+                                 role=DKDV, block_m=streamed, block_n=own, grads=grads, **common))
+        if not atomic:
+            rows.append(self.row("bwd_wgmma_dq_kernel", dtype, head_dim, own, streamed_dq, groups,
+                                 *((True,) if whole_k else ()), role=DQ, block_m=own, block_n=streamed_dq,
+                                 whole_kv=whole_k, **common))
+        return tuple(rows)
+
+    def build_rows(self):
+        return [r for dtype in MMA_DTYPES for d in self.tiles for deterministic in (True, False)
+                for whole in (False, True) for r in self.kernels(dtype, d, deterministic, whole)]
+
+    def applies(self, call: Call, arch: int, options) -> bool:
+        return options.wgmma and int(arch) == WGMMA_ARCH and mma_bucket(call, arch) in self.tiles
+
+    def plan(self, call: Call, arch: int, options):
+        bucket = mma_bucket(call, arch)
+        return (BWD_SIMT.delta(call),) + self.kernels(
+            call.dtype, bucket, call.deterministic or not call.dq_aligned,
+            whole_k=whole_blocks(call.seqlen_k, self.dq_keys(bucket), call.head_dim, bucket, options))
+
+    def shared_bytes(self, row, sizes: Sizes | None = None) -> int:
+        # WgmmaBwdTraits::kSmemBytes; the dK/dV kernel needs V only for dK
+        if row.role == DKDV:
+            return wgmma_bwd_shared_bytes(row.head_dim, row.block_n, row.block_m, bool(row.grads & BWD_GRAD_DK),
+                                          row.atomic_dq)
+        return wgmma_bwd_shared_bytes(row.head_dim, row.block_m, row.block_n, True, False)
+
+
+BWD_WGMMA = BwdWgmma()
