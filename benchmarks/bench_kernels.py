@@ -1,6 +1,6 @@
 """asv: the static kernel report as tracked numbers (no GPU needed, NVRTC is).
 
-Every instantiation the dispatcher can pick (:func:`cupyflash._kernels.instantiations`)
+Every instantiation the dispatcher can pick (:func:`cupyflash._families.catalogue`)
 is compiled for sm_80 and sm_90 once, in ``setup_cache``, with the ptxas report
 on (:func:`cupyflash._report.kernel_report`, as ``python -m cupyflash kernels``);
 each ``track_*`` then reads one number of one (instantiation, arch): registers
@@ -17,17 +17,17 @@ every benchmark here is skipped.
 import os
 import re
 
-from cupyflash import _kernels
+from cupyflash._families import catalogue
 
 ARCHS = ["sm_80", "sm_90"]
 
 
 def _selected():
     pattern = os.environ.get("CUPYFLASH_ASV_KERNELS")
-    rows = _kernels.instantiations()
+    rows = catalogue()
     if pattern:
         rows = [r for r in rows
-                if re.search(pattern, r.family) or re.search(pattern, r.name_expression)]
+                if re.search(pattern, r.family.name) or re.search(pattern, r.name_expression)]
     return rows
 
 

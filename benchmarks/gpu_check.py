@@ -101,10 +101,9 @@ def precompile(workers: int) -> int:
 
     import cupy
 
-    from cupyflash._kernels import instantiations, launchable
+    from cupyflash._families import launchable
 
-    keep = launchable(int(cupy.cuda.Device(0).compute_capability))
-    rows = [(r.entry, r.name_expression) for r in instantiations() if r.name_expression in keep]
+    rows = [(r.entry, r.name_expression) for r in launchable(int(cupy.cuda.Device(0).compute_capability))]
     start = time.perf_counter()
     with ProcessPoolExecutor(max_workers=workers) as pool:
         failures = [f for f in pool.map(_compile_one, rows) if f]

@@ -51,10 +51,9 @@ def run(name: str) -> None:
     import cupy
     import numpy as np
 
-    import cupyflash
-
-    from cupyflash import _gpu
-    from cupyflash._kernels import DMMA_ARCHS, WGMMA_ARCH
+    from cupyflash._api import run_attention, run_attention_backward
+    from cupyflash._arch import DMMA_ARCHS, WGMMA_ARCH
+    from cupyflash._options import KernelOptions
 
     kind, dtype, b, h, length, d, deterministic = CASES[name]
     wgmma = "wgmma" in name
@@ -65,8 +64,7 @@ def run(name: str) -> None:
     if dmma and int(cupy.cuda.Device().compute_capability) not in DMMA_ARCHS:
         print(f"gpu_profile: {name} skipped (no fast FP64 tensor cores)", file=sys.stderr, flush=True)
         return
-    _gpu.wgmma_override = wgmma
-    _gpu.dmma_override = _gpu.dmma_float32_override = dmma
+    options = KernelOptions(wgmma=wgmma, dmma=frozenset({"float64", "float32"} if dmma else ()))
     if dtype == "bfloat16":
         import ml_dtypes
 
@@ -77,10 +75,11 @@ def run(name: str) -> None:
     q, k, v = (cupy.asarray(rng.standard_normal((b, h, length, d), dtype=np.float32).astype(dt))
                for _ in range(3))
     precision = "tf32x3" if name.endswith("_x3") else "ieee"   # fwd_tf32 runs where TF32 is allowed
-    out, lse = cupyflash.attention(q, k, v, return_lse=True, precision=precision)
+    out, lse = run_attention(q, k, v, return_lse=True, precision=precision, options=options)
     if kind == "backward":
         dout = cupy.asarray(rng.standard_normal(out.shape, dtype=np.float32).astype(dt))
-        cupyflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, precision=precision)
+        run_attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, precision=precision,
+                               options=options)
     cupy.cuda.Device().synchronize()
     print(f"gpu_profile: {name} done", file=sys.stderr, flush=True)
 

@@ -1,8 +1,9 @@
 """Tile variants of fwd_wgmma, bwd_wgmma, fwd_mma, bwd_mma, fwd_tf32, fwd_simt, bwd_simt, fwd_dmma, bwd_dmma.
 
-The catalogue (``cupyflash/_kernels.py``) holds one tile per (head dim,
-architecture); this script swaps other tiles in for one run, so that a GPU
-session can compare them in one call::
+Each family (``cupyflash/_families/``) holds one tile per (head dim,
+architecture); this script runs copies of a family with other tiles
+(``family.with_tiles(...)``, handed to dispatch in ``KernelOptions(families=...)``),
+so that a GPU session can compare them in one call::
 
     PYTHONPATH=. python benchmarks/gpu_variants.py            # on the GPU
     python benchmarks/gpu_variants.py --report [--arch sm_90]  # anywhere: ptxas figures
@@ -27,7 +28,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cupyflash import _kernels  # noqa: E402
+from cupyflash._arch import WGMMA_ARCH  # noqa: E402
+from cupyflash._families import (BACKWARD, BWD_DMMA, BWD_MMA, BWD_SIMT, BWD_WGMMA, FORWARD, FWD_DMMA,  # noqa: E402
+                                 FWD_MMA, FWD_SIMT, FWD_TF32, FWD_WGMMA, Call, select)
+from cupyflash._options import KernelOptions  # noqa: E402
 
 # fwd_mma: head dim -> [(block_m, block_n, warps, kv_stages, lazy_rescale)], the
 # catalogue's sm90 row first.  The lazy rescale is new since the last GPU run:
@@ -63,7 +67,7 @@ WGMMA_FWD_VARIANTS = {
     64: [(128, 2, True), (64, 2, True), (64, 3, True), (192, 2, True)],
 }
 # bwd_wgmma: head dim -> [(((kGrads, dK/dV streamed rows), ...), warpgroups, dQ streamed
-# keys)] (the format of _kernels._BWD_WGMMA_TILES), the catalogue's first; each timed
+# keys)] (the format of BWD_WGMMA.tiles), the catalogue's first; each timed
 # deterministic and with atomic dQ (where it has one).
 WGMMA_BWD_VARIANTS = {
     128: [(((3, 64),), 2, 128), (((3, 64),), 2, 64)],
@@ -112,90 +116,49 @@ SIMT_SHAPE = dict(batch=1, heads=8, seqlen=4096)   # the benchmark table's float
 BOUND = {"bfloat16": 2e-2, "float32": 1e-5, "float64": 1e-12}
 
 
-def use_fwd(head_dim: int, tile) -> None:
-    for row in _kernels._MMA_TILES.values():
-        row[head_dim] = tuple(tile)
-    _kernels.refresh()
-
-
-def use_bwd(head_dim: int, own: int, streamed: int, warps: int, streamed_dq: int | None = None) -> None:
-    _kernels._BWD_MMA_OWN = own
-    _kernels._BWD_MMA_WARPS = warps
-    _kernels._BWD_MMA_TILES[head_dim] = (streamed, True, streamed_dq or streamed)
-    _kernels.refresh()
-
-
-def use_wgmma(table: dict, head_dim: int, tile) -> None:
-    """Install ``tile`` as ``head_dim``'s row of a wgmma tile table (_WGMMA_TILES, _BWD_WGMMA_TILES)."""
-    table[head_dim] = tuple(tile)
-    _kernels.refresh()
-
-
-def use_simt(kind: str, dtype: str, head_dim: int, tile) -> None:
-    """Install ``tile`` as the float32/float64 SIMT row (_SIMT_TILES, _BWD_SIMT_TILES)."""
-    table = _kernels._SIMT_TILES if kind == "sfwd" else _kernels._BWD_SIMT_TILES
-    table["double" if dtype == "float64" else "float"][head_dim] = tuple(tile)
-    _kernels.refresh()
-
-
-def use_tf32(head_dim: int, tile) -> None:
-    """Install ``tile`` as fwd_tf32's row (_TF32_TILES)."""
-    _kernels._TF32_TILES[head_dim] = tuple(tile)
-    _kernels.refresh()
-
-
-def use_dmma(kind: str, head_dim: int, tile) -> None:
-    """Install ``tile`` as the fwd_dmma or bwd_dmma row (_DMMA_TILES, _BWD_DMMA_TILES)."""
-    table = _kernels._DMMA_TILES if kind == "dfwd" else _kernels._BWD_DMMA_TILES
-    table[head_dim] = tuple(tile)
-    _kernels.refresh()
-
-
-def variant_rows(kind: str, head_dim: int, variant, dtype: str = "bfloat16"):
-    """The catalogue rows (entry, name expression) this variant adds; for the SIMT
-    kinds ``variant`` is ``(dtype, tile...)``, the DMMA kinds are float64."""
-    if kind == "tfwd":   # precision="tf32x3"
-        from cupyflash import _gpu
-
-        use_tf32(head_dim, variant)
-        return [_gpu.select("float32", head_dim, head_dim, 90, precision="tf32x3")]
-    if kind in ("dfwd", "dbwd"):
-        from cupyflash import _gpu, _gpu_bwd
-
-        use_dmma(kind, head_dim, variant)
-        if kind == "dfwd":
-            return [_gpu.select("float64", head_dim, head_dim, 90, dmma=True)]
-        return list(_gpu_bwd.select("float64", head_dim, head_dim, 90, dmma=True))
-    if kind in ("sfwd", "sbwd"):
-        from cupyflash import _gpu, _gpu_bwd
-
-        dtype, *tile = variant
-        use_simt(kind, dtype, head_dim, tile)
-        if kind == "sfwd":
-            return [_gpu.select(dtype, head_dim, head_dim, 90)]
-        return list(_gpu_bwd.select(dtype, head_dim, head_dim, 90, deterministic=True))
-    if kind == "wfwd":
-        variant, whole = whole_flag(kind, variant)
-        use_wgmma(_kernels._WGMMA_TILES, head_dim, variant)
-        return [_kernels.by_name()[_kernels.wgmma_name_expression(dtype, head_dim, *variant, whole_kv=whole)]]
-    if kind == "wbwd":
-        use_wgmma(_kernels._BWD_WGMMA_TILES, head_dim, variant)
-        # the sweep's shape runs the dQ kernel's whole-stream row (Lk a multiple of its block)
-        names = _kernels.bwd_wgmma_name_expressions(dtype, head_dim, True, whole_k=True)
-        names += _kernels.bwd_wgmma_name_expressions(dtype, head_dim, False, whole_k=True)
-        return [_kernels.by_name()[n] for n in dict.fromkeys(names)]
-    variant, whole = whole_flag(kind, variant)
-    if kind == "fwd":
-        use_fwd(head_dim, variant)
+def variant(kind: str, head_dim: int, variant, dtype: str = "bfloat16"):
+    """``(options, rows)``: the dispatch options that run this variant (its family with the
+    variant's tile, the kernels it needs switched on) and the catalogue rows it launches on
+    sm_90 for the sweep's shape.  For the SIMT kinds ``variant`` is ``(dtype, tile...)``,
+    the DMMA kinds are float64, fwd_tf32 runs precision="tf32x3"."""
+    simt, dmma, tf32 = kind in ("sfwd", "sbwd"), kind in ("dfwd", "dbwd"), kind == "tfwd"
+    if simt:
+        dtype, *variant = variant
+    elif dmma:
+        dtype = "float64"
+    elif tf32:
+        dtype = "float32"
+    tile, whole = whole_flag(kind, variant) if kind in ("fwd", "wfwd", "bwd") else (tuple(variant), True)
+    acc = "float64" if dtype == "float64" else "float32"
+    if kind == "fwd":   # every class's row, so that the tile runs on any sm_80+ GPU
+        family = FWD_MMA.with_tiles(tiles={c: {**t, head_dim: tile} for c, t in FWD_MMA.tiles.items()})
+    elif kind == "bwd":
+        own, streamed, warps, *dq = tile
+        family = BWD_MMA.with_tiles(own=own, warps=warps,
+                                    tiles={**BWD_MMA.tiles, head_dim: (streamed, True, dq[0] if dq else streamed)})
+    elif kind == "wfwd":
+        family = FWD_WGMMA.with_tiles(tiles={**FWD_WGMMA.tiles, head_dim: tile})
+    elif kind == "wbwd":
+        family = BWD_WGMMA.with_tiles(tiles={**BWD_WGMMA.tiles, head_dim: tile})
+    elif simt:
+        base = FWD_SIMT if kind == "sfwd" else BWD_SIMT
+        family = base.with_tiles(tiles={**base.tiles, acc: {**base.tiles[acc], head_dim: tile}})
+    elif dmma:
+        base = FWD_DMMA if kind == "dfwd" else BWD_DMMA
+        family = base.with_tiles(tiles={**base.tiles, head_dim: tile})
     else:
-        use_bwd(head_dim, *variant)
-    if kind == "bwd":   # the kernels sm_90 launches for the sweep's shape
-        return [_kernels.by_name()[n]
-                for n in _kernels.bwd_mma_name_expressions(dtype, head_dim, 90, whole_q=whole, whole_k=whole)]
-    return [r for r in _kernels.instantiations()
-            if r.family == "fwd_mma" and r.dtype == dtype and r.head_dim == head_dim and not r.split
-            and r.whole_kv == whole
-            and (r.block_m, r.block_n, r.threads // 32, r.kv_stages, r.lazy_rescale) == tuple(variant)]
+        family = FWD_TF32.with_tiles(tiles={**FWD_TF32.tiles, head_dim: tile})
+    options = KernelOptions(wgmma=kind in ("wfwd", "wbwd"), dmma=frozenset({"float64"} if dmma else ()),
+                            whole_blocks=whole, families=(family,))
+    length = (SIMT_SHAPE if simt or dmma or tf32 else SHAPE)["seqlen"]
+    call = Call(dtype, head_dim, head_dim, seqlen_q=length, seqlen_k=length, aligned=True,
+                scale=head_dim ** -0.5, precision="tf32x3" if tf32 else "ieee")
+    if family.direction == "forward":
+        return options, list(select(FORWARD, call, WGMMA_ARCH, options))
+    rows = list(select(BACKWARD, call, WGMMA_ARCH, options))
+    if kind == "wbwd":   # timed deterministic and with atomic dQ
+        rows += select(BACKWARD, Call(**{**call.__dict__, "deterministic": False}), WGMMA_ARCH, options)
+    return options, list(dict.fromkeys(rows))
 
 
 def whole_flag(kind: str, variant) -> tuple[tuple, bool]:
@@ -230,7 +193,7 @@ def _compile(job):
     from cupyflash._loader import module_caches
 
     try:
-        for r in variant_rows(kind, d, variant):
+        for r in variant(kind, d, variant)[1]:
             module_caches.for_device(0).module(r.entry, (r.name_expression,))
     except Exception as error:  # noqa: BLE001
         return f"{kind} d={d} {variant}: {type(error).__name__}: {str(error)[:1500]}"
@@ -241,20 +204,20 @@ def report(archs) -> None:
     from cupyflash import _report
     from cupyflash._loader import module_source
 
-    for kind, d, variant in all_variants():
-        for r in variant_rows(kind, d, variant):
+    for kind, d, tile in all_variants():
+        for r in variant(kind, d, tile)[1]:
             for arch in archs:
-                target = _kernels.compile_target(r.entry, arch)
+                target = r.family.compile_target(arch)
                 if target is None:
                     continue
                 try:
                     rep = _report.compile_report(module_source(r.entry), [r.name_expression],
                                                  target, sass=False, filename=r.entry)
                 except _report.NvrtcError as error:
-                    print(f"{arch} {kind} d={d} {variant}: {str(error)[:600]}")
+                    print(f"{arch} {kind} d={d} {tile}: {str(error)[:600]}")
                     continue
                 f = rep.functions[r.name_expression]
-                print(f"{arch} {kind} d={d} {str(variant):18} {r.name_expression:58} "
+                print(f"{arch} {kind} d={d} {str(tile):18} {r.name_expression:58} "
                       f"regs {f.registers:3} spill {f.spill_stores:3}/{f.spill_loads:3} "
                       f"stack {f.stack_bytes:3}", flush=True)
 
@@ -276,10 +239,10 @@ def main() -> int:
     import torch
     from cupyx.profiler import benchmark
 
-    import cupyflash
-    from cupyflash import _bench, _gpu
+    from cupyflash import _bench
+    from cupyflash._api import run_attention, run_attention_backward
 
-    sm90 = int(cupy.cuda.Device().compute_capability) == _kernels.WGMMA_ARCH
+    sm90 = int(cupy.cuda.Device().compute_capability) == WGMMA_ARCH
     kinds = set(args.kinds.split(",")) if args.kinds else None
     jobs = [job for job in all_variants(wgmma=sm90) if kinds is None or job[0] in kinds]
     start = time.perf_counter()
@@ -292,14 +255,10 @@ def main() -> int:
 
     rows, inputs = [], {}
     modes = {"wbwd": (True, False)}   # bwd_wgmma: deterministic, then atomic dQ
-    for kind, d, variant in jobs:
-        variant_rows(kind, d, variant)   # installs the variant in the catalogue
-        _gpu.wgmma_override = kind in ("wfwd", "wbwd")
-        bounds = kind in ("fwd", "wfwd", "bwd") and not whole_flag(kind, variant)[1]
-        _gpu.whole_kv_override = False if bounds else None
-        _gpu.dmma_override = kind in ("dfwd", "dbwd")
+    for kind, d, tile in jobs:
+        options = variant(kind, d, tile)[0]
         simt, dmma, tf32 = kind in ("sfwd", "sbwd"), kind in ("dfwd", "dbwd"), kind == "tfwd"
-        dtype = variant[0] if simt else "float64" if dmma else "float32" if tf32 else "bfloat16"
+        dtype = tile[0] if simt else "float64" if dmma else "float32" if tf32 else "bfloat16"
         shape = SIMT_SHAPE if simt or dmma or tf32 else SHAPE
         precision = "tf32x3" if tf32 else "ieee"
         b, h, L = shape["batch"], shape["heads"], shape["seqlen"]
@@ -308,27 +267,28 @@ def main() -> int:
                 inputs[dtype, d] = _bench.random_inputs(_bench.Case(dtype, b, h, L, L, d), cupy, seed=d)
             q, k, v, dout = inputs[dtype, d]
             tq, tk, tv, tdo = (_bench._to_torch(x) for x in (q, k, v, dout))
-            row = dict(kind=kind, head_dim=d, variant=list(variant), causal=causal,
+            row = dict(kind=kind, head_dim=d, variant=list(tile), causal=causal,
                        deterministic=deterministic, dtype=dtype, shape=shape)
             try:
                 if kind in ("fwd", "wfwd", "sfwd", "dfwd", "tfwd"):
                     ref = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv,
                                                                            is_causal=causal)
-                    out = cupyflash.attention(q, k, v, causal=causal, precision=precision)
+                    out = run_attention(q, k, v, causal=causal, precision=precision, options=options)
                     errs = [_rel(_bench._to_torch(out), ref)]
-                    fn = lambda: cupyflash.attention(q, k, v, causal=causal, precision=precision)  # noqa: E731
+                    fn = lambda: run_attention(q, k, v, causal=causal, precision=precision,  # noqa: E731
+                                               options=options)
                     flops = 4 * b * h * L * L * d / (2 if causal else 1)
                 else:
                     leaves = [t.detach().requires_grad_(True) for t in (tq, tk, tv)]
                     ref_out = torch.nn.functional.scaled_dot_product_attention(
                         *leaves, is_causal=causal)
                     refs = torch.autograd.grad(ref_out, leaves, tdo)
-                    out, lse = cupyflash.attention(q, k, v, causal=causal, return_lse=True)
-                    grads = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal,
-                                                         deterministic=deterministic)
+                    out, lse = run_attention(q, k, v, causal=causal, return_lse=True, options=options)
+                    grads = run_attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                                   deterministic=deterministic, options=options)
                     errs = [_rel(_bench._to_torch(g), r) for g, r in zip(grads, refs)]
-                    fn = lambda: cupyflash.attention_backward(  # noqa: E731
-                        dout, q, k, v, out, lse, causal=causal, deterministic=deterministic)
+                    fn = lambda: run_attention_backward(  # noqa: E731
+                        dout, q, k, v, out, lse, causal=causal, deterministic=deterministic, options=options)
                     flops = 2.5 * 4 * b * h * L * L * d / (2 if causal else 1)
                 row["rel_err"] = max(errs)
                 if not row["rel_err"] <= BOUND[dtype]:
@@ -348,7 +308,7 @@ def main() -> int:
                          shape=SHAPE, dtype="bfloat16", simt_shape=SIMT_SHAPE, rows=rows), indent=1))
             if "error" in row and not _bench.cuda_context_alive():
                 # an illegal instruction or address is sticky: every later variant would fail
-                print(f"gpu_variants: the CUDA context is lost after {kind} d={d} {variant}; "
+                print(f"gpu_variants: the CUDA context is lost after {kind} d={d} {tile}; "
                       f"stopping (later variants of this run not timed)", flush=True)
                 return 3
     return 0

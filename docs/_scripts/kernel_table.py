@@ -71,76 +71,74 @@ def _load(paths: list[str]) -> list[dict]:
 
 def _picked_mma(rows: list[dict]) -> set[tuple[str, str]]:
     """(arch, name) of the fwd_mma and bwd_mma instantiations the dispatcher runs on each arch."""
-    from cupyflash._kernels import (MMA_HEAD_DIMS, bwd_mma_name_expressions, mma_name_expression,
-                                    mma_split_tiles, mma_tiles)
+    from cupyflash._families import BWD_MMA, FWD_MMA
 
     picked = set()
     for arch in {r["arch"] for r in rows}:
         number = int(arch.removeprefix("sm_"))
-        tiles = mma_tiles(number)
-        for dtype in ("float16", "bfloat16"):
-            for d in MMA_HEAD_DIMS:
-                picked.add((arch, mma_name_expression(dtype, d, *tiles[d])))
-                picked.add((arch, mma_name_expression(dtype, d, *tiles[d], whole_kv=True)))
-                picked.add((arch, mma_name_expression(dtype, d, *mma_split_tiles(number)[d], split=True)))
-                for deterministic, whole in ((True, False), (False, False), (True, True), (False, True)):
-                    picked.update((arch, n) for n in bwd_mma_name_expressions(dtype, d, number, deterministic,
-                                                                               whole, whole))
+        picked.update((arch, r.name_expression) for f in (FWD_MMA, BWD_MMA) for r in f.launchable(number))
     return picked
 
 
+def _inst(row: dict):
+    """The catalogue row (an Instantiation, with typed fields) of a report row."""
+    from cupyflash._families import by_name
+
+    return by_name()[row["name"]]
+
+
+def _own_streamed(inst) -> tuple[int, int]:
+    """A backward kernel's (owned, streamed) rows: a dK/dV kernel owns keys, a dQ kernel query rows."""
+    return (inst.block_n, inst.block_m) if inst.role == "dkdv" else (inst.block_m, inst.block_n)
+
+
 def _kernel(row: dict) -> str:
-    base = row["name"].split("<", 1)[0].removeprefix("cf::")
-    if base == "bwd_simt_dkdv_kernel" and row["name"].endswith(", true>"):
+    inst = _inst(row)
+    if inst.kernel == "bwd_simt_dkdv_kernel" and inst.atomic_dq:
         return "dK/dV + atomic dQ"
-    if base == "bwd_wgmma_dkdv_kernel":   # kGrads (the last argument): 1 dV, 2 dK, 4 atomic dQ
-        return GRADS[int(row["name"].rstrip(">").rsplit(",", 1)[1])]
-    if base == "bwd_mma_dkdv_kernel":     # <T, d, own, streamed, warps, kGrads, stages>
-        return GRADS[int(row["name"].rstrip(">").split(",")[5])]
-    return SHORT_KERNEL.get(base, base)
+    if inst.kernel in ("bwd_wgmma_dkdv_kernel", "bwd_mma_dkdv_kernel"):   # kGrads: 1 dV, 2 dK, 4 atomic dQ
+        return GRADS[inst.grads]
+    return SHORT_KERNEL.get(inst.kernel, inst.kernel)
 
 
 def _split(row: dict) -> bool:
-    """A split-KV instantiation (fwd_mma's and fwd_wgmma's kSplit, a trailing ``true``)."""
-    args = row["name"].split("<", 1)[1].rstrip(">").split(",")
-    return (row["family"], len(args)) in (("fwd_mma", 8), ("fwd_wgmma", 6))
+    """A split-KV instantiation (fwd_mma's and fwd_wgmma's kSplit)."""
+    return _inst(row).split
 
 
 def _whole_kv(row: dict) -> bool:
-    """fwd_mma's whole-KV instantiation (kWholeKV, the ninth argument), fwd_wgmma's (the
-    seventh) or bwd_mma's or bwd_wgmma's whole-stream one (kWholeStream, a trailing
-    ``true``)."""
-    args = row["name"].split("<", 1)[1].rstrip(">").split(",")
-    if row["family"] in ("bwd_mma", "bwd_wgmma"):
-        return args[-1].strip() == "true"
-    position = {"fwd_mma": 9, "fwd_wgmma": 7}.get(row["family"])
-    return len(args) == position and args[-1].strip() == "true"
+    """fwd_mma's or fwd_wgmma's whole-KV instantiation (kWholeKV), bwd_mma's or bwd_wgmma's
+    whole-stream one (kWholeStream)."""
+    return _inst(row).whole_kv
 
 
 def _tile(row: dict) -> str:
-    args = [a.strip() for a in row["name"].split("<", 1)[1].rstrip(">").split(",")]
-    split = ", split-KV" if _split(row) else ", whole K/V blocks" if _whole_kv(row) else ""
-    if row["family"] == "fwd_mma":        # <T, d, block_m, block_n, warps, stages, lazy_rescale[, kSplit[, kWholeKV]]>
-        lazy = ", lazy rescale" if args[6] == "true" else ""
-        return f"{args[2]}×{args[3]}, {args[4]} warps, {args[5]} stage{'s' * (args[5] != '1')}{lazy}{split}"
-    if row["family"] == "fwd_wgmma":      # <T, d, block_n, warpgroups, lazy_rescale[, kSplit[, kWholeKV]]>
-        lazy = ", lazy rescale" if args[4] == "true" else ""
-        return f"{64 * int(args[3])}×{args[2]}, {args[3]} warpgroups{lazy}{split}"
-    if row["family"] == "bwd_mma":        # <T, d, own, streamed, warps[, kGrads], stages[, kWholeStream]>
-        whole = _whole_kv(row)
-        stages = args[-2] if whole else args[-1]
-        return (f"{args[2]}×{args[3]}, {args[4]} warps, {stages} stage{'s' * (stages != '1')}"
-                f"{', whole streamed blocks' if whole else ''}")
-    if row["family"] == "bwd_wgmma":      # <T, d, own, streamed, warpgroups, kGrads | [kWholeStream]>
-        return f"{args[2]}×{args[3]}, {args[4]} warpgroups{', whole streamed blocks' if _whole_kv(row) else ''}"
-    if row["family"] in ("fwd_dmma", "bwd_dmma"):   # <d, block_m, block_n, warps[, float]>
-        return f"{args[1]}×{args[2]}, {args[3]} warps"
-    if row["family"] in ("fwd_tf32", "bwd_tf32"):   # <d, block_m | own, block_n | streamed, warps, passes>
-        return f"{args[1]}×{args[2]}, {args[3]} warps, {args[4]} pass{'es' * (args[4] != '1')}"
-    if row["family"] == "fwd_simt":       # <T, d, dv, block_m, block_n>
-        return f"{args[3]}×{args[4]}"
-    if row["family"] == "bwd_simt" and len(args) >= 5:   # <T, d, dv, own, streamed[, atomic dQ]>
-        return f"{args[3]}×{args[4]}"
+    inst = _inst(row)
+    family = inst.family.name
+    split = ", split-KV" if inst.split else ", whole K/V blocks" if inst.whole_kv else ""
+    plural = "s" * (inst.kv_stages != 1)
+    if family == "fwd_mma":
+        lazy = ", lazy rescale" if inst.lazy_rescale else ""
+        return f"{inst.block_m}×{inst.block_n}, {inst.threads // 32} warps, {inst.kv_stages} stage{plural}{lazy}{split}"
+    if family == "fwd_wgmma":
+        lazy = ", lazy rescale" if inst.lazy_rescale else ""
+        return f"{inst.block_m}×{inst.block_n}, {inst.threads // 128} warpgroups{lazy}{split}"
+    if family == "bwd_mma":
+        own, streamed = _own_streamed(inst)
+        return (f"{own}×{streamed}, {inst.threads // 32} warps, {inst.kv_stages} stage{plural}"
+                f"{', whole streamed blocks' if inst.whole_kv else ''}")
+    if family == "bwd_wgmma":
+        own, streamed = _own_streamed(inst)
+        return f"{own}×{streamed}, {inst.threads // 128} warpgroups{', whole streamed blocks' if inst.whole_kv else ''}"
+    if family in ("fwd_dmma", "fwd_tf32", "fwd_simt"):
+        passes = f", {inst.passes} pass{'es' * (inst.passes != 1)}" if inst.passes else ""
+        warps = f", {inst.threads // 32} warps" if family != "fwd_simt" else ""
+        return f"{inst.block_m}×{inst.block_n}{warps}{passes}"
+    if family in ("bwd_dmma", "bwd_tf32") or (family == "bwd_simt" and inst.role != "delta"):
+        own, streamed = _own_streamed(inst)
+        passes = f", {inst.passes} pass{'es' * (inst.passes != 1)}" if inst.passes else ""
+        warps = f", {inst.threads // 32} warps" if family != "bwd_simt" else ""
+        return f"{own}×{streamed}{warps}{passes}"
     return "–"
 
 
@@ -201,7 +199,7 @@ def _provenance() -> str:
         except (OSError, subprocess.CalledProcessError):
             return ""
     commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = git("status", "--porcelain", "--", "cuda_src", "cupyflash/_kernels.py", "cupyflash/_launch.py")
+    dirty = git("status", "--porcelain", "--", "cuda_src", "cupyflash/_families", "cupyflash/_launch.py")
     nvrtc = "unknown"
     try:
         sys.path.insert(0, str(ROOT))
