@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import functools
 
-from .._dtypes import accumulator_name
+from .._dtypes import accumulator_dtype, accumulator_name
 from ._family import DELTA, DKDV, DQ, Call, Family, Sizes
 from .fwd_simt import HEAD_DIM_BUCKETS, simt_bucket
 
 __all__ = ["BWD_SIMT"]
 
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
-_ACC_BYTES = {"float32": 4, "float64": 8}
 
 
 class BwdSimt(Family):
@@ -96,7 +95,7 @@ class BwdSimt(Family):
         # buffers of streamed rows, each a d-wide and a dv-wide tile.  Two buffers for
         # float32 / float64 (cp.async prefetch) where they fit in 72 KB.
         own, streamed = (row.block_n, row.block_m) if row.role == DKDV else (row.block_m, row.block_n)
-        acc = _ACC_BYTES[accumulator_name(row.dtype)]
+        acc = accumulator_dtype(row.dtype).itemsize
         row_bytes = (row.head_dim + row.head_dim_v) * acc
         scratch_bytes = own * (streamed + 8) * acc   # P / dS, kSPitch
         own_bytes, stage_bytes = own * row_bytes + scratch_bytes, streamed * row_bytes

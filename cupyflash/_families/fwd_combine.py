@@ -11,12 +11,11 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 
-from .._dtypes import accumulator_name
+from .._dtypes import accumulator_dtype, accumulator_name
 from ._family import COMBINE, Family, Sizes
 
 __all__ = ["FWD_COMBINE"]
 
-_ACC_BYTES = {"float32": 4, "float64": 8}
 
 
 class FwdCombine(Family):
@@ -42,7 +41,7 @@ class FwdCombine(Family):
 
     def ctas(self, row, sizes: Sizes) -> int:
         # one thread per 16-byte chunk of each output row (head_dim_v, run time)
-        chunks = -(-max(int(sizes.head_dim_v), 1) // (16 // _ACC_BYTES[accumulator_name(row.dtype)]))
+        chunks = -(-max(int(sizes.head_dim_v), 1) // (16 // accumulator_dtype(row.dtype).itemsize))
         return -(-sizes.seqlen_q * sizes.heads_q * sizes.batch * chunks // row.threads)
 
     def launch_config(self, row, sizes: Sizes):

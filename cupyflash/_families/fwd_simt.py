@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 
-from .._dtypes import accumulator_name
+from .._dtypes import accumulator_dtype, accumulator_name
 from ._family import FORWARD, Call, Family, Sizes, smallest_fit
 
 __all__ = ["FWD_SIMT", "HEAD_DIM_BUCKETS", "simt_bucket"]
@@ -20,7 +20,6 @@ __all__ = ["FWD_SIMT", "HEAD_DIM_BUCKETS", "simt_bucket"]
 # bucket of max(d, dv).
 HEAD_DIM_BUCKETS = (32, 64, 128, 256)
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
-_ACC_BYTES = {"float32": 4, "float64": 8}
 
 
 def simt_bucket(family: Family, dtype: str, head_dim: int, head_dim_v: int) -> int:
@@ -102,7 +101,7 @@ class FwdSimt(Family):
         else:
             kv = row.block_n * max(row.head_dim, row.head_dim_v)
         p = row.block_m * (row.block_n + 8)
-        return (row.block_m * row.head_dim + kv + p) * _ACC_BYTES[accumulator_name(row.dtype)]
+        return (row.block_m * row.head_dim + kv + p) * accumulator_dtype(row.dtype).itemsize
 
     def min_ctas_per_sm(self, row) -> int:
         shared = self.shared_bytes(row)

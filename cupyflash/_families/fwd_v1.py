@@ -12,12 +12,11 @@ from __future__ import annotations
 import functools
 import math
 
-from .._dtypes import accumulator_name
+from .._dtypes import accumulator_dtype
 from ._family import FORWARD, Family, Sizes
 
 __all__ = ["FWD_V1", "v1_block_sizes"]
 
-_ACC_BYTES = {"float32": 4, "float64": 8}
 # fwd_v1's on-chip buffers per Q block of Br rows: l_i, m_i, m~_ij, 1/l_i^new, m_i^new, l_i^new.
 _ROW_VECTORS = 6
 
@@ -76,7 +75,7 @@ class FwdV1(Family):
         block_m, block_n = v1_block_sizes(sizes.sram_size, sizes.head_dim, sizes.seqlen_q, sizes.seqlen_k)
         d, dv = sizes.head_dim, sizes.head_dim_v
         elements = block_n * (d + dv) + block_m * (d + dv) + block_m * block_n + _ROW_VECTORS * block_m
-        return elements * _ACC_BYTES[accumulator_name(row.dtype)]
+        return elements * accumulator_dtype(row.dtype).itemsize
 
 
 FWD_V1 = FwdV1()
