@@ -44,15 +44,16 @@ class SMLimits:
 #   The same table for the rows the emulator also accepts: 7.0 (V100) 2048 threads
 #   and 32 blocks per SM, 96 KB of shared memory per SM and per block; 7.5 (Turing)
 #   1024 threads and 16 blocks, 64 KB per SM and per block; 8.7 (Jetson Orin) 1536
-#   threads and 16 blocks, 164 KB per SM and 163 KB per block.
+#   threads and 16 blocks, 164 KB per SM and 163 KB per block; 12.0 (RTX 50) 1536
+#   threads and 24 blocks, 100 KB per SM and 99 KB per block.
 # - NVIDIA Ampere / Ada / Hopper tuning guides, "Shared Memory": the driver
 #   reserves 1 KB of shared memory per thread block (none before 8.0: the Volta and
 #   Turing guides let one block use the whole 96 KB / 64 KB).
 # - cuda_occupancy.h (CUDA toolkit): register allocation unit 256 per warp, 4
 #   sub-partitions, shared memory granularity 128 bytes (256 on 7.x); block barriers
-#   limit occupancy from Hopper on (2 per block slot on 9.0); resident blocks per SM
-#   as above (7.0: 32, 7.5: 16, 8.7: 16); largest shared memory carveout 96 KB (7.0),
-#   64 KB (7.5), 164 KB (8.0, 8.7).  tests/test_static_report.py checks occupancy()
+#   limit occupancy from Hopper on (2 per block slot on 9.0, 1 on 12.0); resident
+#   blocks per SM as above (7.0: 32, 7.5: 16, 8.7: 16, 12.0: 24); largest shared
+#   memory carveout 96 KB (7.0), 64 KB (7.5), 164 KB (8.0, 8.7), 100 KB (12.0).  tests/test_static_report.py checks occupancy()
 #   against that header's calculator for every row.
 SM_LIMITS: dict[int, SMLimits] = {
     70: SMLimits(2048, 32, 1024, 65536, 65536, 255, 256, 4, 96 * 1024, 96 * 1024, 0, 256, 0),
@@ -62,13 +63,14 @@ SM_LIMITS: dict[int, SMLimits] = {
     87: SMLimits(1536, 16, 1024, 65536, 65536, 255, 256, 4, 164 * 1024, 163 * 1024, 1024, 128, 0),
     89: SMLimits(1536, 24, 1024, 65536, 65536, 255, 256, 4, 100 * 1024, 99 * 1024, 1024, 128, 0),
     90: SMLimits(2048, 32, 1024, 65536, 65536, 255, 256, 4, 228 * 1024, 227 * 1024, 1024, 128, 2),
+    120: SMLimits(1536, 24, 1024, 65536, 65536, 255, 256, 4, 100 * 1024, 99 * 1024, 1024, 128, 1),
 }
 
 
 def sm_limits(arch: int) -> SMLimits:
     """The limits of compute capability ``arch`` (e.g. 80), or of the nearest one below
-    it in :data:`SM_LIMITS` (a newer GPU offers at least as much; 10.x and 12.x take
-    those of 9.0 and 8.9).
+    it in :data:`SM_LIMITS`: for a compute capability without a row, an approximation
+    (10.x and 11.x take 9.0's figures, though 11.0 keeps 24 blocks per SM, not 32).
 
     Raises
     ------
@@ -79,7 +81,7 @@ def sm_limits(arch: int) -> SMLimits:
     --------
     >>> sm_limits(90).shared_per_block_optin // 1024
     227
-    >>> sm_limits(120) is SM_LIMITS[89]
+    >>> sm_limits(100) is SM_LIMITS[90]
     True
     """
     arch = int(arch)

@@ -130,8 +130,10 @@ class EmulatorExecutor:
     Parameters
     ----------
     arch : int, optional
-        Compute capability the launch is checked against (80 = sm_80); it
-        only bounds the dynamic shared memory and is passed on for dispatch.
+        Compute capability the launch is checked against (80 = sm_80, 7.0 or
+        later); it only bounds the dynamic shared memory (its
+        ``cupyflash._arch.sm_limits`` opt-in limit) and is passed on for
+        dispatch.
     seed : int, optional
         Seeds the order in which threads run between barriers and the order
         of the blocks.
