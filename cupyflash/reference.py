@@ -68,11 +68,16 @@ def _visible(lq, lk, causal, window, xp=np):
     i = xp.arange(lq)[:, None]
     j = xp.arange(lk)[None, :]
     offset = lk - lq
-    ok = xp.full((lq, lk), True)
+    bounds = []                 # each an (Lq, Lk) array: the naive peer's memory counts them
     if left is not None:
-        ok &= j >= i + offset - left
+        bounds.append(j >= i + offset - left)
     if right is not None:
-        ok &= j <= i + offset + right
+        bounds.append(j <= i + offset + right)
+    if not bounds:
+        return xp.full((lq, lk), True)
+    ok = bounds.pop(0)
+    for bound in bounds:
+        ok &= bound
     return ok
 
 
@@ -226,8 +231,8 @@ def _as_written(q, k, v, scale, causal, window, enable_gqa):
     o = _oracle(q, k, v, scale, causal, window, enable_gqa, xp=xp, dtype=acc, masks=False)
     s = xp.matmul(o.q, o.k.swapaxes(-1, -2))
     s *= acc.type(o.scale)
-    if o.visible is not None:
-        xp.copyto(s, -xp.inf, where=~o.visible)
+    if o.visible is not None:   # the mask is the peer's own: negated in place
+        xp.copyto(s, -xp.inf, where=xp.logical_not(o.visible, out=o.visible))
     if s.shape[-1]:
         top = s.max(axis=-1, keepdims=True)
         top = xp.where(top == -xp.inf, acc.type(0), top)   # a row with no admissible key

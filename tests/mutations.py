@@ -97,7 +97,7 @@ MUTATIONS = [
       T + "test_cpu_path.py::test_cpu_path_and_algorithm1_match_oracle", fast=True,
       why="audit finding 8: passed every oracle comparison while the oracle shared check_forward"),
     M("oracle-mask-off-by-one", "cupyflash/reference.py",
-      "ok &= j <= i + offset + right", "ok &= j <= i + offset + right + 1",
+      "bounds.append(j <= i + offset + right)", "bounds.append(j <= i + offset + right + 1)",
       T + "test_cpu_path.py::test_oracle_follows_its_own_mask_rule", fast=True),
     # ---- the package's seams (issue 25): one NVRTC module, one naive attention ----------------
     M("loader-borrows-the-reports-nvrtc-again", "cupyflash/_loader.py",
