@@ -2,7 +2,7 @@
 
 Both implementations come from :mod:`cupyflash._bench` (``python -m cupyflash
 bench`` times the same callables).  ``naive`` is matmul, softmax in place,
-matmul (:func:`cupyflash._bench.naive_attention`), holding the L x L score matrix.  Sizes are small enough for
+matmul (:func:`cupyflash.reference.naive_attention` with ``oracle=False``), holding the L x L score matrix.  Sizes are small enough for
 ``asv run --quick`` on two cores.
 """
 

@@ -19,8 +19,9 @@ a sliding window (L = 20,000, window (256, 0)) against a hand-written loop over
 
 Implementations are timed interleaved (repeat r of each, then repeat r + 1),
 after one warm-up call each; the table gives medians (default 7 repeats).
-``naive`` is :func:`cupyflash._bench.naive_attention` (matmul, softmax in place,
-matmul), the same code that ``python -m cupyflash`` and ``bench`` time.
+``naive`` is :func:`cupyflash.reference.naive_attention` with ``oracle=False``
+(matmul, softmax in place, matmul), the same code that ``python -m cupyflash`` and
+``bench`` time.
 PyTorch is ``scaled_dot_product_attention`` on the same buffers
 (``torch.from_numpy``), best of its CPU backends per case (``flash`` and ``math``,
 each timed); its backward is ``torch.autograd.grad`` on a graph built once.
@@ -61,23 +62,19 @@ WINDOW_L, WINDOW = 20_000, (256, 0)
 
 def band_loop(q, k, v, left, band=256):
     """Sliding-window attention by hand: for each ``band``-row slice of queries, the keys it
-    may see ([i - left, i]) in one matmul, a masked softmax in place, one matmul."""
+    may see ([i - left, i]) in one matmul, a masked softmax in place, one matmul (naive
+    attention as written, on the band: its last query sees its last key, so window
+    ``(left, 0)`` is the band's own mask)."""
     import numpy as np
 
-    from cupyflash._bench import softmax_
+    from cupyflash.reference import naive_attention
 
     length, d = q.shape
     out = np.empty_like(q)
-    scale = np.float32(1 / np.sqrt(d))
     for r0 in range(0, length, band):
         r1 = min(r0 + band, length)
         c0 = max(0, r0 - left)
-        s = q[r0:r1] @ k[c0:r1].T
-        s *= scale
-        rows = np.arange(r0, r1)[:, None]
-        cols = np.arange(c0, r1)[None, :]
-        np.copyto(s, -np.inf, where=(cols > rows) | (cols < rows - left))
-        out[r0:r1] = softmax_(s) @ v[c0:r1]
+        out[r0:r1] = naive_attention(q[r0:r1], k[c0:r1], v[c0:r1], window=(left, 0), oracle=False)
     return out
 
 
@@ -87,7 +84,7 @@ def _impls(name, rng):
     import torch
 
     import cupyflash
-    from cupyflash._bench import naive_attention, naive_attention_backward
+    from cupyflash.reference import naive_attention, naive_attention_backward
 
     hq, hkv, length, d, causal, backward, _ = CASES[name]
     q = rng.standard_normal((1, hq, length, d), dtype=np.float32)
@@ -101,7 +98,7 @@ def _impls(name, rng):
     if not backward:
         impls["cupyflash"] = lambda: cupyflash.attention(q, k, v, causal=causal, enable_gqa=gqa)
         # GQA for the naive code: k, v repeated to the query heads beforehand (not timed)
-        impls["naive"] = lambda: naive_attention(q, *naive_kv, causal=causal)
+        impls["naive"] = lambda: naive_attention(q, *naive_kv, causal=causal, oracle=False)
         for backend in ("FLASH_ATTENTION", "MATH"):
             def run(backend=backend):
                 with torch.nn.attention.sdpa_kernel(getattr(backends, backend)), torch.no_grad():
@@ -111,7 +108,7 @@ def _impls(name, rng):
     out, lse = cupyflash.attention(q, k, v, causal=causal, return_lse=True)
     dout = rng.standard_normal(out.shape, dtype=np.float32)
     impls["cupyflash"] = lambda: cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
-    impls["naive"] = lambda: naive_attention_backward(dout, q, k, v, causal=causal)
+    impls["naive"] = lambda: naive_attention_backward(dout, q, k, v, causal=causal, oracle=False)
     tdout = torch.from_numpy(dout)
     for backend in ("FLASH_ATTENTION", "MATH"):
         leaves = [x.clone().requires_grad_(True) for x in (tq, tk, tv)]

@@ -308,17 +308,15 @@ def run_probes_gpu(arch: int) -> dict:
     ``sm_<arch>`` (``sm_90a`` on sm_90, as the wgmma kernels are) and launched once."""
     import cupy
 
-    from cupyflash._loader import COMPILE_OPTIONS
-    from cupyflash._report import _include_options, _nvrtc
+    from cupyflash import _nvrtc
     from cupyflash._source import assemble
 
     names = [n for n, spec in INSTRUCTIONS.items() if arch >= spec[6] and (spec[6] != 90 or arch == 90)]
     target = "sm_90a" if arch == 90 else f"sm_{arch}"
-    options = COMPILE_OPTIONS + _include_options() + (
-        f"-arch={target}", "--device-as-default-execution-space", "-ftz=true")
+    options = _nvrtc.options(target)
     expressions = {n: f"accumulation_probe<{INSTRUCTIONS[n][0]}>" for n in names}
-    _log, cubin, lowered = _nvrtc().compile(assemble(str(PROBE)), list(expressions.values()), options,
-                                            PROBE.name)
+    _log, cubin, lowered = _nvrtc.compiler().compile(assemble(str(PROBE)), list(expressions.values()),
+                                                     options, PROBE.name)
     outputs = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "accumulation_probe.cubin"

@@ -17,15 +17,16 @@ on the GPU
     fwd_wgmma, bwd_wgmma) and for backward cases ``cupyflash-wgmma-atomic``,
     ``cupyflash-v1`` (Algorithm 1, the fwd_v1 kernel, through
     :func:`cupyflash.reference.flash_attention_v1`), ``cupy-naive`` (matmul,
-    softmax in place, matmul: :func:`naive_attention`) and, where PyTorch with CUDA is
+    softmax in place, matmul: :func:`~cupyflash.reference.naive_attention` with
+    ``oracle=False``) and, where PyTorch with CUDA is
     installed, ``torch.nn.functional.scaled_dot_product_attention`` as it
     dispatches (``torch-sdpa``) and forced to each backend (``torch-flash``,
     ``torch-efficient``, ``torch-cudnn``, ``torch-math``), fed the CuPy
     buffers zero-copy through DLPack;
 on the CPU
     ``cupyflash`` (the NumPy CPU path), ``numpy-naive`` (matmul, softmax in
-    place, matmul: :func:`naive_attention`, the naive code ``python -m cupyflash``
-    times too) and, where PyTorch is installed,
+    place, matmul: the same ``naive_attention(..., oracle=False)``, the naive code
+    ``python -m cupyflash`` times too) and, where PyTorch is installed,
     ``torch-sdpa``, ``torch-flash`` and ``torch-math`` on the NumPy buffers
     (``torch.from_numpy``, zero-copy).
 
@@ -74,10 +75,13 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Case", "flop_count", "naive_attention", "naive_attention_backward", "softmax_", "cases", "bench", "run_case", "blank_row", "per_impl_seconds",
+from ._arch import DMMA_ARCHS
+from ._dtypes import accumulator_dtype, accumulator_name
+
+__all__ = ["Case", "flop_count", "cases", "bench", "run_case", "blank_row", "per_impl_seconds",
            "peer_ratios", "gemm_shares",
            "environment", "markdown", "merge",
-           "gpu_available", "cuda_context_alive", "gemm_tflops", "main_bench", "COLUMNS", "REQUIRED_KEYS", "ROW_KEYS"]
+           "gpus", "gpu_available", "cuda_context_alive", "gemm_tflops", "main_bench", "COLUMNS", "REQUIRED_KEYS", "ROW_KEYS"]
 
 # Columns of the Markdown table, in order.
 COLUMNS = ("pass", "dtype", "B", "H", "Lq", "Lk", "d", "causal", "impl", "ms", "FLOP/s",
@@ -165,10 +169,24 @@ def cases(*, dtypes, batch, heads, seqlens, head_dims, seqlen_k=None, causal=(Fa
 # ---- devices, dtypes, inputs ---------------------------------------------------------------------
 
 
+def gpus() -> list[str]:
+    """Names of the CUDA devices CuPy sees (empty without CuPy or a GPU)."""
+    try:
+        import cupy
+
+        n = cupy.cuda.runtime.getDeviceCount()
+        names = []
+        for i in range(n):
+            props = cupy.cuda.runtime.getDeviceProperties(i)
+            name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+            names.append(f"{i}: {name} (sm_{props['major']}{props['minor']})")
+        return names
+    except Exception:  # noqa: BLE001 - no CuPy, no driver or no device all mean "no GPU"
+        return []
+
+
 def gpu_available() -> bool:
     """Whether CuPy sees a CUDA device (False without CuPy or a driver)."""
-    from ._cli import gpus
-
     return bool(gpus())
 
 
@@ -190,10 +208,6 @@ def _dtype(name: str) -> np.dtype:
 
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
-
-
-def _accumulator(name: str) -> np.dtype:
-    return np.dtype(np.float64 if name == "float64" else np.float32)
 
 
 def random_inputs(case: Case, xp=np, seed: int = 0):
@@ -225,72 +239,6 @@ def _sync(device: str) -> None:
 # ---- the implementations -------------------------------------------------------------------------
 
 
-def naive_attention(q, k, v, *, causal=False):
-    """``softmax(q kᵀ / √d) v`` with the whole score matrix, for NumPy or CuPy arrays.
-
-    The one naive peer that ``bench`` and ``python -m cupyflash`` time: two
-    matmuls and a softmax done in place on the score matrix (:func:`softmax_`),
-    so that it allocates one Lq x Lk array, as a careful hand-written version
-    would.  Scores in the accumulator type (float32 for 16-bit inputs);
-    ``causal`` is bottom-right aligned, as cupyflash's.
-
-    >>> rng = np.random.default_rng(0)
-    >>> q, k, v = (rng.standard_normal((2, 5, 4)).astype(np.float32) for _ in range(3))
-    >>> import cupyflash
-    >>> bool(np.allclose(naive_attention(q, k, v), cupyflash.attention(q, k, v), atol=1e-6))
-    True
-    """
-    xp = _xp_of(q)
-    p = softmax_(_naive_scores(xp, q, k, causal))
-    return xp.matmul(p, v.astype(p.dtype, copy=False)).astype(q.dtype, copy=False)
-
-
-def naive_attention_backward(dout, q, k, v, *, causal=False):
-    """(dq, dk, dv) of :func:`naive_attention`, recomputing the probabilities."""
-    xp = _xp_of(q)
-    acc = _accumulator(q.dtype.name)
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    p = softmax_(_naive_scores(xp, q, k, causal))
-    qa, ka, va, doa = (x.astype(acc, copy=False) for x in (q, k, v, dout))
-    dv = xp.matmul(p.swapaxes(-1, -2), doa)
-    dp = xp.matmul(doa, va.swapaxes(-1, -2))
-    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))   # rowsum(P∘dP) = rowsum(dO∘O)
-    ds *= scale
-    dq = xp.matmul(ds, ka)
-    dk = xp.matmul(ds.swapaxes(-1, -2), qa)
-    return tuple(g.astype(q.dtype, copy=False) for g in (dq, dk, dv))
-
-
-def softmax_(s):
-    """Softmax over the last axis of ``s``, in place (NumPy or CuPy); returns ``s``.
-
-    >>> softmax_(np.array([[0.0, np.log(3.0)]])).round(6).tolist()
-    [[0.25, 0.75]]
-    """
-    s -= s.max(axis=-1, keepdims=True)
-    _xp_of(s).exp(s, out=s)
-    s /= s.sum(axis=-1, keepdims=True)
-    return s
-
-
-def _xp_of(x):
-    if isinstance(x, np.ndarray):
-        return np
-    import cupy
-
-    return cupy
-
-
-def _naive_scores(xp, q, k, causal):
-    acc = _accumulator(q.dtype.name)
-    s = xp.matmul(q.astype(acc, copy=False), k.astype(acc, copy=False).swapaxes(-1, -2))
-    s *= acc.type(1.0 / math.sqrt(q.shape[-1]))
-    if causal:
-        lq, lk = s.shape[-2:]
-        xp.copyto(s, -xp.inf, where=~xp.tri(lq, lk, lk - lq, dtype=bool))
-    return s
-
-
 def _to_torch(x):
     """A PyTorch tensor sharing ``x``'s memory (NumPy or CuPy; bfloat16 by a uint16 view)."""
     import torch
@@ -314,7 +262,7 @@ def _to_numpy(x) -> np.ndarray:
     if hasattr(x, "detach"):
         x = x.detach()
         return (x.double() if x.dtype.itemsize == 8 else x.float()).cpu().numpy()
-    wide = np.float64 if x.dtype.itemsize == 8 else np.float32
+    wide = accumulator_dtype(x.dtype)
     if not isinstance(x, np.ndarray):
         import cupy
 
@@ -406,12 +354,15 @@ def prepare(impl: str, case: Case, inputs, device: str):
     if impl == "cupyflash-v1":
         from .reference import flash_attention_v1
 
-        sram = _V1_SRAM_BYTES // _accumulator(case.dtype).itemsize
+        sram = _V1_SRAM_BYTES // accumulator_dtype(case.dtype).itemsize
         return (lambda: flash_attention_v1(q, k, v, sram_size=sram, causal=causal)), "fwd_v1"
     if impl in ("numpy-naive", "cupy-naive"):
+        from . import reference
+
         if case.backward:
-            return (lambda: naive_attention_backward(dout, q, k, v, causal=causal)), None
-        return (lambda: naive_attention(q, k, v, causal=causal)), None
+            return (lambda: reference.naive_attention_backward(dout, q, k, v, causal=causal,
+                                                               oracle=False)), None
+        return (lambda: reference.naive_attention(q, k, v, causal=causal, oracle=False)), None
     if impl.startswith("torch-"):
         return _prepare_torch(impl, case, inputs), None
     raise ValueError(f"unknown implementation {impl!r}")
@@ -430,8 +381,6 @@ def _compute_capability() -> int:
 
 def _dmma_gpu() -> bool:
     """Whether the current device is one fwd_dmma runs on (compute capability 8.0 or 9.0)."""
-    from ._arch import DMMA_ARCHS
-
     return _compute_capability() in DMMA_ARCHS
 
 
@@ -722,7 +671,7 @@ def _gemm_dtype(device: str, dtype: str) -> str:
     for every row (the device's headline rate), on the CPU BLAS in the accumulator type."""
     if device == "gpu":
         return "bfloat16"
-    return "float64" if dtype == "float64" else "float32"
+    return accumulator_name(dtype)
 
 
 def _gemm_reference(device: str, dtype: str) -> dict:
@@ -761,7 +710,7 @@ def run_case(case: Case, device: str, *, impls=None, exclude=(), repeat: int, wa
     names = [n for n in implementations(device, case)
              if (impls is None or _selected(n, impls)) and n not in exclude]
     score_bytes = (case.batch * case.heads * case.seqlen_q * case.seqlen_k
-                   * _accumulator(case.dtype).itemsize)
+                   * accumulator_dtype(case.dtype).itemsize)
     reference = None
     rows = []
     for name in names:

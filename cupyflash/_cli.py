@@ -18,9 +18,8 @@ import time
 import numpy as np
 
 import cupyflash
-from cupyflash._bench import naive_attention as naive_for_timing
-from cupyflash._bench import time_call
-from cupyflash.reference import naive_attention
+from cupyflash import reference
+from cupyflash._bench import gpus, time_call
 
 
 def _versions() -> list[tuple[str, str]]:
@@ -36,22 +35,6 @@ def _versions() -> list[tuple[str, str]]:
         except Exception:  # noqa: BLE001 - an optional package that fails to import is "not installed"
             rows.append((name, "not installed"))
     return rows
-
-
-def gpus() -> list[str]:
-    """Names of the CUDA devices CuPy sees (empty without CuPy or a GPU)."""
-    try:
-        import cupy
-
-        n = cupy.cuda.runtime.getDeviceCount()
-        names = []
-        for i in range(n):
-            props = cupy.cuda.runtime.getDeviceProperties(i)
-            name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-            names.append(f"{i}: {name} (sm_{props['major']}{props['minor']})")
-        return names
-    except Exception:  # noqa: BLE001 - no CuPy, no driver or no device all mean "no GPU"
-        return []
 
 
 def _emulator_status() -> tuple[bool, str]:
@@ -78,7 +61,7 @@ def _check_backend(backend: str, rng) -> str:
             out = cupy.asnumpy(cupyflash.attention(*(cupy.asarray(x) for x in (q, k, v)), **case["kw"]))
         else:
             out = cupyflash.attention(q, k, v, backend=backend, **case["kw"])
-        expected = naive_attention(q, k, v, **case["kw"])
+        expected = reference.naive_attention(q, k, v, **case["kw"])
         worst = max(worst, float(np.max(np.abs(out - expected))))
     return "ok" if worst < 1e-4 else f"FAILED (max error {worst:.3g})"
 
@@ -94,7 +77,7 @@ def _timing_table(rng, lengths=(1024, 4096), d=64) -> list[str]:
     for n in lengths:
         q, k, v = (rng.standard_normal((n, d)).astype(np.float32) for _ in range(3))
         t_flash = _median_time(lambda: cupyflash.attention(q, k, v))
-        t_naive = _median_time(lambda: naive_for_timing(q, k, v))
+        t_naive = _median_time(lambda: reference.naive_attention(q, k, v, oracle=False))
         lines.append(f"| {n} | {d} | float32 | {t_flash * 1e3:.1f} | {t_naive * 1e3:.1f} | "
                      f"{t_naive / t_flash:.2f}x |")
     return lines
@@ -112,7 +95,8 @@ def _gpu_timing_table(lengths=(1024, 4096), d=64) -> list[str]:
                        for _ in range(3))
 
             t_f = float(np.median(benchmark(cupyflash.attention, (q, k, v), n_repeat=10).gpu_times))
-            t_n = float(np.median(benchmark(naive_for_timing, (q, k, v), n_repeat=10).gpu_times))
+            t_n = float(np.median(benchmark(reference.naive_attention, (q, k, v), {"oracle": False},
+                                            n_repeat=10).gpu_times))
             lines.append(f"| {n} | {d} | {np.dtype(dtype).name} (8 heads) | {t_f * 1e3:.3f} | "
                          f"{t_n * 1e3:.3f} | {t_n / t_f:.2f}x |")
     return lines
@@ -172,7 +156,8 @@ def check(argv=None) -> int:
 
     if not args.no_timing:
         _note("  (timing: about 10 s)")
-        print("\nTiming, one head, median of 5 (CPU; naive = cupyflash._bench.naive_attention, as in bench):")
+        print("\nTiming, one head, median of 5 (CPU; naive = cupyflash.reference.naive_attention with "
+              "oracle=False, as in bench):")
         print("\n".join(_timing_table(rng)))
         if found:
             print("\nTiming on the GPU (CUDA events, median of 10):")

@@ -30,6 +30,9 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from . import _nvrtc
+from ._dtypes import dtype_name
+from ._nvrtc import COMPILE_OPTIONS
 from ._source import assemble
 
 __all__ = [
@@ -40,13 +43,6 @@ __all__ = [
     "module_source",
     "precompile",
 ]
-
-# Options handed to NVRTC by the loader and (with -arch, -ftz=true and the
-# include paths that CuPy itself adds) by the static report.  No fast-math:
-# the kernels use exp2_approx explicitly where they want it, everything else
-# is IEEE.  CuPy appends -arch=sm_XX for the current device, -ftz=true and
-# its include paths itself, so they are not repeated here.
-COMPILE_OPTIONS: tuple[str, ...] = ("-std=c++17",)
 
 # Dynamic shared memory above this needs cudaFuncAttributeMaxDynamicSharedMemorySize.
 _DEFAULT_DYNAMIC_SMEM_LIMIT = 48 * 1024
@@ -212,12 +208,9 @@ def _compile_arch_specific(entry: str, name_expressions: tuple[str, ...], target
     import hashlib
     import json
 
-    from ._report import _include_options, _nvrtc
-
-    nvrtc = _nvrtc()
+    nvrtc = _nvrtc.compiler()
     source = module_source(entry)
-    options = COMPILE_OPTIONS + _include_options() + (
-        f"-arch={target}", "--device-as-default-execution-space", "-ftz=true")
+    options = _nvrtc.options(target)
     key = hashlib.sha256("\0".join((source, *options, repr(nvrtc.version), *name_expressions))
                          .encode()).hexdigest()[:32]
     directory = _cache_dir()
@@ -445,12 +438,6 @@ def _set_max_dynamic_smem(function, nbytes: int) -> None:
     function.max_dynamic_shared_size_bytes = nbytes
 
 
-def _dtype_name(dtype) -> str:
-    if isinstance(dtype, str) and dtype in ("bfloat16", "bf16"):
-        return "bfloat16"
-    return np.dtype(dtype).name
-
-
 def select(instantiations: Sequence, *, dtypes=None, head_dims=None, families=None) -> list:
     """The catalogue rows :func:`precompile` compiles for the given filters.
 
@@ -469,7 +456,7 @@ def select(instantiations: Sequence, *, dtypes=None, head_dims=None, families=No
     if dtypes is not None:
         if isinstance(dtypes, (str, np.dtype, type)):
             dtypes = [dtypes]
-        wanted = {_dtype_name(d) for d in dtypes}
+        wanted = {dtype_name(d) for d in dtypes}
         rows = [r for r in rows if r.dtype in wanted]
     if head_dims is not None:
         dims = [head_dims] if np.isscalar(head_dims) else list(head_dims)

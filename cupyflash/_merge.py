@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._dtypes import accumulator_dtype
 from ._validation import array_kind, check_output
 
 __all__ = ["merge_attention"]
@@ -145,7 +146,7 @@ def merge_attention(outs, lses, /, *, axis=0, out=None):
     if out is not None:
         check_output(out, "out", result_shape, out_dtype, kind, (outs, lses))
 
-    acc = np.dtype(np.float64) if out_dtype.name == "float64" else np.dtype(np.float32)
+    acc = accumulator_dtype(out_dtype)
     lses = lses.astype(acc, copy=False)
     n = outs.shape[ax]
     if n == 0:

@@ -1,11 +1,12 @@
 """The static kernel report: compile every instantiation offline and read what ptxas made of it.
 
 No GPU is needed.  Each ``cuda_src/`` entry file is compiled once per target
-architecture by NVRTC (the compiler CuPy uses, called here directly through
-ctypes, because CuPy's own compile path wants a device and its ``getCUBIN``
-drops the cubin's last byte), with the loader's options plus what CuPy adds
-itself (``-arch=sm_XX``, ``-ftz=true``, ``--device-as-default-execution-space``
-and its include paths), with ``--ptxas-options=-v`` on.  From the result:
+architecture by NVRTC (the compiler CuPy uses, called directly through
+:mod:`cupyflash._nvrtc`, because CuPy's own compile path wants a device and its
+``getCUBIN`` drops the cubin's last byte), with the loader's options plus what
+CuPy adds itself (``-arch=sm_XX``, ``-ftz=true``,
+``--device-as-default-execution-space`` and its include paths), with
+``--ptxas-options=-v`` on.  From the result:
 
 - the ptxas log per kernel: registers, spill stores/loads, stack frame,
   static shared memory, barriers;
@@ -27,7 +28,6 @@ options), so tests and the CLI compile each module once.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import functools
 import json
 import os
@@ -45,8 +45,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from . import _nvrtc as nvrtc
 from ._arch import SM_LIMITS, SMLimits
-from ._loader import COMPILE_OPTIONS, module_source
+from ._loader import module_source
+from ._nvrtc import NvrtcError
 
 __all__ = [
     "ARCHS",
@@ -116,7 +118,7 @@ def occupancy(arch, *, threads: int, registers: int, shared_bytes: int,
     smem = -(-smem // lim.shared_alloc_unit) * lim.shared_alloc_unit
     if shared_bytes > lim.shared_per_block_optin:
         candidates["shared"] = 0
-    else:
+    elif smem:              # no shared memory at all (none reserved before sm_80): no limit
         candidates["shared"] = lim.shared_per_sm // smem
     if barriers > 0 and lim.barriers_per_block_slot:
         candidates["barriers"] = lim.barriers_per_block_slot * lim.max_blocks_per_sm // barriers
@@ -124,113 +126,18 @@ def occupancy(arch, *, threads: int, registers: int, shared_bytes: int,
     return candidates[limiter], limiter
 
 
-# ---- NVRTC through ctypes --------------------------------------------------------
+# ---- NVRTC (cupyflash._nvrtc) --------------------------------------------------------
 
-
-class NvrtcError(RuntimeError):
-    """NVRTC failed; the message carries its log."""
-
-
-class _Nvrtc:
-    """The few NVRTC entry points the report needs, loaded with cuda.pathfinder."""
-
-    def __init__(self) -> None:
-        path = os.environ.get("CUPYFLASH_NVRTC")
-        if not path:    # CUPYFLASH_NVRTC: another libnvrtc, e.g. the oldest one supported
-            from cuda import pathfinder
-
-            path = pathfinder.load_nvidia_dynamic_lib("nvrtc").abs_path
-        lib = ctypes.CDLL(path)
-        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-        lib.nvrtcGetErrorString.argtypes = [ctypes.c_int]
-        lib.nvrtcCreateProgram.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p,
-                                           ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p,
-                                           ctypes.c_void_p]
-        lib.nvrtcDestroyProgram.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
-        lib.nvrtcAddNameExpression.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-        lib.nvrtcCompileProgram.argtypes = [ctypes.c_void_p, ctypes.c_int,
-                                            ctypes.POINTER(ctypes.c_char_p)]
-        lib.nvrtcGetProgramLogSize.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
-        lib.nvrtcGetProgramLog.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-        lib.nvrtcGetCUBINSize.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
-        lib.nvrtcGetCUBIN.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-        lib.nvrtcGetLoweredName.argtypes = [ctypes.c_void_p, ctypes.c_char_p,
-                                            ctypes.POINTER(ctypes.c_char_p)]
-        self._lib = lib
-        major, minor = ctypes.c_int(), ctypes.c_int()
-        self._check(lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
-        self.version = (major.value, minor.value)
-
-    def _check(self, status: int, what: str, log: str = "") -> None:
-        if status:
-            message = f"{what}: {self._lib.nvrtcGetErrorString(status).decode()}"
-            raise NvrtcError(message + ("\n" + log if log else ""))
-
-    def compile(self, source: str, name_expressions: Sequence[str], options: Sequence[str],
-                filename: str = "kernel.cu") -> tuple[str, bytes, dict[str, str]]:
-        """Compile to a cubin; return (log, cubin, {name expression: mangled name})."""
-        lib = self._lib
-        prog = ctypes.c_void_p()
-        self._check(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(),
-                                           filename.encode(), 0, None, None),
-                    "nvrtcCreateProgram")
-        try:
-            for name in name_expressions:
-                self._check(lib.nvrtcAddNameExpression(prog, name.encode()),
-                            "nvrtcAddNameExpression")
-            opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
-            status = lib.nvrtcCompileProgram(prog, len(options), opts)
-            size = ctypes.c_size_t()
-            self._check(lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size)), "nvrtcGetProgramLogSize")
-            buf = ctypes.create_string_buffer(size.value)
-            self._check(lib.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
-            log = buf.value.decode(errors="replace")
-            self._check(status, f"compiling {filename}", log)
-            self._check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
-            cubin = ctypes.create_string_buffer(size.value)
-            self._check(lib.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-            lowered = {}
-            for name in name_expressions:
-                out = ctypes.c_char_p()
-                self._check(lib.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(out)),
-                            f"nvrtcGetLoweredName({name})")
-                lowered[name] = out.value.decode()
-            return log, cubin.raw, lowered
-        finally:
-            lib.nvrtcDestroyProgram(ctypes.byref(prog))
-
-
-@functools.lru_cache(maxsize=1)
-def _nvrtc() -> _Nvrtc:
-    return _Nvrtc()
-
-
-@functools.lru_cache(maxsize=1)
-def _include_options() -> tuple[str, ...]:
-    """The ``-I`` paths CuPy's RawModule adds (CCCL, CuPy's headers, the CUDA headers)."""
-    try:
-        from cupy._core.core import assemble_cupy_compiler_options
-
-        return tuple(o for o in assemble_cupy_compiler_options(()) if o.startswith("-I"))
-    except Exception:  # no CuPy: the CUDA headers and CCCL where cuda.pathfinder finds them
-        from cuda import pathfinder
-
-        dirs = []
-        for name in ("cccl", "cudart"):
-            try:
-                dirs.append(pathfinder.find_nvidia_header_directory(name))
-            except Exception:
-                pass
-        return tuple(f"-I{d}" for d in dirs if d)
+# Old names of what moved to cupyflash._nvrtc, still imported by tests/test_fwd_wgmma.py
+# and tests/test_gpu_first_contact.py; removed once those import it from there.
+_nvrtc = nvrtc.compiler
+_include_options = nvrtc.include_options
 
 
 def nvrtc_options(arch) -> tuple[str, ...]:
-    """The options the report compiles with for ``arch``: the loader's plus CuPy's own."""
-    nvrtc = _nvrtc()
-    extra = ("--no-cache",) if nvrtc.version >= (12, 9) else ()
-    return (COMPILE_OPTIONS + _include_options()
-            + (f"-arch={_target_name(arch)}", "--device-as-default-execution-space",
-               "-ftz=true", "--ptxas-options=-v") + extra)
+    """The options the report compiles with for ``arch``: the loader's plus CuPy's own,
+    with ptxas's resource report on."""
+    return nvrtc.options(_target_name(arch), ptxas_verbose=True)
 
 
 # ---- ptxas log and SASS -------------------------------------------------------------
@@ -417,7 +324,7 @@ def compile_report(source: str, name_expressions: Iterable[str], arch="sm_80", *
     def build() -> ModuleReport:
         options = nvrtc_options(arch_name)
         start = time.perf_counter()
-        log, cubin, lowered = _nvrtc().compile(source, names, options, filename)
+        log, cubin, lowered = nvrtc.compiler().compile(source, names, options, filename)
         seconds = time.perf_counter() - start
         stats = parse_ptxas_log(log)
         histograms = sections = None
@@ -603,7 +510,7 @@ def main_kernels(argv=None) -> int:
               file=sys.stderr)
         return 2
     try:
-        _nvrtc()
+        nvrtc.compiler()
     except Exception as error:  # ImportError (no cuda-pathfinder), library not found, ...
         print(f"cupyflash kernels: cannot load NVRTC ({type(error).__name__}: {error}); install "
               "the test extra (cuda-pathfinder and the NVRTC/CUDA header wheels)", file=sys.stderr)

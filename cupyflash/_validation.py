@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._dtypes import accumulator_dtype, dtype_name
+
 __all__ = ["Problem", "check_forward", "check_backward", "check_precision", "SUPPORTED_DTYPES"]
 
 BACKENDS = ("auto", "numpy", "cuda", "emulator")
@@ -61,8 +63,7 @@ class Problem:
 
     @property
     def accum_dtype(self) -> np.dtype:
-        # by name: a non-native byte order ('>f8') is float64 too, and != np.float64
-        return np.dtype(np.float64) if self.dtype.name == "float64" else np.dtype(np.float32)
+        return accumulator_dtype(self.dtype)
 
 
 def array_kind(x, name: str) -> str:
@@ -127,20 +128,9 @@ def _describe(dtype) -> str:
     return dtype.name if dtype.isnative else f"{dtype.name} ({dtype.str})"
 
 
-def _dtype_name(dtype) -> str:
-    return np.dtype(dtype).name
-
-
-# dtype -> whether it is one of _FLOAT_KINDS (a dtype's .name is slow to compute per call)
-_supported: dict = {}
-
-
 def _check_dtype(x, name: str) -> np.dtype:
     dtype = np.dtype(x.dtype)
-    ok = _supported.get(dtype)
-    if ok is None:
-        ok = _supported[dtype] = _dtype_name(dtype) in _FLOAT_KINDS
-    if not ok:
+    if dtype_name(dtype) not in _FLOAT_KINDS:
         hint = (f"; convert it first, e.g. {name}.astype(numpy.float32)"
                 if dtype.kind in "iub" else "")
         raise TypeError(f"`{name}` must have dtype {SUPPORTED_DTYPES}, got {dtype.name}{hint}")

@@ -386,10 +386,6 @@ def _array_module(kind: str):
     return cupy
 
 
-def _accum(dtype) -> np.dtype:
-    return np.dtype(np.float64) if np.dtype(dtype).name == "float64" else np.dtype(np.float32)
-
-
 # ---------------------------------------------------------------- the ring
 
 
@@ -506,7 +502,7 @@ def ring_attention(q, k, v, /, *, comm, causal=False, window=None, scale=None, e
 
 def _ring_forward(t, p, total, layout, return_lse):
     xp = _array_module(p.kind)
-    acc = _accum(p.dtype)
+    acc = p.accum_dtype
     q = p.q.astype(acc, copy=False)
     band = _band(p.window_left, p.window_right)
     q_ranges = _ranges(total, t.size, t.rank, layout)
@@ -596,7 +592,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, /, *, comm, causal=False, w
 
 def _ring_backward(t, p, dout, out, lse, total, layout):
     xp = _array_module(p.kind)
-    acc = _accum(p.dtype)
+    acc = p.accum_dtype
     q, dout, out = (x.astype(acc, copy=False) for x in (p.q, dout, out))
     band = _band(p.window_left, p.window_right)
     q_ranges = _ranges(total, t.size, t.rank, layout)

@@ -2,9 +2,12 @@
 
 - :func:`naive_attention` forms the full score matrix in float64 with
   ``scipy.special.softmax``/``logsumexp``.  Every other path is tested
-  against it.
+  against it.  With ``oracle=False`` it is instead the naive attention a user
+  would write with NumPy or CuPy (the arrays' own module, the accumulator type,
+  softmax in place): the baseline ``python -m cupyflash`` and its ``bench`` time.
 - :func:`naive_attention_backward` is its float64 gradient, written out from
-  the softmax Jacobian.
+  the softmax Jacobian (and, with ``oracle=False``, the same products as a user
+  would write them).
 - :func:`flash_attention_v1` is a literal transcription of Algorithm 1 of
   Dao et al., "FlashAttention: Fast and Memory-Efficient Exact Attention with
   IO-Awareness" (2022), for teaching and as an independent check.  Given CuPy
@@ -20,6 +23,7 @@ import typing
 import numpy as np
 import scipy.special
 
+from ._dtypes import accumulator_dtype
 from ._validation import check_forward
 
 __all__ = ["naive_attention", "naive_attention_backward", "flash_attention_v1"]
@@ -31,6 +35,10 @@ __all__ = ["naive_attention", "naive_attention_backward", "flash_attention_v1"]
 # broadcasting and grouping of heads), so that a mistake in cupyflash._validation, which every
 # backend shares, cannot hide by being made twice.  It trusts its caller: arguments the
 # library would reject give an error here too, though not necessarily the same one.
+#
+# The same reading serves the naive attention as a user would write it (oracle=False): the
+# arrays' own module (NumPy or CuPy), the accumulator type instead of float64, the softmax in
+# place on the one score matrix.  Only the arithmetic differs; the oracle's is unchanged.
 
 
 class _Oracle(typing.NamedTuple):
@@ -38,7 +46,7 @@ class _Oracle(typing.NamedTuple):
     k: np.ndarray        # float64, (*batch, Lk, d): each query head's own kv head
     v: np.ndarray        # float64, (*batch, Lk, dv)
     scale: float
-    visible: np.ndarray  # bool (Lq, Lk): query i may attend to key j
+    visible: np.ndarray | None  # bool (Lq, Lk): query i may attend to key j; None: every key
     kv_head: np.ndarray | None   # under GQA, the kv head (axis -3 of k, v) of each query head
     kv_heads: int                # under GQA, how many kv heads there are
 
@@ -53,18 +61,23 @@ def _bounds(causal, window):
     return left, right
 
 
-def _visible(lq, lk, causal, window):
+def _visible(lq, lk, causal, window, xp=np):
     """Query i sits at key position i + Lk - Lq (bottom-right alignment) and sees key j
     when j is no more than ``left`` keys before it and no more than ``right`` after."""
     left, right = _bounds(causal, window)
-    i = np.arange(lq)[:, None]
-    j = np.arange(lk)[None, :]
+    i = xp.arange(lq)[:, None]
+    j = xp.arange(lk)[None, :]
     offset = lk - lq
-    ok = np.full((lq, lk), True)
+    bounds = []                 # each an (Lq, Lk) array: the naive peer's memory counts them
     if left is not None:
-        ok &= j >= i + offset - left
+        bounds.append(j >= i + offset - left)
     if right is not None:
-        ok &= j <= i + offset + right
+        bounds.append(j <= i + offset + right)
+    if not bounds:
+        return xp.full((lq, lk), True)
+    ok = bounds.pop(0)
+    for bound in bounds:
+        ok &= bound
     return ok
 
 
@@ -81,8 +94,20 @@ def _common_shape(*shapes):
     return tuple(out)
 
 
-def _oracle(q, k, v, scale, causal, window, enable_gqa):
-    q, k, v = (np.asarray(x).astype(np.float64) for x in (q, k, v))
+def _array_module(x):
+    """CuPy for a CuPy array, NumPy for anything else (NumPy arrays, lists, ...)."""
+    if type(x).__module__.split(".")[0] == "cupy":
+        import cupy
+
+        return cupy
+    return np
+
+
+def _oracle(q, k, v, scale, causal, window, enable_gqa, xp=np, dtype=np.float64, masks=True):
+    """The arguments read as the oracle reads them: q, k, v as ``dtype`` arrays of ``xp``
+    broadcast to one batch shape, and the mask (None for ``masks=False`` when nothing is
+    masked)."""
+    q, k, v = (xp.asarray(x).astype(dtype, copy=False) for x in (q, k, v))
     if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
         raise ValueError(f"shapes do not fit: q {q.shape}, k {k.shape}, v {v.shape}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -94,11 +119,15 @@ def _oracle(q, k, v, scale, causal, window, enable_gqa):
         kv_head = np.arange(hq) // (hq // hkv)        # query head h reads kv head h // group
         outer = _common_shape(q.shape[:-3], k.shape[:-3], v.shape[:-3])
         batch = outer + (hq,)
-        k, v = (np.take(np.broadcast_to(x, outer + (hkv,) + x.shape[-2:]), kv_head, axis=-3) for x in (k, v))
+        k, v = (xp.take(xp.broadcast_to(x, outer + (hkv,) + x.shape[-2:]), xp.asarray(kv_head), axis=-3)
+                for x in (k, v))
     else:
         batch = _common_shape(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    q, k, v = (np.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v))
-    return _Oracle(q, k, v, scale, _visible(q.shape[-2], k.shape[-2], causal, window), kv_head, hkv)
+    q, k, v = (xp.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v))
+    visible = None
+    if masks or _bounds(causal, window) != (None, None):
+        visible = _visible(q.shape[-2], k.shape[-2], causal, window, xp)
+    return _Oracle(q, k, v, scale, visible, kv_head, hkv)
 
 
 def _probabilities(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=False):
@@ -117,17 +146,20 @@ def _probabilities(q, k, v, /, *, scale=None, causal=False, window=None, enable_
 def _reduce_to(grad, like, kv_head=None, kv_heads=0):
     """The gradient ``grad`` of a broadcast (and, under GQA, head-gathered) operand summed
     back onto the operand's own shape ``like``."""
-    if kv_head is not None:       # every query head's part onto the kv head it read
-        heads = np.zeros(grad.shape[:-3] + (kv_heads,) + grad.shape[-2:])
-        np.add.at(heads, (Ellipsis, kv_head, slice(None), slice(None)), grad)
+    if kv_head is not None:       # every query head's part onto the kv head it read, in order
+        heads = _array_module(grad).zeros(grad.shape[:-3] + (kv_heads,) + grad.shape[-2:], grad.dtype)
+        for h, kv in enumerate(kv_head.tolist()):
+            heads[..., kv, :, :] += grad[..., h, :, :]
         grad = heads
+    if grad.shape == tuple(like):
+        return grad
     grad = grad.sum(axis=tuple(range(grad.ndim - len(like))))
     axes = tuple(a for a, n in enumerate(like) if n == 1 and grad.shape[a] != 1)
     return grad.sum(axis=axes, keepdims=True)
 
 
 def naive_attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=False,
-                    return_lse=False):
+                    return_lse=False, oracle=True):
     """Attention computed the obvious way, in float64: the oracle.
 
     Forms the full ``(..., Lq, Lk)`` score matrix, so it needs O(Lq·Lk)
@@ -136,10 +168,22 @@ def naive_attention(q, k, v, /, *, scale=None, causal=False, window=None, enable
     the library's argument checks: its mask rule, default scale, broadcasting
     and head grouping are written out here a second time.
 
+    Parameters
+    ----------
+    q, k, v, scale, causal, window, enable_gqa, return_lse
+        As in :func:`cupyflash.attention`.
+    oracle : bool, default True
+        False: not the oracle but naive attention as a user would write it --
+        with the arrays' own module (NumPy or CuPy), scores in the accumulator
+        type (float64 for float64 inputs, float32 for the others), the softmax
+        done in place on the one score matrix, the result in q's dtype and the
+        lse in the accumulator type.  This is the naive peer that
+        ``python -m cupyflash`` and ``python -m cupyflash bench`` time.
+
     Returns
     -------
     out : numpy.ndarray
-        ``(..., Lq, dv)`` float64.
+        ``(..., Lq, dv)`` float64 (``oracle=False``: q's dtype and array type).
     lse : numpy.ndarray
         ``(..., Lq)`` float64, only if ``return_lse``.
 
@@ -151,15 +195,60 @@ def naive_attention(q, k, v, /, *, scale=None, causal=False, window=None, enable
     >>> naive_attention(q, k, v, scale=0.0)        # uniform weights
     array([[0.5, 0.5],
            [0.5, 0.5]])
+
+    As a user would write it, in float32 for float32 inputs:
+
+    >>> naive_attention(*(x.astype(np.float32) for x in (q, k, v)), scale=0.0, oracle=False)
+    array([[0.5, 0.5],
+           [0.5, 0.5]], dtype=float32)
     """
+    _check_oracle(oracle)
+    if not oracle:
+        p, lse, o = _as_written(q, k, v, scale, causal, window, enable_gqa)
+        out = _array_module(p).matmul(p, o.v).astype(_dtype_of(q), copy=False)
+        return (out, lse) if return_lse else out
     _, p, lse, o = _probabilities(q, k, v, scale=scale, causal=causal, window=window,
                                   enable_gqa=enable_gqa)
     out = np.matmul(p, o.v)
     return (out, lse) if return_lse else out
 
 
+def _check_oracle(oracle):
+    if not isinstance(oracle, (bool, np.bool_)):
+        raise TypeError(f"`oracle` must be a bool, got {type(oracle).__name__}")
+
+
+def _dtype_of(x):
+    return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
+def _as_written(q, k, v, scale, causal, window, enable_gqa):
+    """Naive attention as a user would write it (``oracle=False``): the probabilities
+    (softmax in place on the scaled, masked scores), the lse, both in the accumulator
+    type of q's dtype, and the operands, read as the oracle reads them."""
+    xp = _array_module(q)
+    acc = accumulator_dtype(_dtype_of(q))
+    o = _oracle(q, k, v, scale, causal, window, enable_gqa, xp=xp, dtype=acc, masks=False)
+    s = xp.matmul(o.q, o.k.swapaxes(-1, -2))
+    s *= acc.type(o.scale)
+    if o.visible is not None:   # the mask is the peer's own: negated in place
+        xp.copyto(s, -xp.inf, where=xp.logical_not(o.visible, out=o.visible))
+    if s.shape[-1]:
+        top = s.max(axis=-1, keepdims=True)
+        top = xp.where(top == -xp.inf, acc.type(0), top)   # a row with no admissible key
+    else:                                                   # (or no key at all)
+        top = xp.zeros(s.shape[:-1] + (1,), acc)
+    s -= top
+    xp.exp(s, out=s)
+    total = s.sum(axis=-1, keepdims=True)
+    s /= xp.where(total > 0, total, acc.type(1))          # ... is all zeros, never NaN
+    with np.errstate(divide="ignore"):
+        lse = (top + xp.log(total))[..., 0]
+    return s, lse, o
+
+
 def naive_attention_backward(dout, q, k, v, /, *, scale=None, causal=False, window=None,
-                             enable_gqa=False):
+                             enable_gqa=False, oracle=True):
     """Gradients of :func:`naive_attention` in float64: ``(dq, dk, dv)``.
 
     dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dO ∘ O)), dQ = scale·dS K,
@@ -172,11 +261,18 @@ def naive_attention_backward(dout, q, k, v, /, *, scale=None, causal=False, wind
         Gradient of the loss with respect to the attention output.
     q, k, v, scale, causal, window, enable_gqa
         As in :func:`cupyflash.attention`.
+    oracle : bool, default True
+        False: the backward as a user would write it, the peer of
+        ``naive_attention(..., oracle=False)``: the probabilities recomputed in
+        the accumulator type with the arrays' own module, then four products
+        (rowsum(dO ∘ O) taken as rowsum(P ∘ dP), which needs no O), the
+        gradients in q's dtype.
 
     Returns
     -------
     dq, dk, dv : numpy.ndarray
-        float64, with the shapes of q, k and v.
+        float64, with the shapes of q, k and v (``oracle=False``: q's dtype and
+        array type).
 
     Examples
     --------
@@ -194,6 +290,9 @@ def naive_attention_backward(dout, q, k, v, /, *, scale=None, causal=False, wind
     array([[0., 0.],
            [0., 0.]])
     """
+    _check_oracle(oracle)
+    if not oracle:
+        return _as_written_backward(dout, q, k, v, scale, causal, window, enable_gqa)
     _, p, _, o = _probabilities(q, k, v, scale=scale, causal=causal, window=window,
                                 enable_gqa=enable_gqa)
     do = np.broadcast_to(np.asarray(dout).astype(np.float64), p.shape[:-1] + (o.v.shape[-1],))
@@ -205,6 +304,23 @@ def naive_attention_backward(dout, q, k, v, /, *, scale=None, causal=False, wind
     dk = np.matmul(np.swapaxes(ds, -1, -2), o.q) * o.scale
     return (_reduce_to(dq, np.shape(q)), _reduce_to(dk, np.shape(k), o.kv_head, o.kv_heads),
             _reduce_to(dv, np.shape(v), o.kv_head, o.kv_heads))
+
+
+def _as_written_backward(dout, q, k, v, scale, causal, window, enable_gqa):
+    p, _, o = _as_written(q, k, v, scale, causal, window, enable_gqa)
+    xp, acc = _array_module(p), p.dtype
+    do = xp.broadcast_to(xp.asarray(dout).astype(acc, copy=False), p.shape[:-1] + (o.v.shape[-1],))
+    dv = xp.matmul(p.swapaxes(-1, -2), do)
+    ds = xp.matmul(do, o.v.swapaxes(-1, -2))                # dP, then in place dS
+    ds -= (p * ds).sum(axis=-1, keepdims=True)             # rowsum(P ∘ dP) = rowsum(dO ∘ O)
+    ds *= p
+    ds *= acc.type(o.scale)
+    dq = xp.matmul(ds, o.k)
+    dk = xp.matmul(ds.swapaxes(-1, -2), o.q)
+    dtype = _dtype_of(q)
+    return (_reduce_to(dq, np.shape(q)).astype(dtype, copy=False),
+            _reduce_to(dk, np.shape(k), o.kv_head, o.kv_heads).astype(dtype, copy=False),
+            _reduce_to(dv, np.shape(v), o.kv_head, o.kv_heads).astype(dtype, copy=False))
 
 
 def _window_mask(problem):

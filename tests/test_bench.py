@@ -36,15 +36,45 @@ def test_cases_are_the_product_of_the_options_forward_first():
     assert {(c.seqlen_q, c.seqlen_k) for c in got} == {(64, 64), (128, 128)}
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_naive_peers_match_the_oracle(causal):
+# (Lq, Lk, options): the bench's cases, and every other argument the oracle takes --
+# a window, GQA with broadcast batch dims, rows that see no key (causal with Lq > Lk)
+NAIVE_CASES = [(5, 9, dict()), (5, 9, dict(causal=True)), (9, 5, dict(causal=True, window=(1, None))),
+               (6, 7, dict(window=(2, 1), enable_gqa=True, scale=0.3))]
+
+
+@pytest.mark.parametrize("lq, lk, kw", NAIVE_CASES, ids=["plain", "causal", "empty-rows", "window-gqa"])
+def test_naive_peer_as_written_matches_the_oracle(lq, lk, kw):
+    """naive_attention(..., oracle=False), the peer bench and the check time: float64
+    inputs computed in float64, so within a few rounding errors of the oracle."""
     rng = np.random.default_rng(1)
-    q, k, v, do = (rng.standard_normal((2, 3, n, 8)) for n in (5, 9, 9, 5))
-    np.testing.assert_allclose(_bench.naive_attention(q, k, v, causal=causal),
-                               naive_attention(q, k, v, causal=causal), atol=1e-12)
-    for got, want in zip(_bench.naive_attention_backward(do, q, k, v, causal=causal),
-                         naive_attention_backward(do, q, k, v, causal=causal)):
+    gqa = kw.get("enable_gqa", False)
+    q, do = (rng.standard_normal((2, 4 if gqa else 3, lq, 8)) for _ in range(2))
+    k, v = (rng.standard_normal((1, 2 if gqa else 3, lk, 8)) for _ in range(2))
+    out, lse = naive_attention(q, k, v, return_lse=True, oracle=False, **kw)
+    want, want_lse = naive_attention(q, k, v, return_lse=True, **kw)
+    np.testing.assert_allclose(out, want, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, atol=1e-12)        # -inf where a row sees no key
+    grads = naive_attention_backward(do, q, k, v, oracle=False, **kw)
+    for got, want, x in zip(grads, naive_attention_backward(do, q, k, v, **kw), (q, k, v)):
+        assert got.shape == x.shape
         np.testing.assert_allclose(got, want, atol=1e-12)
+
+
+def test_naive_peer_as_written_computes_in_the_accumulator_type():
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((2, 6, 8)).astype(np.float16) for _ in range(3))
+    out, lse = naive_attention(q, k, v, return_lse=True, oracle=False)
+    assert out.dtype == np.float16 and lse.dtype == np.float32
+    grads = naive_attention_backward(q, q, k, v, oracle=False)
+    assert [g.dtype for g in grads] == [np.float16] * 3
+    # float32 scores: not the float64 oracle rounded once, but close to it
+    want = naive_attention(q, k, v)
+    assert not np.array_equal(naive_attention(*(x.astype(np.float32) for x in (q, k, v)), oracle=False),
+                              want.astype(np.float32))
+    # float16 output: within half an ulp (2**-11 relative) of float32 sums of six O(1) terms
+    np.testing.assert_allclose(out, want, rtol=2**-11, atol=1e-5)
+    with pytest.raises(TypeError, match="oracle"):
+        naive_attention(q, k, v, oracle="no")
 
 
 def test_random_inputs_are_the_same_for_every_dtype_and_never_zero():

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
-from cupyflash import _bench, _cli, _report
+from cupyflash import _bench, _cli, _report, reference
 
 
 def test_help_lists_every_subcommand_with_one_line(capsys):
@@ -20,8 +21,24 @@ def test_help_lists_every_subcommand_with_one_line(capsys):
             f"{name} missing from --help:\n{out}"
 
 
-def test_the_check_times_the_naive_attention_bench_times():
-    assert _cli.naive_for_timing is _bench.naive_attention
+def test_the_check_times_the_naive_attention_bench_times(monkeypatch):
+    """Both time the oracle's module as a user would write it (``oracle=False``), not
+    the float64 oracle and not a copy of their own."""
+    calls = []
+    as_written = reference.naive_attention
+
+    def spy(*args, **kw):
+        calls.append(kw.get("oracle", True))
+        return as_written(*args, **kw)
+
+    monkeypatch.setattr(reference, "naive_attention", spy)
+    monkeypatch.setattr(_cli, "_median_time", lambda fn, repeat=5: (fn(), 1.0)[1])
+    _cli._timing_table(np.random.default_rng(0), lengths=(16,), d=8)
+    assert calls == [False]
+    case = _bench.Case("float32", 1, 2, 16, 16, 8)
+    fn, _ = _bench.prepare("numpy-naive", case, _bench.random_inputs(case), "cpu")
+    fn()
+    assert calls == [False, False]
 
 
 def _fake_report(archs, rows_in, *, sass=True, sass_text=False, progress=None):

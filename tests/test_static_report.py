@@ -22,7 +22,7 @@ import pytest
 
 from _util import on_ci
 
-from cupyflash import _report, _source
+from cupyflash import _nvrtc, _report, _source
 from cupyflash._report import main_kernels
 from cupyflash._loader import module_source
 
@@ -215,7 +215,7 @@ def test_nvrtc_gets_the_assembled_source_with_every_header(monkeypatch):
             seen[filename] = (source, options)
             raise _report.NvrtcError("recorded")
 
-    monkeypatch.setattr(_report, "_nvrtc", lambda: Recorder())
+    monkeypatch.setattr(_nvrtc, "compiler", lambda: Recorder())
     insts = instantiations()
     for entry in {i.entry for i in insts}:
         # sm_86 (sm_90, i.e. sm_90a, for the sm_90a-only entry): compiled by the fixtures
@@ -260,15 +260,15 @@ _OCC_PROGRAM = r"""
 #include "cuda_occupancy.h"
 int main() {
     int major, minor, max_threads, threads, regs, barriers;
-    long smem_sm, optin, smem_static, smem_dyn;
-    while (scanf("%d %d %d %ld %ld %d %d %ld %ld %d", &major, &minor, &max_threads, &smem_sm,
-                 &optin, &threads, &regs, &smem_static, &smem_dyn, &barriers) == 10) {
+    long smem_sm, optin, reserved, smem_static, smem_dyn;
+    while (scanf("%d %d %d %ld %ld %ld %d %d %ld %ld %d", &major, &minor, &max_threads, &smem_sm,
+                 &optin, &reserved, &threads, &regs, &smem_static, &smem_dyn, &barriers) == 11) {
         cudaOccDeviceProp p{};
         p.computeMajor = major; p.computeMinor = minor; p.maxThreadsPerBlock = 1024;
         p.maxThreadsPerMultiprocessor = max_threads; p.regsPerBlock = 65536;
         p.regsPerMultiprocessor = 65536; p.warpSize = 32; p.sharedMemPerBlock = 48 * 1024;
         p.sharedMemPerMultiprocessor = smem_sm; p.numSms = 1; p.sharedMemPerBlockOptin = optin;
-        p.reservedSharedMemPerBlock = 1024;
+        p.reservedSharedMemPerBlock = reserved;
         cudaOccFuncAttributes a{};
         a.maxThreadsPerBlock = 1024; a.numRegs = regs; a.sharedSizeBytes = smem_static;
         a.partitionedGCConfig = PARTITIONED_GC_OFF; a.shmemLimitConfig = FUNC_SHMEM_LIMIT_OPTIN;
@@ -307,7 +307,8 @@ def test_occupancy_matches_cuda_occupancy_header(tmp_path):
     for arch, threads, regs, st, dyn, bars in cases:
         lim = _report.SM_LIMITS[arch]
         lines.append(f"{arch // 10} {arch % 10} {lim.max_threads_per_sm} {lim.shared_per_sm} "
-                     f"{lim.shared_per_block_optin} {threads} {regs} {st} {dyn} {bars}")
+                     f"{lim.shared_per_block_optin} {lim.shared_reserved_per_block} {threads} {regs} {st} "
+                     f"{dyn} {bars}")
     done = subprocess.run([str(tmp_path / "occ")], input="\n".join(lines), capture_output=True,
                           text=True, check=True)
     expected = [int(x) for x in done.stdout.split()]

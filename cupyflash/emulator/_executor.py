@@ -13,16 +13,11 @@ import threading
 
 import numpy as np
 
+from .._arch import multiprocessors as representative_multiprocessors
+from .._arch import sm_limits
 from ._build import EmulatorError, ModuleCache, find_toolchain, symbolize
 
 __all__ = ["EmulatorExecutor", "emulator_available"]
-
-# Largest dynamic shared memory per block (bytes), by compute capability.
-_MAX_SMEM = {70: 98304, 75: 65536, 80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448,
-             120: 101376}
-# SM count the emulated GPU is taken to have (the forward's split-KV heuristic):
-# A100, RTX 3090, RTX 4090, H100 SXM for their compute capabilities.
-_MULTIPROCESSORS = {80: 108, 86: 82, 89: 128, 90: 132}
 
 _ERRBUF_BYTES = 16384
 
@@ -135,8 +130,10 @@ class EmulatorExecutor:
     Parameters
     ----------
     arch : int, optional
-        Compute capability the launch is checked against (80 = sm_80); it
-        only bounds the dynamic shared memory and is passed on for dispatch.
+        Compute capability the launch is checked against (80 = sm_80, 7.0 or
+        later); it only bounds the dynamic shared memory (its
+        ``cupyflash._arch.sm_limits`` opt-in limit) and is passed on for
+        dispatch.
     seed : int, optional
         Seeds the order in which threads run between barriers and the order
         of the blocks.
@@ -199,7 +196,7 @@ class EmulatorExecutor:
         self.accumulation = "exact" if self._accum[0] == _ACCUM_EXACT else f"truncate:{self._accum[1]}"
         self.arch = int(arch)
         if multiprocessors is None:
-            multiprocessors = _MULTIPROCESSORS.get(self.arch, _MULTIPROCESSORS[80])
+            multiprocessors = representative_multiprocessors(self.arch)
         if int(multiprocessors) < 1:
             raise ValueError(f"multiprocessors: expected a positive SM count, got {multiprocessors!r}")
         self.multiprocessors = int(multiprocessors)
@@ -207,10 +204,8 @@ class EmulatorExecutor:
         self.shuffle = bool(shuffle)
         self.race_check = bool(race_check)
         self.stack_bytes = int(stack_bytes)
-        known = [a for a in sorted(_MAX_SMEM) if a <= self.arch]
-        if not known:
-            raise ValueError(f"arch: expected a compute capability >= 70 (e.g. 80), got {arch!r}")
-        self.max_shared_mem = _MAX_SMEM[known[-1]]
+        # the largest dynamic shared memory a block may opt in to
+        self.max_shared_mem = sm_limits(self.arch).shared_per_block_optin
         self._cache = _module_cache()
 
     def __repr__(self) -> str:

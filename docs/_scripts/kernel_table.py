@@ -203,9 +203,9 @@ def _provenance() -> str:
     nvrtc = "unknown"
     try:
         sys.path.insert(0, str(ROOT))
-        from cupyflash._report import _nvrtc
+        from cupyflash._nvrtc import compiler
 
-        nvrtc = ".".join(map(str, _nvrtc().version))
+        nvrtc = ".".join(map(str, compiler().version))
     except Exception:  # noqa: BLE001 - provenance only
         pass
     state = f"commit {commit}" + (" with uncommitted kernel changes" if dirty else "")
