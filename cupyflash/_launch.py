@@ -36,7 +36,15 @@ _SPLIT_MAX_WAVES = 4
 def ctas_per_sm(inst: Instantiation, arch: int) -> int:
     """CTAs of ``inst`` one SM holds at once on compute capability ``arch``: the kernel's
     own occupancy target (its ``__launch_bounds__`` minimum, which caps the registers)
-    bounded by the SM's shared memory -- an estimate for :func:`num_splits`."""
+    bounded by the SM's shared memory -- an estimate for :func:`num_splits`.
+
+    Raises
+    ------
+    ValueError
+        ``inst`` is not of a family that splits keys (:attr:`Family.split_kv`).
+    """
+    if not inst.family.split_kv:
+        raise ValueError(f"no split-KV for kernel family {inst.family.name!r}")
     limits = sm_limits(arch)
     shared = inst.family.shared_bytes(inst) + limits.shared_reserved_per_block
     return max(1, min(inst.family.min_ctas_per_sm(inst), limits.shared_per_sm // shared))

@@ -22,6 +22,7 @@ k and v (and casting to the input dtype) is the caller's job.
 from __future__ import annotations
 
 import importlib
+from dataclasses import replace
 
 import numpy as np
 
@@ -108,7 +109,8 @@ def forward(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio, e
     executor.launch(row.entry, row.name_expression, *row.family.launch_config(row, sizes), params)
     if splits > 1:   # fwd_combine merges the partials into out and lse
         (combine,) = FWD_COMBINE.plan(call, executor.arch, options)
-        executor.launch(combine.entry, combine.name_expression, *FWD_COMBINE.launch_config(combine, sizes), params)
+        one_row = replace(sizes, num_splits=1)   # it merges the splits: one grid row
+        executor.launch(combine.entry, combine.name_expression, *FWD_COMBINE.launch_config(combine, one_row), params)
 
 
 def forward_v1(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio, sram_size,

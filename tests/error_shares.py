@@ -6,7 +6,8 @@ the largest ratio of error to bound under the rule the tests apply to that famil
 
 - forward, float32/float64 (and the 16-bit dtypes on the SIMT kernels and the CPU
   path): the tolerance table of tests/_util.py;
-- forward, 16-bit on the tensor cores: tests/test_fwd_mma.py's check_against_oracle;
+- forward, 16-bit on the tensor cores: HALF_FORWARD_FACTOR times naive_half_attention's
+  error plus one rounding (tests/_util.py);
 - backward, float32/float64: assert_within_term_bound's 32 eps per term size;
 - backward, 16-bit: assert_within_yardstick (1.25 times naive_half_backward's error).
 """
@@ -35,14 +36,14 @@ def _inputs(dtype, seed=0):
     return q, k, v, rng
 
 
-def forward_share(dtype, backend, precision="ieee", rule="table"):
-    import cupyflash
-    from _util import TOLERANCE
+def forward_share(dtype, backend, precision="ieee", rule="table", options=None):
+    from _util import HALF_FORWARD_FACTOR, HALF_UNIT_ROUNDOFF, TOLERANCE, naive_half_attention
+    from cupyflash._api import run_attention
     from cupyflash.reference import naive_attention
-    from test_fwd_mma import HALF_FORWARD_FACTOR, HALF_UNIT_ROUNDOFF, naive_half_attention
 
     q, k, v, _ = _inputs(dtype)
-    out = cupyflash.attention(q, k, v, causal=True, backend=backend, precision=precision).astype(np.float64)
+    out = run_attention(q, k, v, causal=True, backend=backend, precision=precision,
+                        options=options).astype(np.float64)
     ref = naive_attention(q, k, v, causal=True)
     err = np.abs(out - ref)
     if rule == "table":
@@ -54,18 +55,19 @@ def forward_share(dtype, backend, precision="ieee", rule="table"):
     return float(err.max() / bound)
 
 
-def backward_share(dtype, backend, precision="ieee"):
+def backward_share(dtype, backend, precision="ieee", options=None):
     import cupyflash
     from _backward_util import (HALF_YARDSTICK_FACTOR, _HALF_UNIT_ROUNDOFF, backward_term_sizes,
                                 naive_half_backward)
     from _util import random_array
+    from cupyflash._api import run_attention_backward
     from cupyflash.reference import naive_attention_backward
 
     q, k, v, rng = _inputs(dtype)
     out, lse = cupyflash.attention(q, k, v, causal=True, return_lse=True)
     dout = random_array(rng, out.shape, dtype)
-    grads = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True, backend=backend,
-                                         precision=precision)
+    grads = run_attention_backward(dout, q, k, v, out, lse, causal=True, backend=backend,
+                                   precision=precision, options=options)
     expected = naive_attention_backward(dout, q, k, v, causal=True)
     shares = []
     if np.dtype(dtype).itemsize == 2:
@@ -85,25 +87,25 @@ def backward_share(dtype, backend, precision="ieee"):
 
 
 @contextlib.contextmanager
-def sm90_wgmma_and_dmma():
-    from cupyflash import _dispatch, _gpu
+def sm90_emulator():
+    """The emulator backend as an sm_90 (the wgmma and FP64 tensor-core rows exist there)."""
+    from cupyflash import _dispatch
     from cupyflash.emulator import EmulatorExecutor
 
     key = ("emulator",)
-    saved = _dispatch._executors.get(key), _gpu.wgmma_override, _gpu.dmma_override
+    saved = _dispatch._executors.get(key)
     _dispatch._executors[key] = EmulatorExecutor(arch=90, seed=90, shuffle=True, race_check=True)
-    _gpu.wgmma_override = _gpu.dmma_override = True
     try:
         yield
     finally:
         _dispatch._executors.pop(key)
-        if saved[0] is not None:
-            _dispatch._executors[key] = saved[0]
-        _gpu.wgmma_override, _gpu.dmma_override = saved[1:]
+        if saved is not None:
+            _dispatch._executors[key] = saved
 
 
 def main():
     from _util import bfloat16
+    from cupyflash._options import KernelOptions
 
     f16, f32, f64 = np.float16, np.float32, np.float64
     rows = [
@@ -121,18 +123,19 @@ def main():
         ("bwd_tf32, tf32x3", "float32", "term bound",
          lambda: [backward_share(f32, "emulator", "tf32x3")]),
     ]
+    on = KernelOptions(wgmma=True, dmma=frozenset({"float64"}))   # the opt-in sm_90 kernels
     wgmma = [
         ("fwd_wgmma (sm_90)", "float16 / bfloat16", "yardstick x 1.25 + rounding",
-         lambda: [forward_share(d, "emulator", rule="mma") for d in (f16, bfloat16)]),
-        ("fwd_dmma (sm_90)", "float64", "table", lambda: [forward_share(f64, "emulator")]),
+         lambda: [forward_share(d, "emulator", rule="mma", options=on) for d in (f16, bfloat16)]),
+        ("fwd_dmma (sm_90)", "float64", "table", lambda: [forward_share(f64, "emulator", options=on)]),
         ("bwd_wgmma (sm_90)", "float16 / bfloat16", "yardstick x 1.25",
-         lambda: [backward_share(d, "emulator") for d in (f16, bfloat16)]),
-        ("bwd_dmma (sm_90)", "float64", "term bound", lambda: [backward_share(f64, "emulator")]),
+         lambda: [backward_share(d, "emulator", options=on) for d in (f16, bfloat16)]),
+        ("bwd_dmma (sm_90)", "float64", "term bound", lambda: [backward_share(f64, "emulator", options=on)]),
     ]
     print("| family | dtypes | rule | share of the bound |\n|---|---|---|---|")
     for name, dtypes, rule, run in rows:
         print(f"| {name} | {dtypes} | {rule} | {' / '.join(f'{x:.2g}' for x in run())} |", flush=True)
-    with sm90_wgmma_and_dmma():
+    with sm90_emulator():
         for name, dtypes, rule, run in wgmma:
             print(f"| {name} | {dtypes} | {rule} | {' / '.join(f'{x:.2g}' for x in run())} |", flush=True)
 

@@ -215,51 +215,49 @@ def test_gpu_warm_up_is_by_time_as_well_as_by_count():
     assert keep_busy(lambda: calls.append(1), lambda: None, calls=7, seconds=0.0) == 7
 
 
-def test_gpu_variants_name_catalogue_rows(monkeypatch, request):
-    """benchmarks/gpu_variants.py swaps each tile into the catalogue: every variant must
-    yield its kernels (one fwd_mma row; bwd_mma's dK/dV and dQ rows), and every one
-    must compile for sm_90 without spills (what the sweep times is what CI checks)."""
-    import copy
+def test_gpu_variants_name_catalogue_rows():
+    """benchmarks/gpu_variants.py runs each tile as a family with that tile
+    (``family.with_tiles``): every variant must yield its kernels (one fwd_mma row;
+    bwd_mma's dK/dV and dQ rows), and every one must compile for sm_90 without spills
+    (what the sweep times is what CI checks)."""
     import importlib.util
     from pathlib import Path
 
-    from cupyflash import _kernels, _report
+    from cupyflash import _report
     from cupyflash._loader import module_source
 
-    for name in ("_MMA_TILES", "_BWD_MMA_TILES", "_WGMMA_TILES", "_BWD_WGMMA_TILES", "_SIMT_TILES",
-                 "_BWD_SIMT_TILES", "_DMMA_TILES", "_BWD_DMMA_TILES", "_TF32_TILES"):
-        monkeypatch.setattr(_kernels, name, copy.deepcopy(getattr(_kernels, name)))
-    monkeypatch.setattr(_kernels, "_BWD_MMA_OWN", _kernels._BWD_MMA_OWN)
-    monkeypatch.setattr(_kernels, "_BWD_MMA_WARPS", _kernels._BWD_MMA_WARPS)
-    request.addfinalizer(_kernels.refresh)   # runs before the tables are restored
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_variants.py"
     spec = importlib.util.spec_from_file_location("gpu_variants", path)
     variants = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(variants)
-    # bwd_wgmma: dK/dV and dQ, then the atomic-dQ dK/dV kernel
-    families = {"fwd": ["fwd_mma"], "bwd": ["bwd_mma"] * 2, "wfwd": ["fwd_wgmma"], "wbwd": ["bwd_wgmma"] * 3,
-                "sfwd": ["fwd_simt"], "sbwd": ["bwd_simt"] * 3,   # bwd_simt: delta, dK/dV, dQ
+    # a backward: bwd_simt's delta kernel, then dK/dV and dQ (bwd_wgmma: then the atomic-dQ dK/dV kernel)
+    families = {"fwd": ["fwd_mma"], "bwd": ["bwd_simt"] + ["bwd_mma"] * 2, "wfwd": ["fwd_wgmma"],
+                "wbwd": ["bwd_simt"] + ["bwd_wgmma"] * 3, "sfwd": ["fwd_simt"], "sbwd": ["bwd_simt"] * 3,
                 "dfwd": ["fwd_dmma"], "dbwd": ["bwd_simt", "bwd_dmma", "bwd_dmma"], "tfwd": ["fwd_tf32"]}
     kinds = set()
     for kind, d, tile in variants.all_variants():
         kinds.add(kind)
-        rows = variants.variant_rows(kind, d, tile)
-        assert [r.family for r in rows] == families[kind], (kind, d, tile)
-        if kind == "fwd":   # the whole-KV row, unless a sixth element is False
+        _, rows = variants.variant(kind, d, tile)
+        assert [r.family.name for r in rows] == families[kind], (kind, d, tile)
+        # fwd, wfwd: the whole-KV row where the sweep's Lk is whole key blocks, unless the
+        # variant says False (a sixth element for fwd, a fourth for wfwd)
+        if kind == "fwd":
             (row,) = rows
             assert (row.block_m, row.block_n, row.threads // 32, row.kv_stages, row.lazy_rescale) == tuple(tile[:5])
-            assert row.whole_kv == (len(tile) < 6 or tile[5])
-        if kind == "wfwd":  # the whole-KV row, unless a fourth element is False
+            whole = variants.SHAPE["seqlen"] % row.block_n == 0
+            assert row.whole_kv == ((len(tile) < 6 or tile[5]) and whole)
+        if kind == "wfwd":
             (row,) = rows
             assert (row.block_n, row.threads // 128, row.lazy_rescale) == tuple(tile[:3])
-            assert row.whole_kv == (len(tile) < 4 or tile[3])
+            whole = variants.SHAPE["seqlen"] % row.block_n == 0
+            assert row.whole_kv == ((len(tile) < 4 or tile[3]) and whole)
         if kind == "bwd":   # the whole-stream rows, unless a trailing False
             _, whole = variants.whole_flag(kind, tile)
-            assert all(r.whole_kv == whole for r in rows), (tile, rows)
+            assert all(r.whole_kv == whole for r in rows[1:]), (tile, rows)
         if kind == "wbwd":  # the dQ kernel's whole-stream row (the sweep's Lk is whole blocks)
             (launch,), groups, streamed_dq = tile
-            assert (rows[0].block_m, rows[0].threads // 128, rows[1].block_n) == (launch[1], groups, streamed_dq)
-            assert [r.whole_kv for r in rows] == [False, True, False]
+            assert (rows[1].block_m, rows[1].threads // 128, rows[2].block_n) == (launch[1], groups, streamed_dq)
+            assert [r.whole_kv for r in rows[1:]] == [False, True, False]
         if kind == "sfwd":
             (row,) = rows
             assert (row.dtype, row.block_m, row.block_n) == tuple(tile)
@@ -272,10 +270,10 @@ def test_gpu_variants_name_catalogue_rows(monkeypatch, request):
             assert (row.block_m, row.block_n, row.threads // 32, row.passes) == (*tile, 3)
         if kind in ("dfwd", "dbwd"):   # <d, block_m, block_n, warps>; <d, own, streamed, warps>
             assert all(r.name_expression.endswith(f"<{d}, {', '.join(map(str, tile))}>") for r in rows
-                       if "dmma" in r.family), rows
+                       if "dmma" in r.family.name), rows
         if kind in ("fwd", "wfwd", "sfwd", "sbwd", "dfwd", "dbwd", "tfwd"):
             for row in rows:
-                target = _kernels.compile_target(row.entry, "sm_90")
+                target = row.family.compile_target("sm_90")
                 report = _report.compile_report(module_source(row.entry), [row.name_expression], target,
                                                 sass=False, filename=row.entry)
                 assert report.functions[row.name_expression].spill_stores == 0, (d, tile)
@@ -290,7 +288,8 @@ def test_gpu_profile_cases_run_the_kernels_they_name():
 
     import numpy as np
 
-    from cupyflash import _gpu, _gpu_bwd
+    from cupyflash._families import BACKWARD, DQ, FORWARD, Call, select
+    from cupyflash._options import KernelOptions
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_profile.py"
     spec = importlib.util.spec_from_file_location("gpu_profile", path)
@@ -299,18 +298,19 @@ def test_gpu_profile_cases_run_the_kernels_they_name():
     assert profile.CASES
     for name, (kind, dtype, b, h, length, d, deterministic) in profile.CASES.items():
         family = name.rsplit("_", 1)[0].replace("_atomic", "")
-        np_dtype = np.float16 if dtype == "bfloat16" else np.dtype(dtype)   # same dispatch as bfloat16
+        dtype_name = "float16" if dtype == "bfloat16" else np.dtype(dtype).name   # same dispatch as bfloat16
         wgmma = "wgmma" in name   # gpu_profile.py turns the opt-in wgmma kernels on for these
-        dmma = "dmma" in name     # and fwd_dmma, bwd_dmma
+        dmma = "dmma" in name     # and fwd_dmma, bwd_dmma (float64 and float32)
         precision = "tf32x3" if name.endswith("_x3") else "ieee"   # and fwd_tf32
+        options = KernelOptions(wgmma=wgmma, dmma=frozenset({"float64", "float32"} if dmma else ()))
+        call = Call(dtype_name, d, d, aligned=True, precision=precision, deterministic=deterministic)
         if kind == "forward":
-            assert _gpu.select(np_dtype, d, d, 90, aligned=True, wgmma=wgmma, dmma=dmma,
-                               precision=precision).family == family, name
+            (row,) = select(FORWARD, call, 90, options)
+            assert row.family.name == family, name
         else:
-            rows = _gpu_bwd.select(np_dtype, d, d, 90, aligned=True, deterministic=deterministic, wgmma=wgmma,
-                                   dmma=dmma, precision=precision)
-            assert {r.family for r in rows[1:]} == {family}, name
-            assert any("_dq_kernel" in r.name_expression for r in rows) == deterministic, name
+            rows = select(BACKWARD, call, 90, options)
+            assert {r.family.name for r in rows[1:]} == {family}, name
+            assert any(r.role == DQ for r in rows) == deterministic, name
 
 
 def _gpu_check():

@@ -25,36 +25,23 @@ from cupyflash.emulator import (
 )
 from cupyflash.emulator._build import ModuleCache
 
+from _emulator_util import (FID_DTYPE, FIDELITY, FIDELITY_KERNELS, SHFL_NUMPY, SHFL_TYPES,
+                            bf16_bits_rne, fid_params, frag_a_16816, frag_a_1688_tf32, frag_b_16816,
+                            frag_b_1688_tf32, frag_c, pack_pairs, planted_params, ptr, tf32_rna)
+
 AVAILABLE, REASON = emulator_available()
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"CPU emulator unavailable: {REASON}")
 
 HERE = Path(__file__).resolve().parent
 PLANTED = str(HERE / "emulator_planted" / "planted.cu")
 TOY = str(HERE / "emulator_planted" / "toy_attention.cu")
-FIDELITY = "fidelity.cu"
 
-FID_DTYPE = np.dtype(
-    [("in0", np.uint64), ("in1", np.uint64), ("in2", np.uint64), ("out0", np.uint64), ("out1", np.uint64),
-     ("n", np.int32), ("arg0", np.int32), ("arg1", np.int32), ("arg2", np.int32)],
-    align=True,
-)
-PLANTED_DTYPE = np.dtype(
-    [("inp", np.uint64), ("out", np.uint64), ("ticket", np.uint64), ("n", np.int32), ("arg", np.int32)], align=True
-)
 TOY_DTYPE = np.dtype(
     [("q", np.uint64), ("k", np.uint64), ("v", np.uint64), ("o", np.uint64), ("L", np.int32),
      ("scale_log2", np.float32)],
     align=True,
 )
 
-SHFL_TYPES = ["float", "int", "double", "__half2", "__nv_bfloat162"]
-FIDELITY_KERNELS = (
-    ["fid_mma_f16", "fid_mma_bf16", "fid_mma_tf32", "fid_mma_f64", "fid_cp_async_4", "fid_exp2", "fid_pack",
-     "fid_to_tf32"]
-    + [f"fid_ldmatrix<{n}, {tr}>" for n in (1, 2, 4) for tr in ("false", "true")]
-    + [f"fid_shfl_{op}<{t}>" for op in ("xor", "idx", "updown") for t in SHFL_TYPES]
-    + [f"fid_cp_async<{n}>" for n in (0, 1, 2)]
-)
 PLANTED_KERNELS = [
     "neighbour_sum<true>", "neighbour_sum<false>", "rotate_in_place<true>", "rotate_in_place<false>",
     "warp_exchange<true>", "warp_exchange<false>", "cp_async_neighbour<true>", "cp_async_neighbour<false>",
@@ -63,18 +50,6 @@ PLANTED_KERNELS = [
     "wild_global_write", "stack_overflow", "shared_window", "divergent_mma<true>", "divergent_mma<false>",
     "vector_copy",
 ]
-
-
-def ptr(a) -> int:
-    return 0 if a is None else a.ctypes.data
-
-
-def fid_params(in0=None, in1=None, in2=None, out0=None, out1=None, n=0, arg0=0, arg1=0, arg2=0):
-    return np.array((ptr(in0), ptr(in1), ptr(in2), ptr(out0), ptr(out1), n, arg0, arg1, arg2), dtype=FID_DTYPE)[()]
-
-
-def planted_params(inp, out, ticket=None, n=0, arg=0):
-    return np.array((ptr(inp), ptr(out), ptr(ticket), n, arg), dtype=PLANTED_DTYPE)[()]
 
 
 @pytest.fixture(scope="module")
@@ -100,33 +75,7 @@ def rng():
     return np.random.default_rng(1234)
 
 
-# ---- fragment tables of ptx-fragments.md, written out independently -------------------
-
-def frag_a_16816(lane):
-    """(row, col) of a0..a7 for m16n8k16 (section 1 table)."""
-    g, t = lane >> 2, lane & 3
-    return [(g if i in (0, 1, 4, 5) else g + 8, 2 * t + (i & 1) + (8 if i >= 4 else 0)) for i in range(8)]
-
-
-def frag_b_16816(lane):
-    g, t = lane >> 2, lane & 3
-    return [(2 * t + (i & 1) + (8 if i >= 2 else 0), g) for i in range(4)]
-
-
-def frag_c(lane):
-    g, t = lane >> 2, lane & 3
-    return [(g if i < 2 else g + 8, 2 * t + (i & 1)) for i in range(4)]
-
-
-def frag_a_1688_tf32(lane):
-    g, t = lane >> 2, lane & 3
-    return [(g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4)]
-
-
-def frag_b_1688_tf32(lane):
-    g, t = lane >> 2, lane & 3
-    return [(t, g), (t + 4, g)]
-
+# ---- fragment tables of ptx-fragments.md (tests/_emulator_util.py) -------------------------
 
 def test_fragment_helpers_match_the_reference_spot_checks():
     assert frag_a_16816(5) == [(1, 2), (1, 3), (9, 2), (9, 3), (1, 10), (1, 11), (9, 10), (9, 11)]
@@ -154,24 +103,6 @@ def test_emulated_ptx_header_twins_every_function_of_the_real_one():
     twin = _device_functions(INCLUDE_DIR / "ptx.cuh")
     assert len(real) >= 20
     assert real == twin
-
-
-def pack_pairs(bits16):
-    """uint16 elements e0, e1, e2, ... -> b32 registers {e0 | e1 << 16, ...} (section 0)."""
-    b = np.asarray(bits16, dtype=np.uint32).reshape(-1, 2)
-    return b[:, 0] | (b[:, 1] << 16)
-
-
-def bf16_bits_rne(x):
-    """float32 -> bfloat16 bits, round to nearest even (finite inputs)."""
-    u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def tf32_rna(x):
-    """cvt.rna.tf32.f32 as section 2 describes it: 10 mantissa bits, ties away, low 13 bits zero."""
-    u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
-    return (((u + 0x1000) & 0xFFFFE000) & 0xFFFFFFFF).astype(np.uint32)
 
 
 # ---- mma.sync --------------------------------------------------------------------------
@@ -304,11 +235,6 @@ def test_ldmatrix_rejects_misaligned_rows(ex, rng):
 
 
 # ---- shuffles -------------------------------------------------------------------------------
-
-SHFL_NUMPY = {"float": np.float32, "int": np.int32, "double": np.float64, "__half2": np.uint32,
-              "__nv_bfloat162": np.uint32}
-
-
 def shfl_values(rng, ctype, n):
     dt = SHFL_NUMPY[ctype]
     if dt in (np.float32, np.float64):

@@ -32,7 +32,7 @@ import pytest
 
 from cupyflash.emulator import EmulatorExecutor, emulator_available
 
-from test_emulator import FID_DTYPE, FIDELITY_KERNELS
+from _emulator_util import FID_DTYPE, FIDELITY_KERNELS
 
 AVAILABLE, REASON = emulator_available()
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"CPU emulator unavailable: {REASON}")

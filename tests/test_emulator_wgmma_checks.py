@@ -20,6 +20,9 @@ import pytest
 from cupyflash.emulator import EmulatorError, EmulatorExecutor, emulator_available
 from cupyflash.emulator._executor import ACCUMULATION_ENV, DEFAULT_EXTRA_BITS
 
+from _emulator_util import (FIDELITY, bf16_bits_rne, bf16_round, fid_params, frag_a_16816, frag_a_1688_tf32,
+                            frag_b_16816, frag_b_1688_tf32, frag_c, pack_pairs, planted_params, tf32_rna)
+
 OK, WHY = emulator_available()
 pytestmark = pytest.mark.skipif(not OK, reason=f"CPU emulator unavailable: {WHY}")
 
@@ -28,8 +31,6 @@ PROBE_SHARED = 2 * 64 * 64 * 2 + 1024
 
 
 def _probe(executor, regs_a: bool, flags: int = 0, inp=None):
-    from test_emulator import planted_params
-
     if inp is None:
         inp = np.random.default_rng(21).standard_normal(2048).astype(np.float32)
     out = np.full(64 * 64, np.nan, np.float32)
@@ -63,12 +64,10 @@ def test_planted_register_and_shared_memory_faults_are_reported(probe_ex, regs_a
 
 def test_the_checked_probe_without_faults_still_matches_numpy(probe_ex):
     # the fence snapshot, the poison check and the last-retirement check pass a correct kernel
-    from test_fwd_wgmma import _bf16_round
-
     inp = np.random.default_rng(21).standard_normal(2048).astype(np.float32)
     for regs_a in (False, True):
         out = _probe(probe_ex, regs_a, 0, inp)
-        a, b = _bf16_round(inp[:1024]).reshape(64, 16), _bf16_round(inp[1024:]).reshape(16, 64)
+        a, b = bf16_round(inp[:1024]).reshape(64, 16), bf16_round(inp[1024:]).reshape(16, 64)
         np.testing.assert_allclose(out, a @ b, rtol=1e-6, atol=1e-6)
 
 
@@ -116,9 +115,6 @@ def test_the_model_truncates_where_exact_rounding_does_not():
 
 def _mma_case(rng, kind: str, planted: bool):
     """Fragments for test_emulator's fid_mma_{kind} kernel (2 warps), and per warp A, B, C in float64."""
-    from test_emulator import (bf16_bits_rne, frag_a_16816, frag_a_1688_tf32, frag_b_16816, frag_b_1688_tf32,
-                               frag_c, pack_pairs, tf32_rna)
-
     warps, k = 2, (16 if kind == "bf16" else 8)
     mats = []
     a_frag = np.zeros((32 * warps, 4), np.uint32 if kind == "bf16" else np.float32)
@@ -152,8 +148,6 @@ def _mma_case(rng, kind: str, planted: bool):
 
 
 def _run_mma(executor, kind, a_frag, b_frag, c_frag):
-    from test_emulator import FIDELITY, fid_params
-
     d = np.full((64, 4), np.nan, np.float32)
     regs = np.zeros((64, 6), np.uint32)
     extra = (regs,) if kind == "tf32" else ()
@@ -162,8 +156,6 @@ def _run_mma(executor, kind, a_frag, b_frag, c_frag):
 
 
 def _expected(mats, model):
-    from test_emulator import frag_c
-
     out = np.zeros((64, 4), np.float32)
     for w, (A, B, C) in enumerate(mats):
         for lane in range(32):
@@ -192,15 +184,13 @@ def test_truncating_mma_matches_the_model_bit_for_bit(kind, planted):
 
 
 def test_truncating_wgmma_matches_the_model_bit_for_bit(monkeypatch):
-    from test_fwd_wgmma import _bf16_round
-
     monkeypatch.setenv(ACCUMULATION_ENV, "truncate")   # the default extra bits, through the environment
     ex = EmulatorExecutor(arch=90, seed=9)
     assert ex.accumulation == f"truncate:{DEFAULT_EXTRA_BITS}"
     rng = np.random.default_rng(8)
     inp = rng.standard_normal(2048).astype(np.float32)
     inp[:16] *= 2.0**12       # row 0 of A large: its products swamp the others' low bits
-    a, b = _bf16_round(inp[:1024]).reshape(64, 16), _bf16_round(inp[1024:]).reshape(16, 64)
+    a, b = bf16_round(inp[:1024]).reshape(64, 16), bf16_round(inp[1024:]).reshape(16, 64)
     for regs_a in (False, True):
         out = _probe(ex, regs_a, 0, inp)
         want = np.array([[truncated_sum_model(0.0, a[r] * b[:, n], DEFAULT_EXTRA_BITS) for n in range(64)]

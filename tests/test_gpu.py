@@ -220,7 +220,9 @@ def test_launches_on_the_current_stream(rng):
 
 
 def test_peak_device_memory_grows_linearly_in_sequence_length(rng):
-    from cupyflash import _gpu, _launch
+    from cupyflash import _launch
+    from cupyflash._families import FORWARD, Call, select
+    from cupyflash._options import KernelOptions
 
     dtype = np.dtype(np.float16)
     device = cp.cuda.Device()
@@ -230,7 +232,7 @@ def test_peak_device_memory_grows_linearly_in_sequence_length(rng):
     for length in (1024, 4096):
         # with so few query blocks the forward may split the keys (split-KV): its partial
         # results, splits x rows x (dv + 1) floats, come on top of out and lse
-        inst = _gpu.select(dtype, 64, 64, arch, aligned=True)
+        (inst,) = select(FORWARD, Call(dtype.name, 64, 64, aligned=True), arch, KernelOptions.from_environment())
         splits = _launch.num_splits(inst, batch=1, heads=4, seqlen_q=length, seqlen_k=length,
                                     arch=arch, multiprocessors=sms)
         partials = 0 if splits == 1 else splits * 4 * length * (64 + 1) * 4
@@ -254,13 +256,13 @@ def test_peak_device_memory_grows_linearly_in_sequence_length(rng):
 
 
 def test_precompile_returns_the_compiled_catalogue(compiled):
-    from cupyflash._kernels import instantiations, launchable
+    from cupyflash._families import BWD_SIMT, FWD_SIMT, FWD_V1, catalogue, launchable
     from cupyflash._loader import module_caches
 
     rows, seconds = compiled
     arch = int(cp.cuda.Device().compute_capability)
-    assert rows == [r for r in instantiations() if r.name_expression in launchable(arch)]
-    assert {r.family for r in rows} >= {"fwd_simt", "bwd_simt", "fwd_v1"}
+    assert rows == [r for r in catalogue() if r in launchable(arch)]
+    assert {r.family for r in rows} >= {FWD_SIMT, BWD_SIMT, FWD_V1}
     cache = module_caches.for_device(cp.cuda.runtime.getDevice())
     done = {names for _, names in cache.compiled()}
     assert all((r.name_expression,) in done for r in rows)
@@ -289,10 +291,10 @@ def test_executor_reports_the_device_arch():
 
 
 def test_cuda_errors_surface_as_exceptions():
-    from cupyflash._kernels import instantiations
+    from cupyflash._families import catalogue
     from cupyflash._loader import CudaExecutor
 
-    inst = instantiations()[0]
+    inst = catalogue()[0]
     params = np.zeros((), dtype=[("raw", np.uint8, (1024,))])[()]
     ex = CudaExecutor()
     with pytest.raises(cp.cuda.driver.CUDADriverError):
@@ -311,7 +313,7 @@ def test_cuda_errors_surface_as_exceptions():
 # its accumulation order open), ex2.approx within its 2-ulp contract.  The
 # fragment tables themselves are checked on the CPU in tests/test_emulator.py.
 
-from test_emulator import FID_DTYPE, FIDELITY, FIDELITY_KERNELS, SHFL_NUMPY, SHFL_TYPES  # noqa: E402
+from _emulator_util import FID_DTYPE, FIDELITY, FIDELITY_KERNELS, SHFL_NUMPY, SHFL_TYPES  # noqa: E402
 
 WARPS = 2
 THREADS = 32 * WARPS

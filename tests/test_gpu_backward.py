@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 
 import cupyflash
-from cupyflash import _gpu_bwd
+from cupyflash import _run
 from cupyflash._dispatch import executor_for
-from cupyflash._gpu import rows_aligned
-from cupyflash.reference import naive_attention_backward
+from cupyflash._families import BACKWARD, BWD_MMA, BWD_SIMT, DQ, Call, select
+from cupyflash._options import KernelOptions
+from cupyflash._run import rows_aligned
 
-from _backward_util import (assert_within_term_bound, assert_within_yardstick, backward_term_sizes,
-                            naive_half_backward)
+from _backward_util import check_gradients
 from _util import DTYPES, DTYPE_IDS, HALF, accum_dtype, random_array, random_qkv
 
 cp = pytest.importorskip("cupy")
@@ -61,44 +61,6 @@ def _forward_backward(rng, q, k, v, **kw):
     return dout, _host(out), tuple(_host(g) for g in grads)
 
 
-def _window(kw):
-    """The (left, right) window of attention keywords (causal folded in)."""
-    left, right = kw.get("window") or (None, None)
-    left = None if left == -1 else left
-    right = None if right == -1 else right
-    if kw.get("causal"):
-        right = 0 if right is None else min(right, 0)
-    return left, right
-
-
-def _check(grads, dout, q, k, v, out, dtype, **kw):
-    """Compare GPU gradients (host arrays) with the oracle on the same rounded inputs.
-
-    float32/float64: 32 epsilons of the size of the terms each gradient
-    element sums (``backward_term_sizes``), widened by sqrt(head dim) / 4
-    past 16.  Relative to the terms, not to the result:
-    where dP - delta cancels (one key, where P = 1 and dP = delta) the exact
-    gradient is ~0 and the rounding of dP and delta, each a sum over the head
-    dim in its own order, is all that is left (seen on an H200: dq ~5e-6 from
-    terms of ~10, exact 1e-16).
-    """
-    expected = naive_attention_backward(dout, q, k, v, **kw)
-    sizes = backward_term_sizes(dout, q, k, v, **kw)
-    if np.dtype(dtype).itemsize == 2:
-        scale = kw.get("scale", 1.0 / math.sqrt(q.shape[-1]))
-        g = q.shape[-3] // k.shape[-3] if kw.get("enable_gqa") else 1
-        naive = naive_half_backward(dout, q, k, v, out, scale=scale, window=_window(kw), gqa_ratio=g)
-    else:
-        naive = (None,) * 3
-    for name, a, e, h, size in zip(("dq", "dk", "dv"), grads, expected, naive, sizes):
-        assert np.isfinite(a.astype(np.float64)).all(), f"{name}: non-finite gradient"
-        if h is None:
-            assert_within_term_bound(a, e, size, eps=np.finfo(dtype).eps,
-                                     head_dim=max(q.shape[-1], v.shape[-1]), what=name)
-        else:
-            assert_within_yardstick(a, e, h, sizes=size, what=name)
-
-
 # ---- correctness matrix ----------------------------------------------------------------
 # float16/bfloat16 with d == dv and 16-byte aligned rows (d a multiple of 8)
 # run bwd_mma on sm_80+, everything else bwd_simt.
@@ -110,9 +72,10 @@ HEAD_DIMS = [1, 3, 16, 32, 33, 64, 72, 100, 128, 129, 160, 200, 224, 256]
 def test_dispatcher_picks_tensor_cores_for_aligned_half_precision(dtype):
     q = cp.zeros((1, 2, 8, 64), dtype=dtype)
     arch = executor_for("cuda").arch
-    families = {r.family for r in _gpu_bwd.select(dtype, 64, 64, arch, aligned=rows_aligned(q))}
+    call = Call(np.dtype(dtype).name, 64, 64, aligned=rows_aligned(q))
+    families = {r.family for r in select(BACKWARD, call, arch, KernelOptions.from_environment())}
     tensor_cores = arch >= 80 and dtype.itemsize == 2
-    assert families == ({"bwd_simt", "bwd_mma"} if tensor_cores else {"bwd_simt"})
+    assert families == ({BWD_SIMT, BWD_MMA} if tensor_cores else {BWD_SIMT})
 
 
 @pytest.mark.parametrize("d", HEAD_DIMS)
@@ -120,7 +83,7 @@ def test_dispatcher_picks_tensor_cores_for_aligned_half_precision(dtype):
 def test_every_head_dim_matches_oracle(rng, dtype, d):
     q, k, v = random_qkv(rng, (2, 3, 70, d), (2, 3, 131, d), (2, 3, 131, d), dtype)
     dout, out, grads = _forward_backward(rng, q, k, v)
-    _check(grads, dout, q, k, v, out, dtype)
+    check_gradients(grads, dout, q, k, v, out, dtype)
 
 
 @pytest.mark.parametrize("d, dv", [(64, 32), (32, 128), (80, 48), (16, 256), (256, 1)])
@@ -128,7 +91,7 @@ def test_every_head_dim_matches_oracle(rng, dtype, d):
 def test_value_head_dim_differs(rng, dtype, d, dv):
     q, k, v = random_qkv(rng, (2, 33, d), (2, 65, d), (2, 65, dv), dtype)
     dout, out, grads = _forward_backward(rng, q, k, v)
-    _check(grads, dout, q, k, v, out, dtype)
+    check_gradients(grads, dout, q, k, v, out, dtype)
 
 
 @pytest.mark.parametrize("lq, lk", [(1, 1), (1, 300), (300, 1), (17, 33), (64, 64), (65, 63),
@@ -137,7 +100,7 @@ def test_value_head_dim_differs(rng, dtype, d, dv):
 def test_sequence_tails(rng, dtype, lq, lk):
     q, k, v = random_qkv(rng, (2, 2, lq, 64), (2, 2, lk, 64), (2, 2, lk, 64), dtype)
     dout, out, grads = _forward_backward(rng, q, k, v, scale=0.3)
-    _check(grads, dout, q, k, v, out, dtype, scale=0.3)
+    check_gradients(grads, dout, q, k, v, out, dtype, scale=0.3)
 
 
 MASKS = [dict(causal=True), dict(window=(16, 8)), dict(window=(0, 0)), dict(window=(None, 4)),
@@ -150,7 +113,7 @@ MASKS = [dict(causal=True), dict(window=(16, 8)), dict(window=(0, 0)), dict(wind
 def test_causal_and_window(rng, dtype, lq, lk, mask):
     q, k, v = random_qkv(rng, (2, 2, lq, 64), (2, 2, lk, 64), (2, 2, lk, 64), dtype)
     dout, out, grads = _forward_backward(rng, q, k, v, **mask)
-    _check(grads, dout, q, k, v, out, dtype, **mask)
+    check_gradients(grads, dout, q, k, v, out, dtype, **mask)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -159,18 +122,18 @@ def test_rows_with_no_key_get_zero_dq(rng, dtype):
     q, k, v = random_qkv(rng, (1, 2, 150, 64), (1, 2, 50, 64), (1, 2, 50, 64), dtype)
     dout, out, grads = _forward_backward(rng, q, k, v, causal=True)
     assert (grads[0][..., :100, :].astype(np.float64) == 0).all()
-    _check(grads, dout, q, k, v, out, dtype, causal=True)
+    check_gradients(grads, dout, q, k, v, out, dtype, causal=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_grouped_query_and_multi_query(rng, dtype):
     q, k, v = random_qkv(rng, (2, 8, 77, 64), (2, 2, 90, 64), (2, 2, 90, 64), dtype)
     dout, out, grads = _forward_backward(rng, q, k, v, enable_gqa=True, causal=True)
-    _check(grads, dout, q, k, v, out, dtype, enable_gqa=True, causal=True)
+    check_gradients(grads, dout, q, k, v, out, dtype, enable_gqa=True, causal=True)
     # MQA by broadcasting: one kv head (and one batch for v), summed back by the dispatcher.
     q, k, v = random_qkv(rng, (2, 4, 77, 64), (2, 1, 90, 64), (1, 1, 90, 64), dtype)
     dout, out, grads = _forward_backward(rng, q, k, v, window=(30, 10))
-    _check(grads, dout, q, k, v, out, dtype, window=(30, 10))
+    check_gradients(grads, dout, q, k, v, out, dtype, window=(30, 10))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -185,7 +148,7 @@ def test_blhd_strided_views(rng, dtype):
     dout_d = cp.asarray(dout).transpose(0, 2, 1, 3)
     grads = cupyflash.attention_backward(dout_d, qd, kd, vd, out, lse, causal=True)
     host = tuple(_host(g) for g in grads)
-    _check(host, dout.transpose(0, 2, 1, 3), q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3),
+    check_gradients(host, dout.transpose(0, 2, 1, 3), q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3),
            v.transpose(0, 2, 1, 3), _host(out), dtype, causal=True)
 
 
@@ -197,8 +160,9 @@ def test_poisoned_gradients_are_fully_written(rng, dtype):
     dout = cp.asarray(random_array(rng, out.shape, dtype))
     acc = accum_dtype(dtype)
     dq, dk, dv = (cp.full(x.shape, cp.nan, dtype=acc) for x in (q, k, v))
-    _gpu_bwd.backward(dout, q, k, v, out, lse, dq, dk, dv, scale=1 / math.sqrt(40), window_left=20,
-                      window_right=0, gqa_ratio=2, executor=executor_for("cuda"))
+    _run.backward(dout, q, k, v, out, lse, dq, dk, dv, scale=1 / math.sqrt(40), window_left=20,
+                  window_right=0, gqa_ratio=2, executor=executor_for("cuda"),
+                  options=KernelOptions.from_environment())
     for name, g in (("dq", dq), ("dk", dk), ("dv", dv)):
         assert not bool(cp.isnan(g).any()), f"{name}: element left unwritten"
     # keys 0 .. Lk - Lq - 21 = 11 are seen by no query row
@@ -228,7 +192,7 @@ def test_large_shape(rng, dtype, causal):
     dout, out, grads = _forward_backward(rng, q, k, v, causal=causal)
     for h in (0, 3):    # (1, L, d) slices: the checks take (..., heads, L, d)
         one = slice(h, h + 1)
-        _check(tuple(g[0, one] for g in grads), dout[0, one], q[0, one], k[0, one], v[0, one],
+        check_gradients(tuple(g[0, one] for g in grads), dout[0, one], q[0, one], k[0, one], v[0, one],
                out[0, one], dtype, causal=causal)
 
 
@@ -289,10 +253,11 @@ def test_atomic_dq_matches_the_oracle_and_leaves_dk_dv_bit_identical(rng, dtype,
     out, lse = cupyflash.attention(qd, kd, vd, return_lse=True, **kw)
     dout = random_array(rng, out.shape, dtype)
     arch = int(cp.cuda.Device().compute_capability)
-    rows = _gpu_bwd.select(dtype, head_dim, head_dim, arch, aligned=True, deterministic=False)
-    assert not any(r.name_expression.split("<")[0].endswith("_dq_kernel") for r in rows)
+    rows = select(BACKWARD, Call(dtype.name, head_dim, head_dim, aligned=True, deterministic=False), arch,
+                  KernelOptions.from_environment())
+    assert not any(r.role == DQ for r in rows)
     grads = cupyflash.attention_backward(cp.asarray(dout), qd, kd, vd, out, lse, deterministic=False, **kw)
     exact = cupyflash.attention_backward(cp.asarray(dout), qd, kd, vd, out, lse, deterministic=True, **kw)
-    _check(tuple(_host(g) for g in grads), dout, q, k, v, _host(out), dtype, **kw)
+    check_gradients(tuple(_host(g) for g in grads), dout, q, k, v, _host(out), dtype, **kw)
     for name, a, b in zip(("dk", "dv"), grads[1:], exact[1:]):
         assert cp.array_equal(a.view(cp.uint8), b.view(cp.uint8)), name

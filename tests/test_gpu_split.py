@@ -16,9 +16,9 @@ import math
 import numpy as np
 import pytest
 
-import cupyflash
-from cupyflash import _gpu
-from cupyflash._kernels import combine_name_expression
+from cupyflash._api import run_attention
+from cupyflash._families import FWD_COMBINE, FWD_WGMMA
+from cupyflash._options import KernelOptions
 from cupyflash.reference import naive_attention
 
 from _util import accum_dtype, assert_close, assert_lse_close, random_array
@@ -42,12 +42,12 @@ def _dtype(name):
     ("float64", 32, 1, 100, 12345, True),
     ("float32", 96, 1, 3000, 3000, True),       # one head of a long sequence
 ])
-def test_small_grids_split_and_match_the_oracle(cuda_spy, monkeypatch, wgmma, dtype_name, head_dim, heads,
+def test_small_grids_split_and_match_the_oracle(cuda_spy, wgmma, dtype_name, head_dim, heads,
                                                   seqlen_q, seqlen_k, causal):
     dtype = _dtype(dtype_name)
     if wgmma and (dtype.itemsize != 2 or int(cp.cuda.Device().compute_capability) != 90):
         pytest.skip("fwd_wgmma: float16/bfloat16 on an sm_90 GPU")
-    monkeypatch.setattr(_gpu, "wgmma_override", wgmma)
+    options = KernelOptions.from_environment().replace(wgmma=wgmma)
     rng = np.random.default_rng(seqlen_k + head_dim)
     q = random_array(rng, (1, heads, seqlen_q, head_dim), dtype)
     k = random_array(rng, (1, heads, seqlen_k, head_dim), dtype)
@@ -55,13 +55,13 @@ def test_small_grids_split_and_match_the_oracle(cuda_spy, monkeypatch, wgmma, dt
     results = []
     for _ in range(2):
         out = cp.full(q.shape, cp.nan, dtype=dtype)
-        _, lse = cupyflash.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), causal=causal, out=out,
-                                     return_lse=True, backend="cuda")
+        _, lse = run_attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), causal=causal, out=out,
+                               return_lse=True, backend="cuda", options=options)
         results.append((cp.asnumpy(out), cp.asnumpy(lse)))
     (main, grid), (combine, _) = cuda_spy.launches[:2]
     assert grid[1] > 1, f"{main} was not split"
-    assert combine == combine_name_expression(dtype.name)
-    assert ("fwd_wgmma" in main) == wgmma
+    assert [combine] == [r.name_expression for r in FWD_COMBINE.rows if r.dtype == dtype.name]
+    assert (main in FWD_WGMMA.by_name) == wgmma
     out, lse = results[0]
     np.testing.assert_array_equal(results[1][0], out)
     np.testing.assert_array_equal(results[1][1], lse)

@@ -15,7 +15,10 @@ import pytest
 
 from cupyflash import _loader, _source
 from cupyflash._loader import CudaExecutor, ModuleCache, module_source, select
-from cupyflash._kernels import Instantiation
+from cupyflash._families import BACKWARD, FORWARD, FORWARD_ROLE, FWD_SIMT, FWD_V1, Call, catalogue, launchable
+from cupyflash._families import select as select_family
+from cupyflash._families.fwd_mma import MMA_HEAD_DIMS
+from cupyflash._options import KernelOptions
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -326,7 +329,7 @@ def test_compile_options_are_nvrtc_safe():
 
 def test_import_does_not_import_cupy_or_touch_cuda():
     code = ("import sys, cupyflash, cupyflash._loader, cupyflash._report; "
-            "import cupyflash._kernels; "
+            "import cupyflash._families, cupyflash._run, cupyflash._launch, cupyflash._params; "
             "print('cupy' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                           env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
@@ -337,14 +340,15 @@ def test_import_does_not_import_cupy_or_touch_cuda():
 # ---- precompile's selection ----------------------------------------------------------------
 
 _CAT = [
-    Instantiation("fwd_simt", "fwd_simt.cu", f"k<{t}, {d}>", t, d, d, 128)
+    FWD_SIMT.row("k", t, d, role=FORWARD_ROLE, dtype=t, head_dim=d, head_dim_v=d, threads=128)
     for t in ("float16", "float32") for d in (32, 64, 128)
-] + [Instantiation("fwd_v1", "fwd_v1.cu", f"v1<{d}>", "float16", d, d, 128) for d in (64, 128)]
+] + [FWD_V1.row("v1", d, role=FORWARD_ROLE, dtype="float16", head_dim=d, head_dim_v=d, threads=128)
+     for d in (64, 128)]
 
 
 def test_select_filters_by_family_dtype_and_head_dim():
     assert select(_CAT) == _CAT
-    assert {r.family for r in select(_CAT, families="fwd_v1")} == {"fwd_v1"}
+    assert {r.family for r in select(_CAT, families="fwd_v1")} == {FWD_V1}
     rows = select(_CAT, dtypes=[np.float32])
     assert {r.dtype for r in rows} == {"float32"} and len(rows) == 3
     # head dim 80 runs on the 128 instantiation; 64 on 64
@@ -358,37 +362,40 @@ def test_select_filters_by_family_dtype_and_head_dim():
 def test_launchable_is_what_the_dispatchers_pick_on_each_architecture():
     """precompile() compiles launchable(arch): every row a call on that architecture can
     pick, and no other tensor-core tile; each catalogue row is launchable somewhere."""
-    from cupyflash import _gpu, _gpu_bwd
-    from cupyflash._kernels import MMA_HEAD_DIMS, instantiations, launchable
+    off, dmma = KernelOptions(), KernelOptions(dmma=frozenset({"float64", "float32"}))
+
+    def forward(dtype, d, arch, options=off, **call):
+        return {r.name_expression for r in select_family(FORWARD, Call(dtype, d, d, aligned=True, **call), arch,
+                                                         options)}
+
+    def backward(dtype, d, arch, options=off, **call):
+        return {r.name_expression for r in select_family(BACKWARD, Call(dtype, d, d, aligned=True, **call), arch,
+                                                         options)}
 
     everywhere = set()
     for arch in (75, 80, 86, 89, 90):
-        keep = launchable(arch)
+        keep = {r.name_expression for r in launchable(arch)}
         everywhere |= keep
         picked = set()
         for dtype in ("float16", "bfloat16", "float32", "float64"):
             for d in MMA_HEAD_DIMS:
                 for split in (False, True):   # the split-KV rows too
-                    picked.add(_gpu.select(dtype, d, d, arch, aligned=True, split=split).name_expression)
+                    picked |= forward(dtype, d, arch, split=split)
                 # fwd_mma's whole-KV rows (Lk a multiple of every block_n)
-                picked.add(_gpu.select(dtype, d, d, arch, aligned=True, seqlen_k=4096).name_expression)
+                picked |= forward(dtype, d, arch, seqlen_k=4096)
                 if d <= 128:   # fwd_dmma, opt-in; fwd_tf32 where precision allows TF32
-                    picked.add(_gpu.select(dtype, d, d, arch, aligned=True, dmma=True).name_expression)
+                    picked |= forward(dtype, d, arch, dmma)
                     for precision in ("tf32", "tf32x3"):
-                        picked.add(_gpu.select(dtype, d, d, arch, aligned=True, precision=precision).name_expression)
+                        picked |= forward(dtype, d, arch, precision=precision)
                 for deterministic in (True, False):
-                    for dmma in (False, True):   # bwd_dmma, opt-in
-                        picked.update(r.name_expression for r in _gpu_bwd.select(
-                            dtype, d, d, arch, aligned=True, deterministic=deterministic, dmma=dmma))
+                    for options in (off, dmma):   # bwd_dmma, opt-in
+                        picked |= backward(dtype, d, arch, options, deterministic=deterministic)
                     # bwd_mma's whole-stream rows (Lq and Lk multiples of every streamed block)
-                    picked.update(r.name_expression for r in _gpu_bwd.select(
-                        dtype, d, d, arch, aligned=True, deterministic=deterministic, seqlen_q=4096,
-                        seqlen_k=4096))
+                    picked |= backward(dtype, d, arch, deterministic=deterministic, seqlen_q=4096, seqlen_k=4096)
                     for precision in ("tf32", "tf32x3"):   # bwd_tf32
-                        picked.update(r.name_expression for r in _gpu_bwd.select(
-                            dtype, d, d, arch, aligned=True, deterministic=deterministic, precision=precision))
+                        picked |= backward(dtype, d, arch, deterministic=deterministic, precision=precision)
         assert picked <= keep, (arch, sorted(picked - keep)[:3])
         mma = {n for n in keep if "_mma_" in n}
         assert mma == {n for n in picked if "_mma_" in n}, arch   # no other class's tiles
         assert (arch < 80) == (not mma)
-    assert everywhere == {r.name_expression for r in instantiations()}
+    assert everywhere == {r.name_expression for r in catalogue()}

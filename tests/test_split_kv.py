@@ -25,10 +25,10 @@ import math
 import numpy as np
 import pytest
 
-from cupyflash import _gpu
-from cupyflash._kernels import (MMA_HEAD_DIMS, by_name, combine_name_expression, launchable,
-                                mma_name_expression, mma_split_tiles, mma_tiles)
-from cupyflash._launch import ctas_per_sm, launch_config, num_splits
+from cupyflash._families import FORWARD, FWD_COMBINE, FWD_MMA, FWD_WGMMA, Call, Sizes, by_name, launchable, select
+from cupyflash._families.fwd_mma import MMA_HEAD_DIMS
+from cupyflash._launch import ctas_per_sm, num_splits
+from cupyflash._options import KernelOptions
 from cupyflash.emulator import EmulatorExecutor, emulator_available
 
 from _util import forward_against_oracle, poisoned, random_array
@@ -39,12 +39,29 @@ needs_emulator = pytest.mark.skipif(not _OK, reason=f"CPU emulator unavailable: 
 H200_SMS = 132
 
 
+def _forward(dtype, head_dim, arch, options=KernelOptions(), **call):
+    """The forward row dispatch picks for a ``head_dim`` x ``head_dim`` call (``call``: the
+    rest of the :class:`~cupyflash._families.Call`)."""
+    (row,) = select(FORWARD, Call(dtype, head_dim, head_dim, **call), arch, options)
+    return row
+
+
 def _simt(dtype="float32", head_dim=64):
-    return _gpu.select(dtype, head_dim, head_dim, 90)
+    return _forward(dtype, head_dim, 90)
 
 
 def _mma(dtype="bfloat16", head_dim=128, arch=90):
-    return _gpu.select(dtype, head_dim, head_dim, arch, aligned=True, wgmma=False)
+    return _forward(dtype, head_dim, arch, aligned=True)
+
+
+def _combine(dtype_name):
+    (row,) = [r for r in FWD_COMBINE.rows if r.dtype == dtype_name]
+    return row
+
+
+def _launch_config(row, *, batch, heads, seqlen_q, seqlen_k, head_dim_v=0, num_splits=1):
+    return row.family.launch_config(row, Sizes(batch, heads, heads, seqlen_q, seqlen_k, head_dim_v=head_dim_v,
+                                               num_splits=num_splits))
 
 
 # ---- the heuristic -------------------------------------------------------------------------------
@@ -117,27 +134,27 @@ def test_ctas_per_sm_follows_the_occupancy_targets_and_shared_memory():
     assert ctas_per_sm(f32, 90) == 4 and ctas_per_sm(f32, 80) == 3 and ctas_per_sm(f32, 86) == 2
     assert ctas_per_sm(_simt("float32", 256), 90) == 1    # 67 KB: one CTA's target
     assert ctas_per_sm(_mma("bfloat16", 128, 80), 80) == 2
-    wgmma = _gpu.select("bfloat16", 128, 128, 90, aligned=True, wgmma=True)
-    assert wgmma.family == "fwd_wgmma" and ctas_per_sm(wgmma, 90) == 1
+    wgmma = _forward("bfloat16", 128, 90, KernelOptions(wgmma=True), aligned=True)
+    assert wgmma.family is FWD_WGMMA and ctas_per_sm(wgmma, 90) == 1
     with pytest.raises(ValueError, match="no split-KV"):
-        ctas_per_sm(by_name()[combine_name_expression("float32")], 90)
+        ctas_per_sm(_combine("float32"), 90)
 
 
 def test_launch_geometry():
     inst = _simt()
-    grid, block, _ = launch_config(inst, batch=2, heads=3, seqlen_q=100, seqlen_k=5000, num_splits=7)
+    grid, block, _ = _launch_config(inst, batch=2, heads=3, seqlen_q=100, seqlen_k=5000, num_splits=7)
     assert grid == (2 * 3 * 2, 7, 1) and block == (128, 1, 1)
     for bad in (0, 65):
         with pytest.raises(ValueError, match="num_splits"):
-            launch_config(inst, batch=1, heads=1, seqlen_q=1, seqlen_k=1, num_splits=bad)
-    combine = by_name()[combine_name_expression("float32")]
+            _launch_config(inst, batch=1, heads=1, seqlen_q=1, seqlen_k=1, num_splits=bad)
+    combine = _combine("float32")
     with pytest.raises(ValueError, match="num_splits"):
-        launch_config(combine, batch=1, heads=1, seqlen_q=1, seqlen_k=1, head_dim_v=64, num_splits=2)
+        _launch_config(combine, batch=1, heads=1, seqlen_q=1, seqlen_k=1, head_dim_v=64, num_splits=2)
     # one thread per 16-byte chunk of an output row: 4 floats, 2 doubles
-    grid, block, shared = launch_config(combine, batch=2, heads=3, seqlen_q=100, seqlen_k=1, head_dim_v=65)
+    grid, block, shared = _launch_config(combine, batch=2, heads=3, seqlen_q=100, seqlen_k=1, head_dim_v=65)
     assert grid == (-(-600 * 17 // 128), 1, 1) and shared == 0
-    combine64 = by_name()[combine_name_expression("float64")]
-    grid, _, _ = launch_config(combine64, batch=2, heads=3, seqlen_q=100, seqlen_k=1, head_dim_v=65)
+    combine64 = _combine("float64")
+    grid, _, _ = _launch_config(combine64, batch=2, heads=3, seqlen_q=100, seqlen_k=1, head_dim_v=65)
     assert grid == (-(-600 * 33 // 128), 1, 1)
 
 
@@ -145,18 +162,19 @@ def test_launch_geometry():
 
 @pytest.mark.parametrize("arch", [80, 86, 89, 90])
 def test_every_mma_tile_has_a_split_instantiation(arch):
-    tiles, split_tiles = mma_tiles(arch), mma_split_tiles(arch)
+    tiles, split_tiles = FWD_MMA.class_tiles(arch), FWD_MMA.class_tiles(arch, split=True)
+    names = {r.name_expression for r in launchable(arch)}
     for dtype in ("float16", "bfloat16"):
         for d in MMA_HEAD_DIMS:
-            name = mma_name_expression(dtype, d, *split_tiles[d], split=True)
-            assert name.endswith(", true>") and name in launchable(arch)
+            name = FWD_MMA.make_row(dtype, d, split_tiles[d], split=True).name_expression
+            assert name.endswith(", true>") and name in names
             row = by_name()[name]
-            assert row.split and row.family == "fwd_mma"
+            assert row.split and row.family is FWD_MMA
             # the same tile, except d = 128's 32-key blocks
             assert split_tiles[d] == (tiles[d] if d != 128 else (128, 32, 4, 1, True))
-            split = _gpu.select(dtype, d, d, arch, aligned=True, wgmma=False, split=True)
+            split = _forward(dtype, d, arch, aligned=True, split=True)
             assert split.name_expression == name
-            assert not _gpu.select(dtype, d, d, arch, aligned=True, wgmma=False).split
+            assert not _forward(dtype, d, arch, aligned=True).split
 
 
 # ---- the kernels, on the emulator --------------------------------------------------------------
@@ -167,7 +185,7 @@ def executor():
 
 
 def _run(executor, dtype, *, head_dim, seqlen_q, seqlen_k, head_dim_v=None, window=(None, None),
-         gqa_ratio=1, batch=1, heads_kv=1, splits=None, with_lse=True, out=None, monkeypatch):
+         gqa_ratio=1, batch=1, heads_kv=1, splits=None, with_lse=True, out=None):
     """One forward with ``splits`` forced (None: the heuristic) on random inputs, checked
     against the oracle; returns the (name, grid) launches and the output."""
     rng = np.random.default_rng(seqlen_q * 1000 + seqlen_k + head_dim)
@@ -177,9 +195,8 @@ def _run(executor, dtype, *, head_dim, seqlen_q, seqlen_k, head_dim_v=None, wind
     q = random_array(rng, (batch, heads, seqlen_q, head_dim), dtype)
     k = random_array(rng, (batch, heads_kv, seqlen_k, head_dim), dtype)
     v = random_array(rng, (batch, heads_kv, seqlen_k, dv), dtype)
-    monkeypatch.setattr(_gpu, "split_override", splits)
     spy, out = forward_against_oracle(executor, q, k, v, window=window, gqa_ratio=gqa_ratio, out=out,
-                                      with_lse=with_lse)
+                                      with_lse=with_lse, options=KernelOptions(splits=splits))
     return spy.launches, out
 
 
@@ -200,57 +217,53 @@ def _bf16():
     ("float16", 32, 20, 150, (None, 0), 1, 8, "fwd_mma_kernel<__half, 32"),   # 3 key blocks: 5 empty runs
     ("float16", 36, 20, 150, (None, 0), 2, 8, "fwd_simt_kernel<__half, 64"),  # 5 key blocks: 3 empty runs
 ], ids=lambda c: f"{c[0]}-d{c[1]}-{c[2]}x{c[3]}-w{c[4]}-g{c[5]}-s{c[6]}")
-def test_split_kernels_match_the_oracle(executor, monkeypatch, case):
+def test_split_kernels_match_the_oracle(executor, case):
     dtype, d, lq, lk, window, gqa, splits, kernel = case
     dt = _bf16() if dtype == "bfloat16" else dtype
     launched, _ = _run(executor, dt, head_dim=d, seqlen_q=lq, seqlen_k=lk, window=window, gqa_ratio=gqa,
-                       batch=2, splits=splits, monkeypatch=monkeypatch)
+                       batch=2, splits=splits)
     (main, grid), (combine, _) = launched
     assert kernel in main and grid[1] == splits
-    assert combine == combine_name_expression(np.dtype(dt).name)
+    assert combine == _combine(np.dtype(dt).name).name_expression
 
 
 @needs_emulator
-def test_split_with_dv_other_than_d_without_lse_into_a_strided_out(executor, monkeypatch):
+def test_split_with_dv_other_than_d_without_lse_into_a_strided_out(executor):
     # out: a transposed (B, L, H, dv) buffer viewed as (B, H, L, dv)
     base = poisoned((1, 50, 2, 64), np.float32)
     out = base.transpose(0, 2, 1, 3)
     launched, _ = _run(executor, np.float32, head_dim=32, head_dim_v=64, seqlen_q=50, seqlen_k=333,
-                       window=(None, 0), gqa_ratio=2, splits=3, with_lse=False, out=out,
-                       monkeypatch=monkeypatch)
-    assert [n for n, _ in launched][1] == combine_name_expression("float32")
+                       window=(None, 0), gqa_ratio=2, splits=3, with_lse=False, out=out)
+    assert [n for n, _ in launched][1] == _combine("float32").name_expression
 
 
 @needs_emulator
-def test_split_and_unsplit_agree(executor, monkeypatch):
-    _, one = _run(executor, np.float64, head_dim=64, seqlen_q=17, seqlen_k=700, splits=1,
-                  monkeypatch=monkeypatch)
-    _, four = _run(executor, np.float64, head_dim=64, seqlen_q=17, seqlen_k=700, splits=4,
-                   monkeypatch=monkeypatch)
+def test_split_and_unsplit_agree(executor):
+    _, one = _run(executor, np.float64, head_dim=64, seqlen_q=17, seqlen_k=700, splits=1)
+    _, four = _run(executor, np.float64, head_dim=64, seqlen_q=17, seqlen_k=700, splits=4)
     np.testing.assert_allclose(four, one, rtol=1e-13, atol=1e-15)
 
 
 @needs_emulator
-def test_the_heuristic_splits_a_decoding_step(executor, monkeypatch):
+def test_the_heuristic_splits_a_decoding_step(executor):
     # Lq = 1 over 4096 keys, 2 heads: 2 CTAs on an emulated A100 (108 SMs)
     launched, _ = _run(executor, np.float32, head_dim=64, seqlen_q=1, seqlen_k=4096, heads_kv=2,
-                       splits=None, monkeypatch=monkeypatch)
+                       splits=None)
     (main, grid), (combine, _) = launched
-    inst = _gpu.select("float32", 64, 64, 80)
+    inst = _forward("float32", 64, 80)
     assert main == inst.name_expression
     # 2 CTAs for 3 x 108 slots, 128 key blocks: 16 splits of 256 keys, the most allowed,
     # still run in one wave
     assert grid[1] == num_splits(inst, batch=1, heads=2, seqlen_q=1, seqlen_k=4096, arch=80,
                                  multiprocessors=executor.multiprocessors) == 16
-    assert combine == combine_name_expression("float32")
+    assert combine == _combine("float32").name_expression
 
 
 @needs_emulator
-def test_split_results_do_not_depend_on_thread_order(monkeypatch):
+def test_split_results_do_not_depend_on_thread_order():
     outs = []
     for seed in (1, 2):
         ex = EmulatorExecutor(arch=80, seed=seed, shuffle=True, race_check=False)
-        _, out = _run(ex, np.float32, head_dim=64, seqlen_q=9, seqlen_k=600, splits=3,
-                      monkeypatch=monkeypatch)
+        _, out = _run(ex, np.float32, head_dim=64, seqlen_q=9, seqlen_k=600, splits=3)
         outs.append(out)
     np.testing.assert_array_equal(outs[0], outs[1])

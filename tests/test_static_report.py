@@ -42,11 +42,11 @@ def _row_id(row):
 
 def test_every_instantiation_is_reported_for_each_arch(rows):
     # ... for each arch its entry file has a target for: fwd_wgmma is sm_90a only.
-    from cupyflash._kernels import compile_target, instantiations
+    from cupyflash._families import catalogue
 
-    assert instantiations(), "the catalogue is empty"
+    assert catalogue(), "the catalogue is empty"
     for arch in ARCHS:
-        names = [i.name_expression for i in instantiations() if compile_target(i.entry, arch)]
+        names = [i.name_expression for i in catalogue() if i.family.compile_target(arch)]
         assert [r["name"] for r in rows if r["arch"] == arch] == names
         assert {r["target"] for r in rows if r["arch"] == arch} <= {arch, arch + "a"}
     assert {r["arch"] for r in rows if r["family"] == "fwd_wgmma"} == {"sm_90"}
@@ -204,7 +204,7 @@ def test_compile_error_carries_the_nvrtc_log():
 
 
 def test_nvrtc_gets_the_assembled_source_with_every_header(monkeypatch):
-    from cupyflash._kernels import compile_target, instantiations
+    from cupyflash._families import catalogue, entry_family
 
     seen = {}
 
@@ -216,12 +216,13 @@ def test_nvrtc_gets_the_assembled_source_with_every_header(monkeypatch):
             raise _report.NvrtcError("recorded")
 
     monkeypatch.setattr(_nvrtc, "compiler", lambda: Recorder())
-    insts = instantiations()
+    insts = catalogue()
     for entry in {i.entry for i in insts}:
         # sm_86 (sm_90, i.e. sm_90a, for the sm_90a-only entry): compiled by the fixtures
         # only with SASS, so the report cache (keyed by sass too) cannot answer
-        arch = "sm_86" if compile_target(entry, "sm_86") else "sm_90"
-        target = compile_target(entry, arch)
+        family = entry_family(entry)
+        arch = "sm_86" if family.compile_target("sm_86") else "sm_90"
+        target = family.compile_target(arch)
         with pytest.raises(_report.NvrtcError, match="recorded"):
             _report.kernel_report([arch], [i for i in insts if i.entry == entry], sass=False)
         source, options = seen[f"cuda_src/{entry}"]
@@ -236,11 +237,11 @@ def test_nvrtc_gets_the_assembled_source_with_every_header(monkeypatch):
 
 
 def test_editing_a_header_changes_the_source_hash(tmp_path, monkeypatch):
-    from cupyflash._kernels import instantiations
+    from cupyflash._families import catalogue
 
     root = tmp_path / "cuda_src"
     shutil.copytree(_source.cuda_src_dir(), root)
-    entry = instantiations()[0].entry
+    entry = catalogue()[0].entry
     before = _source.source_hash(module_source(entry))
     monkeypatch.setenv("CUPYFLASH_CUDA_SRC", str(root))
     _source.cuda_src_dir.cache_clear()
@@ -351,7 +352,7 @@ def _report_with_nvrtc(lib: Path, archs=("sm_90",)) -> list[dict]:
     ``lib``: what a GPU of each arch compiles with that NVRTC.  The other tile classes'
     rows are the same templates with other constants, and the main report compiles
     them for their own targets."""
-    from cupyflash._kernels import compile_target, instantiations, launchable
+    from cupyflash._families import catalogue, launchable
 
     env = dict(os.environ, CUPYFLASH_NVRTC=str(lib),   # its builtins library sits beside it
                LD_LIBRARY_PATH=os.pathsep.join(filter(None, [str(lib.parent),
@@ -362,9 +363,9 @@ def _report_with_nvrtc(lib: Path, archs=("sm_90",)) -> list[dict]:
                           env=env, capture_output=True, text=True, timeout=1200, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = json.loads(done.stdout)
-    names = {arch: launchable(int(arch.removeprefix("sm_"))) for arch in archs}
-    assert len(rows) == sum(compile_target(i.entry, arch) is not None
-                            for arch in archs for i in instantiations() if i.name_expression in names[arch])
+    names = {arch: {r.name_expression for r in launchable(int(arch.removeprefix("sm_")))} for arch in archs}
+    assert len(rows) == sum(i.family.compile_target(arch) is not None
+                            for arch in archs for i in catalogue() if i.name_expression in names[arch])
     return rows
 
 
@@ -378,15 +379,16 @@ def needs_nvrtc(path, variable):
 
 
 def test_every_kernel_compiles_with_the_oldest_cuda12_nvrtc():
-    from cupyflash._kernels import instantiations
+    from cupyflash._families import catalogue
 
     needs_nvrtc(OLDEST_NVRTC_12, "CUPYFLASH_TEST_OLDEST_NVRTC_12")
     rows = _report_with_nvrtc(Path(OLDEST_NVRTC_12))
-    assert {r["entry"] for r in rows} == {i.entry for i in instantiations()}
+    assert {r["entry"] for r in rows} == {i.entry for i in catalogue()}
 
 
 def test_every_kernel_compiles_with_the_oldest_nvrtc():
-    from cupyflash._kernels import MMA_HEAD_DIMS, instantiations, mma_name_expression, mma_tiles
+    from cupyflash._families import FWD_MMA, FWD_V1, catalogue
+    from cupyflash._families.fwd_mma import MMA_HEAD_DIMS
 
     needs_nvrtc(OLDEST_NVRTC, "CUPYFLASH_TEST_OLDEST_NVRTC")
     # sm_90 alone, as for 12.0: the source is the same for every target (only
@@ -397,9 +399,10 @@ def test_every_kernel_compiles_with_the_oldest_nvrtc():
     # what the sm_90 dispatcher picks (fwd_mma's table and its whole-KV rows, every
     # other forward row but fwd_v1's, every backward row) runs without spills or a
     # stack frame under this compiler too
-    picked = {mma_name_expression(dtype, d, *mma_tiles(90)[d], whole_kv=whole_kv)
+    tiles = FWD_MMA.class_tiles(90)
+    picked = {FWD_MMA.make_row(dtype, d, tiles[d], whole_kv=whole_kv).name_expression
               for dtype in ("float16", "bfloat16") for d in MMA_HEAD_DIMS for whole_kv in (False, True)}
-    picked |= {r.name_expression for r in instantiations() if r.family not in ("fwd_mma", "fwd_v1")}
+    picked |= {r.name_expression for r in catalogue() if r.family not in (FWD_MMA, FWD_V1)}
     # Known exceptions, each pinned to its (spill, stack) bytes; 13.5 spills none of them.
     # - fwd_mma's whole-KV row of d = 128's tile: NVRTC 13.0 keeps 13 loop-invariant
     #   values in local memory (52 B: 13 LDL per key block of ~1,200 instructions,
@@ -408,7 +411,7 @@ def test_every_kernel_compiles_with_the_oldest_nvrtc():
     # - bwd_mma's whole-stream dK/dV rows at d = 128 (both stage counts) and d = 224's
     #   dK launch: one register (two at 224), stored once and reloaded once per query
     #   head, outside the streamed loop.
-    known = {mma_name_expression(dtype, 128, *mma_tiles(90)[128], whole_kv=True): (52, 56)
+    known = {FWD_MMA.make_row(dtype, 128, tiles[128], whole_kv=True).name_expression: (52, 56)
              for dtype in ("float16", "bfloat16")}
     for cxx in ("__half", "__nv_bfloat16"):
         known.update({f"cf::bwd_mma_dkdv_kernel<{cxx}, 128, 64, 32, 4, 3, {stages}, true>": (4, 8)

@@ -24,12 +24,12 @@ import io
 import pytest
 
 from cupyflash import _report
-from cupyflash._kernels import instantiations
+from cupyflash._families import BWD_WGMMA, FWD_WGMMA
 
 pytest.importorskip("cuda.pathfinder")
 
-FWD_ROWS = [r for r in instantiations() if r.family == "fwd_wgmma"]
-BWD_ROWS = [r for r in instantiations() if r.family == "bwd_wgmma"]
+FWD_ROWS = list(FWD_WGMMA.rows)
+BWD_ROWS = list(BWD_WGMMA.rows)
 MAX_BARRIER_TO_HGMMA = 40
 
 

@@ -9,7 +9,6 @@ every forward family that splits (:attr:`Family.split_kv`).
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
 
 from .._dtypes import accumulator_dtype, accumulator_name
 from ._family import COMBINE, Family, Sizes
@@ -43,9 +42,6 @@ class FwdCombine(Family):
         # one thread per 16-byte chunk of each output row (head_dim_v, run time)
         chunks = -(-max(int(sizes.head_dim_v), 1) // (16 // accumulator_dtype(row.dtype).itemsize))
         return -(-sizes.seqlen_q * sizes.heads_q * sizes.batch * chunks // row.threads)
-
-    def launch_config(self, row, sizes: Sizes):
-        return super().launch_config(row, replace(sizes, num_splits=1))   # merges the splits: one grid row
 
     def shared_bytes(self, row, sizes: Sizes | None = None) -> int:
         return 0
