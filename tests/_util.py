@@ -143,12 +143,11 @@ def wgmma_module_log(rows) -> str:
     cupyflash._report.kernel_report compiles them (its in-process cache: no second compile
     after the report fixture)."""
     from cupyflash import _report
-    from cupyflash._kernels import compile_target
     from cupyflash._loader import module_source
 
     (entry,) = {r.entry for r in rows}
     return _report.compile_report(module_source(entry), [r.name_expression for r in rows],
-                                  compile_target(entry, "sm_90"), sass=True,
+                                  rows[0].family.compile_target("sm_90"), sass=True,
                                   filename=f"cuda_src/{entry}").log
 
 
@@ -226,8 +225,9 @@ class LaunchSpy:
 
 
 def forward_against_oracle(executor, q, k, v, *, window=(None, None), gqa_ratio=1, out=None,
-                           with_lse=True, precision="ieee"):
-    """:func:`cupyflash._gpu.forward` of q, k, v on ``executor`` into a NaN-poisoned ``out``
+                           with_lse=True, precision="ieee", options=None):
+    """:func:`cupyflash._run.forward` of q, k, v on ``executor`` (with ``options``, a
+    :class:`~cupyflash._options.KernelOptions`; None: the defaults) into a NaN-poisoned ``out``
     (unless given) against the float64 oracle: every element written, out and lse to the
     dtype's tolerance, rows that see no key zero with lse = -inf.  Returns the
     :class:`LaunchSpy` that ran it and ``out``.
@@ -237,7 +237,8 @@ def forward_against_oracle(executor, q, k, v, *, window=(None, None), gqa_ratio=
     its TF32 scores allow.  ``"tf32x3"`` must meet float32's own tolerance."""
     import math
 
-    from cupyflash import _gpu
+    from cupyflash import _run
+    from cupyflash._options import KernelOptions
     from cupyflash.reference import naive_attention
 
     dtype = q.dtype
@@ -246,8 +247,9 @@ def forward_against_oracle(executor, q, k, v, *, window=(None, None), gqa_ratio=
     lse = poisoned(q.shape[:3], accum_dtype(dtype)) if with_lse else None
     spy = LaunchSpy(executor)
     scale = 1.0 / math.sqrt(q.shape[-1])
-    _gpu.forward(q, k, v, out, lse, scale=scale, window_left=window[0], window_right=window[1],
-                 gqa_ratio=gqa_ratio, executor=spy, precision=precision)
+    _run.forward(q, k, v, out, lse, scale=scale, window_left=window[0], window_right=window[1],
+                 gqa_ratio=gqa_ratio, executor=spy, precision=precision,
+                 options=KernelOptions() if options is None else options)
     ref, ref_lse = naive_attention(q, k, v, scale=scale, window=window, enable_gqa=gqa_ratio > 1,
                                    return_lse=True)
     assert not np.isnan(out.astype(np.float64)).any(), "output element left unwritten (NaN)"
