@@ -11,7 +11,11 @@ analysis").
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+
+from cupyflash.reference import naive_attention_backward
 
 from _util import to_tf32, visible
 
@@ -212,3 +216,43 @@ def assert_within_term_bound(actual, expected, size, *, eps, head_dim, floor=0.0
     assert (err <= bound).all(), (
         f"{what}: error {err[worst]:.3g} > {bound[worst]:.3g} at {worst} "
         f"(got {np.asarray(actual)[worst]!r}, exact {expected[worst]!r}, term size {size[worst]:.3g})")
+
+
+def window_of(kw):
+    """The (left, right) window of attention keywords (causal folded in)."""
+    left, right = kw.get("window") or (None, None)
+    left = None if left == -1 else left
+    right = None if right == -1 else right
+    if kw.get("causal"):
+        right = 0 if right is None else min(right, 0)
+    return left, right
+
+
+def check_gradients(grads, dout, q, k, v, out, dtype, **kw):
+    """Compare a kernel's gradients (host arrays) with the oracle on the same rounded inputs.
+
+    float16/bfloat16: within :data:`HALF_YARDSTICK_FACTOR` of :func:`naive_half_backward`.
+
+    float32/float64: 32 epsilons of the size of the terms each gradient
+    element sums (``backward_term_sizes``), widened by sqrt(head dim) / 4
+    past 16.  Relative to the terms, not to the result:
+    where dP - delta cancels (one key, where P = 1 and dP = delta) the exact
+    gradient is ~0 and the rounding of dP and delta, each a sum over the head
+    dim in its own order, is all that is left (seen on an H200: dq ~5e-6 from
+    terms of ~10, exact 1e-16).
+    """
+    expected = naive_attention_backward(dout, q, k, v, **kw)
+    sizes = backward_term_sizes(dout, q, k, v, **kw)
+    if np.dtype(dtype).itemsize == 2:
+        scale = kw.get("scale", 1.0 / math.sqrt(q.shape[-1]))
+        g = q.shape[-3] // k.shape[-3] if kw.get("enable_gqa") else 1
+        naive = naive_half_backward(dout, q, k, v, out, scale=scale, window=window_of(kw), gqa_ratio=g)
+    else:
+        naive = (None,) * 3
+    for name, a, e, h, size in zip(("dq", "dk", "dv"), grads, expected, naive, sizes):
+        assert np.isfinite(a.astype(np.float64)).all(), f"{name}: non-finite gradient"
+        if h is None:
+            assert_within_term_bound(a, e, size, eps=np.finfo(dtype).eps,
+                                     head_dim=max(q.shape[-1], v.shape[-1]), what=name)
+        else:
+            assert_within_yardstick(a, e, h, sizes=size, what=name)

@@ -22,8 +22,9 @@ from cupyflash.reference import naive_attention, naive_attention_backward
 
 from _backward_util import (TF32_YARDSTICK_FACTOR, assert_within_term_bound, assert_within_yardstick,
                             backward_term_sizes, naive_half_backward, naive_tf32_backward)
-from _util import (HALF, LaunchSpy, accum_dtype, assert_lse_close, bfloat16, poisoned, random_array,
-                   visible)
+from _emulator_util import bf16_round
+from _util import (HALF, HALF_FORWARD_FACTOR, HALF_UNIT_ROUNDOFF, LaunchSpy, accum_dtype, assert_lse_close,
+                   bfloat16, naive_half_attention, poisoned, random_array)
 
 _OK, _WHY = emulator_available()
 needs_emulator = pytest.mark.skipif(not _OK, reason=f"CPU emulator unavailable: {_WHY}")
@@ -50,39 +51,15 @@ def qkv(rng, dtype, *, batch=1, heads_kv=1, gqa_ratio=1, seqlen_q, seqlen_k, hea
             random_array(rng, (batch, heads_kv, seqlen_k, head_dim_v), dtype, scale))
 
 
-# ---- the half-precision forward: its yardstick and its rule -------------------------------------
+# ---- the half-precision forward: its rule -------------------------------------------------------
 
-def naive_half_attention(q, k, v, *, scale, window, gqa_ratio):
-    """Attention as a tensor-core kernel computes it, untiled: scores and softmax in float32
-    from the half inputs, the unnormalised P = exp(S - rowmax) rounded to the input dtype
-    before P V, the row sum of P taken before that rounding, the output in float32 (not
-    rounded: check_against_oracle allows for the kernels' one rounding of it)."""
-    dtype = q.dtype
-    k = np.repeat(k, gqa_ratio, axis=1) if gqa_ratio > 1 else k
-    v = np.repeat(v, gqa_ratio, axis=1) if gqa_ratio > 1 else v
-    s = np.matmul(q.astype(np.float32), np.swapaxes(k.astype(np.float32), -1, -2)) * np.float32(scale)
-    s = np.where(visible(q.shape[-2], k.shape[-2], window), s, -np.inf)
-    m = s.max(axis=-1, keepdims=True, initial=-np.inf)
-    p = np.exp(s - np.where(np.isfinite(m), m, 0)).astype(np.float32)
-    total = p.sum(axis=-1, keepdims=True, dtype=np.float32)
-    pv = np.matmul(p.astype(dtype).astype(np.float32), v.astype(np.float32))
-    return np.where(total > 0, pv / np.where(total > 0, total, 1), 0).astype(np.float32)
-
-
-# Unit roundoff of the 16-bit dtypes: one rounding of the output may be off by this, relatively.
-HALF_UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
-# How much further from the oracle than naive_half_attention the kernels may be, besides their
-# one rounding of the output (docs/testing.md, "Error analysis"): both round P where a
-# tensor-core kernel must, and differ in float32 order and in where P is rounded (against the
-# running maximum), not in what is rounded.
-HALF_FORWARD_FACTOR = 1.25
 # One ulp at 1.0 (machine epsilon): 10 and 7 explicit mantissa bits.
 ULP_AT_ONE = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
 
 
 def check_against_oracle(out, lse, q, k, v, *, scale=None, window=(None, None), gqa_ratio=1):
     """Every element written; out no further from the float64 oracle than HALF_FORWARD_FACTOR
-    times naive_half_attention, plus one rounding of the largest output (and float32's);
+    times naive_half_attention (tests/_util.py), plus one rounding of the largest output (and float32's);
     lse (unless None) to its tolerance."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     assert not np.isnan(out.astype(np.float64)).any(), "output element left unwritten (NaN)"
@@ -222,26 +199,9 @@ def check_broadcast_and_strided_views(executor, dtype, case_type=Case, **case_kw
     case.check(case.run(executor, grads=grads, out=out))
 
 
-# ---- planted kernels (tests/emulator_planted/) ---------------------------------------------------
-
-PLANTED_DIR = Path(__file__).resolve().parent / "emulator_planted"
-# The params struct of the planted kernels (PlantedParams in their sources).
-PLANTED_DTYPE = np.dtype(
-    [("inp", np.uint64), ("out", np.uint64), ("ticket", np.uint64), ("n", np.int32), ("arg", np.int32)], align=True
-)
-
-
-def ptr(a) -> int:
-    """The address of a NumPy array's data (0 for None)."""
-    return 0 if a is None else a.ctypes.data
-
-
-def planted_params(inp, out, ticket=None, n=0, arg=0):
-    return np.array((ptr(inp), ptr(out), ptr(ticket), n, arg), dtype=PLANTED_DTYPE)[()]
-
-
 # ---- the wgmma probes: one instruction, and each product of the kernels -------------------------
 
+PLANTED_DIR = Path(__file__).resolve().parent / "emulator_planted"
 PROBE = str(PLANTED_DIR / "wgmma_planted.cu")
 PROBE_SHARED = 2 * 64 * 64 * 2 + 1024   # A and B pages, and the slack to align them
 # Each wgmma product of fwd_wgmma.cu and bwd_wgmma.cu as the kernels call it (its
@@ -259,13 +219,6 @@ _PRODUCT_SHAPES = {0: ((128, 128), (128, 128), "abt"), 1: ((128, 128), (128, 128
                    8: ((128, 256), (32, 256), "abt"), 9: ((128, 32), (32, 256), "ab")}
 PRODUCT_THREADS = 256
 PRODUCT_SHARED = (128 * 256 + 64 * 256) * 2 + 1024   # the largest form's tiles (6), and the alignment slack
-
-
-def bf16_round(x):
-    """``x`` rounded to bfloat16 (to nearest even), as float64."""
-    bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
-    bits = (bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff0000
-    return bits.astype(np.uint32).view(np.float32).astype(np.float64)
 
 
 def product_case(form: int, seed: int = 0):

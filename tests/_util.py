@@ -114,6 +114,31 @@ def naive_tf32_attention(q, k, v, *, scale, window=(None, None), enable_gqa=Fals
     return np.where(row_sum > 0, o / np.where(row_sum > 0, row_sum, 1), 0).astype(np.float32)
 
 
+def naive_half_attention(q, k, v, *, scale, window, gqa_ratio):
+    """Attention as a tensor-core kernel computes it, untiled: scores and softmax in float32
+    from the half inputs, the unnormalised P = exp(S - rowmax) rounded to the input dtype
+    before P V, the row sum of P taken before that rounding, the output in float32 (not
+    rounded: a check against it allows for the kernels' one rounding of it)."""
+    dtype = q.dtype
+    k = np.repeat(k, gqa_ratio, axis=1) if gqa_ratio > 1 else k
+    v = np.repeat(v, gqa_ratio, axis=1) if gqa_ratio > 1 else v
+    s = np.matmul(q.astype(np.float32), np.swapaxes(k.astype(np.float32), -1, -2)) * np.float32(scale)
+    s = np.where(visible(q.shape[-2], k.shape[-2], window), s, -np.inf)
+    m = s.max(axis=-1, keepdims=True, initial=-np.inf)
+    p = np.exp(s - np.where(np.isfinite(m), m, 0)).astype(np.float32)
+    total = p.sum(axis=-1, keepdims=True, dtype=np.float32)
+    pv = np.matmul(p.astype(dtype).astype(np.float32), v.astype(np.float32))
+    return np.where(total > 0, pv / np.where(total > 0, total, 1), 0).astype(np.float32)
+
+
+# Unit roundoff of the 16-bit dtypes: one rounding of the output may be off by this, relatively.
+HALF_UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
+# How much further from the oracle than naive_half_attention the kernels may be, besides their
+# one rounding of the output (docs/testing.md, "Error analysis"): both round P where a
+# tensor-core kernel must, and differ in float32 order and in where P is rounded (against the
+# running maximum), not in what is rounded.
+HALF_FORWARD_FACTOR = 1.25
+
 def assert_compiled_clean(report, rows, archs):
     """The static report ``report`` (cupyflash._report.kernel_report rows) has every one of
     ``rows`` on every arch of ``archs``, each without spills, stack frame or local memory,
@@ -146,8 +171,9 @@ def wgmma_module_log(rows) -> str:
     from cupyflash._loader import module_source
 
     (entry,) = {r.entry for r in rows}
+    (family,) = {r.family for r in rows}
     return _report.compile_report(module_source(entry), [r.name_expression for r in rows],
-                                  rows[0].family.compile_target("sm_90"), sass=True,
+                                  family.compile_target("sm_90"), sass=True,
                                   filename=f"cuda_src/{entry}").log
 
 
@@ -226,8 +252,8 @@ class LaunchSpy:
 
 def forward_against_oracle(executor, q, k, v, *, window=(None, None), gqa_ratio=1, out=None,
                            with_lse=True, precision="ieee", options=None):
-    """:func:`cupyflash._run.forward` of q, k, v on ``executor`` (with ``options``, a
-    :class:`~cupyflash._options.KernelOptions`; None: the defaults) into a NaN-poisoned ``out``
+    """:func:`cupyflash._run.forward` of q, k, v on ``executor`` (dispatch ``options``,
+    default :class:`~cupyflash._options.KernelOptions`\ ()) into a NaN-poisoned ``out``
     (unless given) against the float64 oracle: every element written, out and lse to the
     dtype's tolerance, rows that see no key zero with lse = -inf.  Returns the
     :class:`LaunchSpy` that ran it and ``out``.
