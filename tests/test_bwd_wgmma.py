@@ -33,7 +33,14 @@ def _select(dtype, d, options=WGMMA, **call):
     return select(BACKWARD, Call(dtype, d, d, aligned=True, **call), 90, options)
 
 
-# ---- dispatch ---------------------------------------------------------------------------------------
+# ---- the catalogue and dispatch ---------------------------------------------------------------------
+
+def test_only_the_dq_kernel_has_whole_stream_rows():
+    rows = BWD_WGMMA.rows
+    assert set(WGMMA_BWD_HEAD_DIMS) == {64, 128, 192, 256} == {r.head_dim for r in rows}
+    assert sum(r.whole_kv for r in rows) == 2 * len(WGMMA_BWD_HEAD_DIMS)
+    assert all(r.kernel == "bwd_wgmma_dq_kernel" for r in rows if r.whole_kv)
+
 
 def test_select_picks_the_whole_stream_dq_row_only_for_whole_key_blocks_at_the_bucket():
     # the dQ kernel's K/V copies without bounds (kWholeStream) need every key block whole

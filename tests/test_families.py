@@ -68,23 +68,26 @@ def _bucket(dims, d):
 
 # ---- catalogue and launch ----------------------------------------------------------------------
 
-# name: (rows in the catalogue or None, the archs of (75, 80, 86, 89, 90, 100, 120) that launch
-# some of them, whether each of those launches every row)
+ALL = {"float16", "bfloat16", "float32", "float64"}
+HALF_SET, TF32_SET, DMMA_SET = {"float16", "bfloat16"}, {"float32"}, set(DMMA_DTYPES)
+EVERY_ARCH, SM80_ON = {75, 80, 86, 89, 90, 100, 120}, {80, 86, 89, 90, 100, 120}
+# name: (rows in the catalogue or None, their dtypes, the archs of (75, 80, 86, 89, 90, 100,
+# 120) that launch some of them, whether each of those launches every row)
 CATALOGUE = {
-    "fwd_simt": (16, {75, 80, 86, 89, 90, 100, 120}, True),
-    "fwd_v1": (4, {75, 80, 86, 89, 90, 100, 120}, True),
-    "fwd_combine": (4, {75, 80, 86, 89, 90, 100, 120}, True),
-    "fwd_mma": (None, {80, 86, 89, 90, 100, 120}, False),          # each arch class its tiles
-    "fwd_wgmma": (2 * 3 * len(WGMMA_HEAD_DIMS), {90}, True),        # two dtypes; split-KV and whole-KV rows
-    "fwd_dmma": (len(DMMA_HEAD_DIMS) * len(DMMA_DTYPES), set(DMMA_ARCHS), True),
-    "fwd_tf32": (len(TF32_HEAD_DIMS) * len(TF32_PASSES), {80, 86, 89, 90, 100, 120}, True),
-    "bwd_simt": (None, {75, 80, 86, 89, 90, 100, 120}, True),
-    "bwd_mma": (None, {80, 86, 89, 90, 100, 120}, False),
+    "fwd_simt": (16, ALL, EVERY_ARCH, True),
+    "fwd_v1": (4, ALL, EVERY_ARCH, True),
+    "fwd_combine": (4, ALL, EVERY_ARCH, True),
+    "fwd_mma": (None, HALF_SET, SM80_ON, False),                    # each arch class its tiles
+    "fwd_wgmma": (2 * 3 * len(WGMMA_HEAD_DIMS), HALF_SET, {90}, True),   # two dtypes; split-KV and whole-KV rows
+    "fwd_dmma": (len(DMMA_HEAD_DIMS) * len(DMMA_DTYPES), DMMA_SET, set(DMMA_ARCHS), True),
+    "fwd_tf32": (len(TF32_HEAD_DIMS) * len(TF32_PASSES), TF32_SET, SM80_ON, True),
+    "bwd_simt": (None, ALL, EVERY_ARCH, True),
+    "bwd_mma": (None, HALF_SET, SM80_ON, False),
     # per dtype and head dim: dK/dV (deterministic and atomic-dQ) and dQ, or (192, 256) dV,
     # dK and dQ -- and the dQ kernel's whole-stream row
-    "bwd_wgmma": (2 * len(WGMMA_HEAD_DIMS) * 4, {90}, True),
-    "bwd_dmma": (2 * len(DMMA_HEAD_DIMS) * len(DMMA_DTYPES), set(DMMA_ARCHS), True),   # dK/dV, dQ
-    "bwd_tf32": (2 * len(TF32_HEAD_DIMS) * len(TF32_PASSES), {80, 86, 89, 90, 100, 120}, True),
+    "bwd_wgmma": (2 * len(WGMMA_HEAD_DIMS) * 4, HALF_SET, {90}, True),
+    "bwd_dmma": (2 * len(DMMA_HEAD_DIMS) * len(DMMA_DTYPES), DMMA_SET, set(DMMA_ARCHS), True),   # dK/dV, dQ
+    "bwd_tf32": (2 * len(TF32_HEAD_DIMS) * len(TF32_PASSES), TF32_SET, SM80_ON, True),
 }
 # Compile targets the static report and the loader build an entry for (None: no kernels there).
 TARGETS = {"fwd_wgmma": {"sm_90": "sm_90a", "sm_80": None, "sm_86": None},
@@ -94,9 +97,10 @@ TARGETS = {"fwd_wgmma": {"sm_90": "sm_90a", "sm_80": None, "sm_86": None},
 
 @pytest.mark.parametrize("family", FAMILIES, ids=_ids(FAMILIES))
 def test_catalogue_rows_are_unique_and_launched_where_the_family_runs(family):
-    count, archs, every_row = CATALOGUE[family.name]
+    count, dtypes, archs, every_row = CATALOGUE[family.name]
     rows = family.rows
     assert len({r.name_expression for r in rows}) == len(rows)
+    assert {r.dtype for r in rows} == dtypes
     assert all(r.family is family and r.entry == family.entry for r in rows)
     if count is not None:
         assert len(rows) == count
@@ -180,6 +184,7 @@ def test_launch_config_grid_block_and_shared_memory(family):
             ctas = 2 * 6 * math.ceil(1000 / row.block_m)
         assert grid == (ctas, sizes.num_splits, 1), row
         assert block == (row.threads, 1, 1) and row.threads == threads(row), row
+        assert row.head_dim == row.head_dim_v, row
         assert shared == shared_bytes(row) <= limit_kb * 1024, row
     for arch, limits in SM_LIMITS.items():   # every row an arch launches fits its shared memory
         for row in family.launchable(arch):
@@ -314,12 +319,14 @@ def _bwd_simt():
     for dtype in DTYPE_NAMES:
         acc = "float64" if dtype == "float64" else "float32"
         for d, dv, bucket in [(1, 1, 32), (32, 3, 32), (33, 8, 64), (8, 65, 128), (200, 1, 256), (256, 256, 256)]:
-            cases.append(pick(dtype, d, dv, expect="bwd_simt", bucket=bucket, roles=THREE, grads=[3]))
+            cases.append(pick(dtype, d, dv, expect="bwd_simt", bucket=bucket, roles=THREE, grads=[3],
+                              props={"delta_head_dim": bucket}))
             # deterministic=False: delta, then the dK/dV kernel that adds dQ by atomics, where
             # its streamed block is whole row groups (16 rows)
             atomic = BWD_SIMT.tiles[acc][bucket][1] % 16 == 0
             cases.append(pick(dtype, d, dv, deterministic=False, expect="bwd_simt", bucket=bucket,
-                              roles=(DELTA, DKDV) if atomic else THREE, grads=[7] if atomic else [3]))
+                              roles=(DELTA, DKDV) if atomic else THREE, grads=[7] if atomic else [3],
+                              props={"delta_head_dim": bucket}))
     for dtype in HALF_NAMES:
         cases += [pick(dtype, 64, expect="bwd_simt", roles=THREE),                  # alignment unknown
                   pick(dtype, 64, aligned=False, expect="bwd_simt", roles=THREE),   # rows not 16-byte aligned
@@ -424,7 +431,7 @@ def test_dispatch_picks_the_family_where_it_applies_and_leaves_other_calls(famil
         assert {r.family.name for r in main} == {p.expect}, where
         assert {r.dtype for r in plan} == {p.call.dtype}, where
         if p.bucket is not None:
-            assert {r.head_dim for r in main} == {p.bucket}, where
+            assert {(r.head_dim, r.head_dim_v) for r in main} == {(p.bucket, p.bucket)}, where
         if p.roles is not None:
             assert tuple(r.role for r in plan) == p.roles, where
         if p.grads is not None:

@@ -50,6 +50,18 @@ def _select(dtype, d, dv, arch, **call):
 
 # ---- the tile classes and the rows' alignment ------------------------------------------------
 
+def test_name_expressions_carry_each_class_tile():
+    # the template arguments in the kernel's order: <T, d, block_m, block_n, warps, kv_stages,
+    # lazy_rescale[, split[, whole_kv]]>
+    for arch in CLASS_ARCH.values():
+        for dtype in ("float16", "bfloat16"):
+            for d in MMA_HEAD_DIMS:
+                block_m, block_n, warps, stages, lazy = FWD_MMA.class_tiles(arch)[d]
+                inst = _select(dtype, d, d, arch, aligned=True)
+                assert inst.name_expression.endswith(
+                    f"{d}, {block_m}, {block_n}, {warps}, {stages}, {str(lazy).lower()}>")
+
+
 def test_arch_classes():
     assert [tile_class(a) for a in (75, 80, 86, 87, 89, 90, 100, 120)] == \
         [None, "sm80", "sm86", "sm80", "sm86", "sm90", "sm90", "sm86"]

@@ -22,6 +22,7 @@ import pytest
 
 import cupyflash
 from cupyflash import _run
+from cupyflash._families import FWD_TF32
 from cupyflash._families.fwd_tf32 import TF32_HEAD_DIMS, TF32_PASSES
 from cupyflash._options import KernelOptions
 from cupyflash.emulator import EmulatorExecutor
@@ -35,6 +36,11 @@ PRECISIONS = tuple(TF32_PASSES)
 
 def bucket(d):
     return min(b for b in TF32_HEAD_DIMS if b >= d)
+
+
+def test_rows_are_float32_with_one_or_three_passes():
+    assert all(r.dtype == "float32" and r.passes in (1, 3) for r in FWD_TF32.rows)
+    assert {TF32_PASSES[p] for p in PRECISIONS} == {r.passes for r in FWD_TF32.rows} == {1, 3}
 
 
 def test_precision_is_checked_before_any_work():
