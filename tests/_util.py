@@ -253,7 +253,7 @@ class LaunchSpy:
 def forward_against_oracle(executor, q, k, v, *, window=(None, None), gqa_ratio=1, out=None,
                            with_lse=True, precision="ieee", options=None):
     """:func:`cupyflash._run.forward` of q, k, v on ``executor`` (dispatch ``options``,
-    default :class:`~cupyflash._options.KernelOptions`\ ()) into a NaN-poisoned ``out``
+    default ``KernelOptions()``) into a NaN-poisoned ``out``
     (unless given) against the float64 oracle: every element written, out and lse to the
     dtype's tolerance, rows that see no key zero with lse = -inf.  Returns the
     :class:`LaunchSpy` that ran it and ``out``.

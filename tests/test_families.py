@@ -751,17 +751,18 @@ def test_forward_every_instantiation_matches_oracle_with_tails(executors, row):
 
 @dataclass(frozen=True)
 class Masks:
-    """A family's mask cases: dtype, head dim, arch, options, precision, seed from the lengths,
-    the (Lq, Lk) pairs and windows (id: (left, right))."""
+    """A family's mask cases: dtype, head dim, arch, options, precisions, seed from the lengths,
+    the (Lq, Lk) pairs and windows (id: (left, right)), and (backward) the deterministic modes."""
 
     dtype: str
     head_dim: int
     arch: int
     options: KernelOptions
-    precision: str
+    precisions: tuple
     seed: object
     lengths: dict
     windows: dict
+    deterministic: tuple = (True,)
 
 
 _W = {"causal": (None, 0), "full": (None, None), "w16-0": (16, 0), "w0-0": (0, 0), "w5-40": (5, 40),
@@ -772,32 +773,45 @@ def _windows(*names):
     return {n: _W[n] for n in names}
 
 
+_LONGER_K = {"lq>lk": (150, 100), "lq<lk": (70, 200)}
+_SHORTER_K = {"lq>lk": (150, 100), "lq<lk": (70, 133)}
+_SUM, _THRICE = (lambda lq, lk: lq + lk), (lambda lq, lk: lq * 3 + lk)
+_EVERY_WINDOW = _windows("causal", "full", "w16-0", "w0-0", "w5-40", "wN-9", "w31-N", "w0-N")
+
 FORWARD_MASKS = {
-    "fwd_simt": Masks("float32", 16, 80, DEFAULT, "ieee", lambda lq, lk: lq + lk, {"lq>lk": (150, 100), "lq<lk": (70, 133)},
-                      _windows("causal", "full", "w16-0", "w0-0", "w5-40", "wN-9", "w31-N", "w0-N")),
-    "fwd_mma": Masks("float16", 64, 80, DEFAULT, "ieee", lambda lq, lk: lq * 3 + lk,
-                     {"lq>lk": (150, 100), "lq<lk": (70, 200)},
+    "fwd_simt": Masks("float32", 16, 80, DEFAULT, ("ieee",), _SUM, _SHORTER_K, _EVERY_WINDOW),
+    "fwd_mma": Masks("float16", 64, 80, DEFAULT, ("ieee",), _THRICE, _LONGER_K,
                      _windows("causal", "w16-0", "w0-0", "w5-40", "wN-9", "w70-N")),
-    "fwd_wgmma": Masks("float16", 64, 90, WGMMA, "ieee", lambda lq, lk: lq * 3 + lk,
-                       {"lq>lk": (150, 100), "lq<lk": (70, 300)}, _windows("causal", "w16-0", "w5-40", "w130-N")),
-    "fwd_dmma": Masks("float64", 64, 80, DMMA, "ieee", lambda lq, lk: lq + lk, {"lq>lk": (150, 100), "lq<lk": (70, 200)},
+    "fwd_wgmma": Masks("float16", 64, 90, WGMMA, ("ieee",), _THRICE, {"lq>lk": (150, 100), "lq<lk": (70, 300)},
+                       _windows("causal", "w16-0", "w5-40", "w130-N")),
+    "fwd_dmma": Masks("float64", 64, 80, DMMA, ("ieee",), _SUM, _LONGER_K,
                       _windows("causal", "w16-0", "w0-0", "w5-40", "w70-N")),
-    "fwd_tf32": Masks("float32", 64, 80, DEFAULT, "tf32x3", lambda lq, lk: lq + lk,
-                      {"lq>lk": (150, 100), "lq<lk": (70, 200)}, _windows("causal", "w16-0", "w0-0", "w5-40", "w70-N")),
+    "fwd_tf32": Masks("float32", 64, 80, DEFAULT, ("tf32x3",), _SUM, _LONGER_K,
+                      _windows("causal", "w16-0", "w0-0", "w5-40", "w70-N")),
 }
 
 
 def _mask_cases(table):
-    return [(name, lengths, window) for name, m in table.items() for lengths in m.lengths for window in m.windows]
+    return [(name, precision, lengths, window) for name, m in table.items() for precision in m.precisions
+            for lengths in m.lengths for window in m.windows]
+
+
+def _mask_id(case):
+    name, precision, lengths, window = case
+    return "-".join([name] + ([precision] if len(table_of(name).precisions) > 1 else []) + [lengths, window])
+
+
+def table_of(name):
+    return FORWARD_MASKS.get(name) or BACKWARD_MASKS[name]
 
 
 FORWARD_MASK_CASES = _mask_cases(FORWARD_MASKS)
 
 
 @needs_emulator
-@pytest.mark.parametrize("family, lengths, window", FORWARD_MASK_CASES,
-                         ids=["-".join(c) for c in FORWARD_MASK_CASES])
-def test_forward_masks_match_oracle(executors, family, lengths, window):
+@pytest.mark.parametrize("family, precision, lengths, window", FORWARD_MASK_CASES,
+                         ids=[_mask_id(c) for c in FORWARD_MASK_CASES])
+def test_forward_masks_match_oracle(executors, family, precision, lengths, window):
     m = FORWARD_MASKS[family]
     seqlen_q, seqlen_k = m.lengths[lengths]
     rng = np.random.default_rng(m.seed(seqlen_q, seqlen_k))
@@ -807,7 +821,7 @@ def test_forward_masks_match_oracle(executors, family, lengths, window):
     if dtype.itemsize == 2:
         run_half_forward(spy, q, k, v, window=m.windows[window], family=family, options=m.options)
     else:
-        forward_against_oracle(spy, q, k, v, window=m.windows[window], precision=m.precision,
+        forward_against_oracle(spy, q, k, v, window=m.windows[window], precision=precision,
                                options=m.options.replace(splits=1))
     assert [n.split("<")[0] for n in spy.launched] == [f"cf::{family}_kernel"]
 
@@ -912,45 +926,32 @@ def test_backward_every_instantiation_matches_oracle(executors, family, run):
         assert np.array_equal(fast[1], exact[1]) and np.array_equal(fast[2], exact[2])
 
 
-@dataclass(frozen=True)
-class BackwardMasks(Masks):
-    deterministic: tuple = (True,)
-
-
 BACKWARD_MASKS = {
-    "bwd_simt": BackwardMasks("float64", 16, 80, DEFAULT, "ieee", lambda lq, lk: lq + lk,
-                              {"lq>lk": (150, 100), "lq<lk": (70, 133)},
-                              _windows("causal", "full", "w16-0", "w0-0", "w5-40", "wN-9", "w31-N", "w0-N")),
-    "bwd_mma": BackwardMasks("float16", 32, 80, DEFAULT, "ieee", lambda lq, lk: lq * 3 + lk,
-                             {"lq>lk": (150, 100), "lq<lk": (70, 133)},
-                             _windows("causal", "w16-0", "w0-0", "w5-40", "w31-N")),
-    "bwd_wgmma": BackwardMasks("float16", 64, 90, WGMMA, "ieee", lambda lq, lk: lq * 3 + lk,
-                               {"lq>lk": (150, 100), "lq<lk": (70, 300)},
-                               _windows("w16-0", "w0-0", "w5-40", "wN-9", "w130-N"), deterministic=(True, False)),
-    "bwd_dmma": BackwardMasks("float64", 32, 80, DMMA, "ieee", lambda lq, lk: lq + lk,
-                              {"lq>lk": (150, 100), "lq<lk": (70, 133)},
-                              _windows("causal", "w16-0", "w0-0", "w5-40", "wN-9", "w31-N")),
-    "bwd_tf32": BackwardMasks("float32", 32, 80, DEFAULT, "tf32x3", lambda lq, lk: lq + lk,
-                              {"lq>lk": (150, 100), "lq<lk": (70, 133)}, _windows("causal", "w16-0", "w5-40", "w31-N")),
-    "bwd_tf32:tf32": BackwardMasks("float32", 32, 80, DEFAULT, "tf32", lambda lq, lk: lq + lk,
-                                   {"lq>lk": (150, 100), "lq<lk": (70, 133)},
-                                   _windows("causal", "w16-0", "w5-40", "w31-N")),
+    "bwd_simt": Masks("float64", 16, 80, DEFAULT, ("ieee",), _SUM, _SHORTER_K, _EVERY_WINDOW),
+    "bwd_mma": Masks("float16", 32, 80, DEFAULT, ("ieee",), _THRICE, _SHORTER_K,
+                     _windows("causal", "w16-0", "w0-0", "w5-40", "w31-N")),
+    "bwd_wgmma": Masks("float16", 64, 90, WGMMA, ("ieee",), _THRICE, {"lq>lk": (150, 100), "lq<lk": (70, 300)},
+                       _windows("w16-0", "w0-0", "w5-40", "wN-9", "w130-N"), deterministic=(True, False)),
+    "bwd_dmma": Masks("float64", 32, 80, DMMA, ("ieee",), _SUM, _SHORTER_K,
+                      _windows("causal", "w16-0", "w0-0", "w5-40", "wN-9", "w31-N")),
+    "bwd_tf32": Masks("float32", 32, 80, DEFAULT, ("tf32", "tf32x3"), _SUM, _SHORTER_K,
+                      _windows("causal", "w16-0", "w5-40", "w31-N")),
 }
 BACKWARD_MASK_CASES = _mask_cases(BACKWARD_MASKS)
 
 
 @needs_emulator
-@pytest.mark.parametrize("family, lengths, window", BACKWARD_MASK_CASES,
-                         ids=["-".join(c) for c in BACKWARD_MASK_CASES])
-def test_backward_masks_match_oracle(executors, family, lengths, window):
+@pytest.mark.parametrize("family, precision, lengths, window", BACKWARD_MASK_CASES,
+                         ids=[_mask_id(c) for c in BACKWARD_MASK_CASES])
+def test_backward_masks_match_oracle(executors, family, precision, lengths, window):
     m = BACKWARD_MASKS[family]
     seqlen_q, seqlen_k = m.lengths[lengths]
     rng = np.random.default_rng(m.seed(seqlen_q, seqlen_k))
     q, k, v = qkv(rng, numpy_dtype(m.dtype), seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=m.head_dim)
-    case = Case(rng, q, k, v, window=m.windows[window], options=m.options, precision=m.precision)
+    case = Case(rng, q, k, v, window=m.windows[window], options=m.options, precision=precision)
     for deterministic in m.deterministic:
         plan = case.plan(m.arch, deterministic)
-        assert {r.family.name for r in plan[1:]} == {family.split(":")[0]}
+        assert {r.family.name for r in plan[1:]} == {family}
         spy = LaunchSpy(executors[m.arch])
         case.check(case.run(spy, deterministic=deterministic))
         assert spy.launched == [r.name_expression for r in plan]
