@@ -32,12 +32,12 @@ from cupyflash._options import WGMMA_ENV, KernelOptions
 
 from _backward_util import check_gradients
 from _emulator_util import PLANTED_DTYPE, bf16_round
+from _fuzz_util import BACKWARD_SCALES, NUMPY_MAX_LEN, check_backward, check_forward, problems
 from _kernel_util import (HALF_DTYPES, HALF_IDS, MASK_LENGTHS, MASK_WINDOWS, PROBE, PROBE_SHARED, PRODUCT_FORMS,
                           PRODUCT_SHARED, PRODUCT_THREADS, PRODUCTS, attention_on_gpu, check_against_oracle,
                           check_head_dim, check_long_sequence, check_masks, check_product, compile_planted_sm90a,
                           launched, product_case)  # noqa: F401
 from _util import random_array, random_qkv
-from test_fuzz import BACKWARD_SCALES, NUMPY_MAX_LEN, check_backward, check_forward, problems
 
 cp = pytest.importorskip("cupy")
 
