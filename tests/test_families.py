@@ -955,3 +955,12 @@ def test_backward_masks_match_oracle(executors, family, precision, lengths, wind
         spy = LaunchSpy(executors[m.arch])
         case.check(case.run(spy, deterministic=deterministic))
         assert spy.launched == [r.name_expression for r in plan]
+
+
+def test_every_family_has_its_row_in_each_table():
+    # a family added to the registry without them would go untested here
+    assert set(CATALOGUE) == {f.name for f in FAMILIES}
+    assert set(DISPATCH) == {f.name for f in DISPATCHED}
+    assert set(FORWARD_RUNS) == set(FORWARD_MASKS) == {f.name for f in FORWARD}
+    assert set(BACKWARD_RUNS) == set(BACKWARD_MASKS) == {f.name for f in BACKWARD}
+    assert set(LAUNCH) | set(SASS) <= {f.name for f in FAMILIES}
