@@ -61,6 +61,29 @@ def M(name, file, text, replacement, *selection, fast=False, why=""):
 T = "tests/"
 CPU_FUZZ = T + "test_fuzz.py::test_cpu_path_forward_matches_oracle"
 
+
+def family_cases(test, family, *cases):
+    """Test ids of tests/test_families.py's ``test`` for ``family``'s ``cases`` (its table rows)."""
+    return [f"{T}test_families.py::{test}[{family}-{case}]" for case in cases]
+
+
+def family_masks(test, family, *windows):
+    """The ids of a mask test of tests/test_families.py: both length pairs, each window."""
+    return family_cases(test, family, *(f"{lengths}-{w}" for lengths in ("lq>lk", "lq<lk") for w in windows))
+
+
+SIMT_MASKS = ("causal", "full", "w16-0", "w0-0", "w5-40", "wN-9", "w31-N", "w0-N")
+FWD_SIMT_MASKS = family_masks("test_forward_masks_match_oracle", "fwd_simt", *SIMT_MASKS)
+FWD_SIMT_ROWS = family_cases("test_forward_every_instantiation_matches_oracle_with_tails", "fwd_simt",
+                             *(f"{dtype}-{d}-{d}-{tile}" for dtype in ("float16", "bfloat16", "float32")
+                               for d, tile in ((32, "64-32"), (64, "64-32"), (128, "32-32"), (256, "32-16"))),
+                             "float64-32-32-32-32", "float64-64-64-32-32", "float64-128-128-32-16",
+                             "float64-256-256-16-8")
+BWD_MMA_CASES = family_cases("test_backward_every_instantiation_matches_oracle", "bwd_mma",
+                             *(f"{dtype}-d{d}{'-causal' if bucket % 64 else ''}" for dtype in ("float16", "bfloat16")
+                               for bucket, d in zip((32, 64, 96, 128, 160, 192, 224, 256),
+                                                    (24, 64, 88, 128, 152, 192, 200, 256))))
+
 MUTATIONS = [
     # ---- the CPU path (cupyflash/_cpu.py) and the NumPy code: cheap, the CI subset ---------------
     M("cpu-causal-diagonal-off-by-one", "cupyflash/_cpu.py",
@@ -120,15 +143,16 @@ MUTATIONS = [
     M("mask-last-key-off-by-one", "cuda_src/mask.cuh",
       "return min64(seqlen_k - 1, i + diagonal + right); }",
       "return min64(seqlen_k - 1, i + diagonal + right + 1); }",
-      T + "test_kernels_emulated.py::test_simt_masks_match_oracle", why="audit: caught"),
+      *FWD_SIMT_MASKS, why="audit: caught"),
     M("fwd-mma-mask-includes-key-hi", "cuda_src/fwd_blocks.cuh",
       "if (key < lo || key >= hi) s[r][c] = neg_inf<float>();",
       "if (key < lo || key > hi) s[r][c] = neg_inf<float>();",
-      T + "test_fwd_mma.py::test_masks_match_oracle", why="audit: caught"),
+      *family_masks("test_forward_masks_match_oracle", "fwd_mma", "causal", "w16-0", "w0-0", "w5-40", "wN-9",
+                    "w70-N"), why="audit: caught"),
     M("softmax-no-output-rescale", "cuda_src/softmax.cuh",
       "            l[r] = t;\n            scale_in_place(o[r], rescale);",
       "            l[r] = t;",
-      T + "test_kernels_emulated.py::test_simt_masks_match_oracle", why="audit: caught"),
+      *FWD_SIMT_MASKS, why="audit: caught"),
     M("softmax-no-row-sum-rescale", "cuda_src/softmax.cuh",
       "        l[r] *= rescale;\n", "",
       T + "test_fwd_mma.py::test_row_maxima_growing_from_block_to_block", why="audit: caught"),
@@ -139,8 +163,7 @@ MUTATIONS = [
     M("fwd-simt-score-scale-off-by-1e-3", "cuda_src/fwd_simt.cu",
       "for (int jj = 0; jj < TN; ++jj) s[ii][jj] *= scale_log2;",
       "for (int jj = 0; jj < TN; ++jj) s[ii][jj] *= scale_log2 * Acc(1.001);",
-      T + "test_kernels_emulated.py::test_simt_every_instantiation_matches_oracle",
-      why="the score epilogue: a relative error of 1e-3 in every logit"),
+      *FWD_SIMT_ROWS, why="the score epilogue: a relative error of 1e-3 in every logit"),
     M("fwd-gqa-head-h-reads-kv-head-h-mod-hkv", "cuda_src/block_info.cuh",
       "const int64_t head_kv = static_cast<int>(head) / static_cast<int>(p.gqa_ratio);",
       "const int64_t head_kv = static_cast<int>(head) % static_cast<int>(p.heads_q / p.gqa_ratio);",
@@ -148,28 +171,28 @@ MUTATIONS = [
     M("bwd-simt-ds-adds-delta", "cuda_src/bwd_simt.cu",
       "dp[ii][jj] = p[ii][jj] * (dp[ii][jj] - query_stat<kQueryRows>(delta, ii, jj));",
       "dp[ii][jj] = p[ii][jj] * (dp[ii][jj] + query_stat<kQueryRows>(delta, ii, jj));",
-      T + "test_backward_emulated.py::test_masks_match_oracle", why="dS of bwd_simt"),
+      *family_masks("test_backward_masks_match_oracle", "bwd_simt", *SIMT_MASKS), why="dS of bwd_simt"),
     M("bwd-tensor-core-ds-adds-delta", "cuda_src/bwd_blocks.cuh",
       "dp[r][c] = p[r][c] * (dp[r][c] - delta(r, c));",
       "dp[r][c] = p[r][c] * (dp[r][c] + delta(r, c));",
-      T + "test_backward_emulated.py::test_mma_masks_match_oracle",
+      *family_masks("test_backward_masks_match_oracle", "bwd_mma", "causal", "w16-0", "w0-0", "w5-40", "w31-N"),
       why="dS of the tensor-core backward kernels (mma, wgmma, tf32, dmma)"),
     M("bwd-mma-dp-rounded-to-half-before-ds", "cuda_src/bwd_mma.cu",
       "mma_own_stream<Tr>(dp, sV, sdO, row0);                         // dP^T = V dO^T",
       "mma_own_stream<Tr>(dp, sV, sdO, row0); for (auto& row : dp) for (float& x : row) "
       "x = static_cast<float>(static_cast<T>(x));",
-      T + "test_backward_emulated.py::test_mma_every_instantiation_matches_oracle",
+      *BWD_MMA_CASES,
       why="audit finding 2: a 2-3x precision loss that passed all 70 bwd_mma tests"),
     M("bwd-mma-dk-unscaled", "cuda_src/bwd_mma.cu",
       "static_cast<float>(p.scale), keys_valid, d);", "1.0f, keys_valid, d);",
-      T + "test_backward_emulated.py::test_mma_every_instantiation_matches_oracle", why="dK scaling"),
+      *BWD_MMA_CASES, why="dK scaling"),
     M("bwd-mma-dv-scaled", "cuda_src/bwd_mma.cu",
       "1.0f, keys_valid, static_cast<int>(p.head_dim_v));",
       "static_cast<float>(p.scale), keys_valid, static_cast<int>(p.head_dim_v));",
-      T + "test_backward_emulated.py::test_mma_every_instantiation_matches_oracle", why="dV scaling"),
+      *BWD_MMA_CASES, why="dV scaling"),
     M("bwd-mma-gqa-group-sums-one-head", "cuda_src/bwd_mma.cu",
       "const int64_t head_end = first_head + p.gqa_ratio;", "const int64_t head_end = first_head + 1;",
-      T + "test_backward_emulated.py::test_mma_every_instantiation_matches_oracle",
+      *BWD_MMA_CASES,
       why="GQA: dK, dV summed over the group's query heads"),
     M("bwd-tf32-halved-gradients-at-large-scales", "cuda_src/bwd_tf32.cu",
       "store_row_tf32(dst + row * row_stride, g[r], factor, cols_valid)",
@@ -192,7 +215,7 @@ MUTATIONS = [
       T + "test_wgmma_schedule.py::test_forward_loop_issues_its_products_right_after_the_barrier"),
     M("bwd-wgmma-next-query-block-never-copied", "cuda_src/bwd_wgmma.cu",
       "            if (has_next) queries.issue_tiles(stage ^ 1, next_head, next_m);\n", "",
-      T + "test_bwd_wgmma.py::test_masks_match_oracle"),
+      *family_masks("test_backward_masks_match_oracle", "bwd_wgmma", "w16-0", "w0-0", "w5-40", "wN-9", "w130-N")),
     M("emulator-shared-memory-checked-at-first-retirement-only", "cupyflash/emulator/src/runtime.cpp",
       "if (nth == 1 || nth == 128)", "if (nth == 1)",
       T + "test_emulator_wgmma_checks.py::test_planted_register_and_shared_memory_faults_are_reported",

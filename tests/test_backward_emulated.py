@@ -1,6 +1,8 @@
-"""The CUDA backward kernels (bwd_simt, bwd_mma) run on the CPU emulator.
+"""The CUDA backward kernels (bwd_simt, bwd_mma) run on the CPU emulator: what is particular to them.
+Their dispatch, bwd_mma's launch geometry, and every instantiation and the masks on the
+emulator are tests/test_families.py's.
 
-Each case calls :func:`cupyflash._gpu_bwd.backward` exactly as the GPU path
+Each case calls :func:`cupyflash._run.backward` exactly as the GPU path
 does, but through :class:`cupyflash.emulator.EmulatorExecutor` (threads and
 blocks in shuffled order, shared-memory race and bounds checks on), with the
 gradients poisoned with NaN before the launch so that an element no kernel
@@ -12,9 +14,9 @@ float32 and float64 within the term bound (``assert_within_term_bound``), float1
 bfloat16 within 1.25 times the error of a half-precision yardstick that rounds
 where the kernels must (``tests/_backward_util.py``).  The executor is sm_80,
 so float16/bfloat16 inputs with d == dv and 16-byte aligned rows run bwd_mma
-(asserted where a test means it), everything else bwd_simt.  Together the
-cases cover every instantiation in the catalogue and every branch of the
-kernels: partial query and key blocks, masked, unmasked and skipped block
+(asserted where a test means it), everything else bwd_simt.  Together with
+tests/test_families.py the cases cover every instantiation in the catalogue and every
+branch of the kernels: partial query and key blocks, masked, unmasked and skipped block
 pairs, rows that see no key, keys no row sees, GQA groups, broadcast
 (stride-0) and transposed or reversed strides, Lq or Lk of 0.
 """
@@ -29,98 +31,32 @@ import numpy as np
 import pytest
 
 import cupyflash
-from cupyflash import _gpu_bwd
-from cupyflash._gpu import rows_aligned
-from cupyflash._kernels import HEAD_DIM_BUCKETS, MMA_HEAD_DIMS, instantiations
-from cupyflash._launch import backward_kernel, backward_launch_config, representative_shared_bytes
-from cupyflash._params import FWD_PARAMS, UNBOUNDED
-from cupyflash._params_bwd import BWD_PARAMS, bwd_params
-from cupyflash.emulator import EmulatorExecutor, emulator_available
-from cupyflash.reference import naive_attention, naive_attention_backward
+from cupyflash._families import BACKWARD, BWD_MMA, BWD_SIMT, Call, Sizes, select
+from cupyflash._families.fwd_mma import MMA_HEAD_DIMS
+from cupyflash._families.fwd_simt import HEAD_DIM_BUCKETS
+from cupyflash._options import KernelOptions
+from cupyflash._params import BWD_PARAMS, FWD_PARAMS, UNBOUNDED, bwd_params
+from cupyflash.emulator import EmulatorExecutor
+from cupyflash.reference import naive_attention_backward
 
-from _backward_util import (assert_within_term_bound, assert_within_yardstick, backward_term_sizes,
-                            naive_half_backward)
+from _backward_util import assert_within_term_bound, backward_term_sizes
+from _kernel_util import Case, needs_emulator, qkv
 from _util import (DTYPE_IDS, DTYPES, HALF, accum_dtype, assert_grad_close, cxx_struct_layout, logit_rounding,
                    poisoned, random_array)
 
 
-_OK, _WHY = emulator_available()
-needs_emulator = pytest.mark.skipif(not _OK, reason=f"CPU emulator unavailable: {_WHY}")
+def _select(dtype, d, dv, arch, **call):
+    """The backward's launch plan (default options)."""
+    return select(BACKWARD, Call(np.dtype(dtype).name, d, dv, **call), arch, KernelOptions())
+
+
+def _launch_config(row, *, batch, heads_q, heads_kv, seqlen_q, seqlen_k):
+    return row.family.launch_config(row, Sizes(batch, heads_q, heads_kv, seqlen_q, seqlen_k))
 
 
 @pytest.fixture(scope="module")
 def executor():
     return EmulatorExecutor(arch=80, seed=1234, shuffle=True, race_check=True)
-
-
-# ---- running a backward and judging it ------------------------------------------------------------
-
-
-def qkv(rng, dtype, *, batch=1, heads_kv=1, gqa_ratio=1, seqlen_q, seqlen_k, head_dim,
-        head_dim_v=None, scale=1.0):
-    head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    return (random_array(rng, (batch, gqa_ratio * heads_kv, seqlen_q, head_dim), dtype, scale),
-            random_array(rng, (batch, heads_kv, seqlen_k, head_dim), dtype, scale),
-            random_array(rng, (batch, heads_kv, seqlen_k, head_dim_v), dtype, scale))
-
-
-class Case:
-    """One backward problem: inputs, the forward's out/lse as the forward returns them, dout."""
-
-    def __init__(self, rng, q, k, v, *, window=(None, None), gqa_ratio=1, scale=None, dout=None):
-        self.q, self.k, self.v = q, k, v
-        self.dtype = np.dtype(q.dtype)
-        self.window, self.gqa_ratio = window, gqa_ratio
-        self.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-        out, lse = naive_attention(q, k, v, scale=self.scale, window=window,
-                                   enable_gqa=gqa_ratio > 1, return_lse=True)
-        self.out = out.astype(self.dtype)
-        self.lse = lse.astype(accum_dtype(self.dtype))
-        self.dout = random_array(rng, out.shape, self.dtype) if dout is None else dout
-
-    def grads(self):
-        acc = accum_dtype(self.dtype)
-        return (poisoned(self.q.shape, acc), poisoned(self.k.shape, acc), poisoned(self.v.shape, acc))
-
-    precision = "ieee"   # passed to the kernels' dispatch (tests/test_bwd_tf32.py sets others)
-
-    def run(self, executor, grads=None, *, out=None, dout=None, lse=None, deterministic=True):
-        """The kernels' dq, dk, dv (accumulator dtype, shapes of q, k, v)."""
-        dq, dk, dv = self.grads() if grads is None else grads
-        _gpu_bwd.backward(self.dout if dout is None else dout, self.q, self.k, self.v,
-                          self.out if out is None else out, self.lse if lse is None else lse,
-                          dq, dk, dv, scale=self.scale, window_left=self.window[0],
-                          window_right=self.window[1], gqa_ratio=self.gqa_ratio, deterministic=deterministic,
-                          executor=executor, precision=self.precision)
-        return dq, dk, dv
-
-    def expected(self):
-        return naive_attention_backward(self.dout, self.q, self.k, self.v, scale=self.scale,
-                                        window=self.window, enable_gqa=self.gqa_ratio > 1)
-
-    def check(self, grads, *, logits=0.0):
-        """float32/float64: the term bound (assert_within_term_bound; ``logits``: see
-        there), with what probabilities flushed below float32's smallest normal take;
-        16-bit: within HALF_YARDSTICK_FACTOR of naive_half_backward's error."""
-        expected = self.expected()
-        half = self.dtype.itemsize == 2
-        naive_half = (naive_half_backward(self.dout, self.q, self.k, self.v, self.out, scale=self.scale,
-                                          window=self.window, gqa_ratio=self.gqa_ratio, lse=self.lse)
-                      if half else (None,) * 3)
-        kw = dict(scale=self.scale, window=self.window, enable_gqa=self.gqa_ratio > 1)
-        sizes = backward_term_sizes(self.dout, self.q, self.k, self.v, **kw)
-        flushed = (backward_term_sizes(self.dout, self.q, self.k, self.v, unit_probabilities=True, **kw)
-                   if not half else (None,) * 3)
-        for name, g, e, h, size, unit in zip(("dq", "dk", "dv"), grads, expected, naive_half, sizes, flushed):
-            g = np.asarray(g)
-            assert g.shape == e.shape, f"{name}: shape {g.shape} != {e.shape}"
-            assert not np.isnan(g.astype(np.float64)).any(), f"{name}: element left unwritten (NaN)"
-            if h is None:
-                assert_within_term_bound(g, e, size, eps=np.finfo(self.dtype).eps,
-                                         head_dim=max(self.q.shape[-1], self.v.shape[-1]), logits=logits,
-                                         floor=np.finfo(accum_dtype(self.dtype)).tiny * unit, what=name)
-            else:
-                assert_within_yardstick(g, e, h, sizes=size, what=name)
 
 
 # ---- the params struct, the catalogue and the launch configuration -----------------------------
@@ -166,26 +102,21 @@ def test_bwd_params_hold_pointers_strides_and_the_forward_problem():
     assert (p["delta_batch_stride"], p["delta_head_stride"], p["delta_row_stride"]) == (20, 5, 1)
 
 
-def _bwd_rows():
-    return [r for r in instantiations() if r.family == "bwd_simt"]
-
-
 def test_catalogue_has_delta_dkdv_and_dq_kernels_for_every_dtype_and_bucket():
-    rows = _bwd_rows()
+    rows = BWD_SIMT.rows
     kernels = {"bwd_simt_dot_do_o_kernel", "bwd_simt_dkdv_kernel", "bwd_simt_dq_kernel"}
     for dtype in ("float16", "bfloat16", "float32", "float64"):
         for bucket in HEAD_DIM_BUCKETS:
-            found = {backward_kernel(r) for r in rows if (r.dtype, r.head_dim) == (dtype, bucket)}
+            found = {r.kernel for r in rows if (r.dtype, r.head_dim) == (dtype, bucket)}
             assert found == kernels, (dtype, bucket)
-    assert len({r.name_expression for r in instantiations()}) == len(instantiations())
     for r in rows:
         assert r.entry == "bwd_simt.cu" and r.threads == 128, r
-        shared = representative_shared_bytes(r)
-        if backward_kernel(r) == "bwd_simt_dot_do_o_kernel":
+        shared = BWD_SIMT.representative_shared_bytes(r)
+        if r.kernel == "bwd_simt_dot_do_o_kernel":
             assert shared == 0
             continue
-        own = r.block_n if backward_kernel(r) == "bwd_simt_dkdv_kernel" else r.block_m
-        streamed = r.block_m if backward_kernel(r) == "bwd_simt_dkdv_kernel" else r.block_n
+        own = r.block_n if r.kernel == "bwd_simt_dkdv_kernel" else r.block_m
+        streamed = r.block_m if r.kernel == "bwd_simt_dkdv_kernel" else r.block_n
         assert own % 16 == 0 and streamed % 8 == 0, r
         # 72 KB (float32/float64 prefetch into a second streamed buffer) except
         # float64 at 256 (one buffer); all within sm_86/sm_89's 99 KB
@@ -193,69 +124,27 @@ def test_catalogue_has_delta_dkdv_and_dq_kernels_for_every_dtype_and_bucket():
 
 
 def test_backward_launch_config_grids_and_shared_memory():
-    delta, dkdv, dq = _gpu_bwd.select(np.float32, 64, 64, 80)
+    delta, dkdv, dq = _select(np.float32, 64, 64, 80)
     sizes = dict(batch=3, heads_q=8, heads_kv=2, seqlen_q=130, seqlen_k=70)
-    grid, block, shared = backward_launch_config(delta, **sizes)
+    grid, block, shared = _launch_config(delta, **sizes)
     assert grid == (3 * 8 * math.ceil(130 / 16), 1, 1) and block == (128, 1, 1) and shared == 0
-    grid, _, shared = backward_launch_config(dkdv, **sizes)
+    grid, _, shared = _launch_config(dkdv, **sizes)
     assert grid == (3 * 2 * math.ceil(70 / dkdv.block_n), 1, 1)
     # own rows, the P / dS scratch (own rows of streamed + 8), then two buffers of
     # streamed rows (float32: cp.async prefetch)
     own, streamed = dkdv.block_n, dkdv.block_m
     assert shared == ((own + 2 * streamed) * (64 + 64) + own * (streamed + 8)) * 4
-    grid, _, shared = backward_launch_config(dq, **sizes)
+    grid, _, shared = _launch_config(dq, **sizes)
     assert grid == (3 * 8 * math.ceil(130 / dq.block_m), 1, 1)
     own, streamed = dq.block_m, dq.block_n
     assert shared == ((own + 2 * streamed) * (64 + 64) + own * (streamed + 8)) * 4
-    _, dkdv16, _ = _gpu_bwd.select(np.float16, 64, 64, 80)   # converting loads: one buffer
+    _, dkdv16, _ = _select(np.float16, 64, 64, 80)   # converting loads: one buffer
     own, streamed = dkdv16.block_n, dkdv16.block_m
-    assert backward_launch_config(dkdv16, **sizes)[2] == ((own + streamed) * (64 + 64) + own * (streamed + 8)) * 4
+    assert _launch_config(dkdv16, **sizes)[2] == ((own + streamed) * (64 + 64) + own * (streamed + 8)) * 4
     with pytest.raises(ValueError, match="CTAs"):
-        backward_launch_config(dq, batch=2**16, heads_q=2**10, heads_kv=1, seqlen_q=2**12, seqlen_k=1)
+        _launch_config(dq, batch=2**16, heads_q=2**10, heads_kv=1, seqlen_q=2**12, seqlen_k=1)
     with pytest.raises(ValueError, match="nothing to launch"):
-        backward_launch_config(dkdv, batch=1, heads_q=1, heads_kv=1, seqlen_q=5, seqlen_k=0)
-    fwd = next(r for r in instantiations() if r.family == "fwd_simt")
-    with pytest.raises(ValueError, match="no backward launch configuration"):
-        backward_launch_config(fwd, **sizes)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_select_picks_the_smallest_bucket_holding_both_head_dims(dtype):
-    for d, dv, bucket in [(1, 1, 32), (32, 3, 32), (33, 8, 64), (8, 65, 128), (200, 1, 256),
-                          (256, 256, 256)]:
-        rows = _gpu_bwd.select(dtype, d, dv, 80)
-        assert [backward_kernel(r) for r in rows] == [
-            "bwd_simt_dot_do_o_kernel", "bwd_simt_dkdv_kernel", "bwd_simt_dq_kernel"]
-        assert {(r.dtype, r.head_dim, r.head_dim_v) for r in rows} == {(np.dtype(dtype).name, bucket, bucket)}
-        # deterministic=False: delta, then the dK/dV kernel that adds dQ by atomics,
-        # where its streamed block is whole row groups (16 rows)
-        fast = _gpu_bwd.select(dtype, d, dv, 80, deterministic=False)
-        assert fast[0] == rows[0] and {(r.dtype, r.head_dim) for r in fast} == {(np.dtype(dtype).name, bucket)}
-        if rows[1].block_m % 16 == 0:
-            assert [backward_kernel(r) for r in fast] == ["bwd_simt_dot_do_o_kernel", "bwd_simt_dkdv_kernel"]
-            assert fast[1].name_expression == rows[1].name_expression.replace(", false>", ", true>")
-        else:
-            assert fast == rows
-    with pytest.raises(ValueError, match="256"):
-        _gpu_bwd.select(dtype, 1, 257, 80)
-    with pytest.raises(TypeError, match="int32"):
-        _gpu_bwd.select(np.int32, 8, 8, 80)
-
-
-# ---- every instantiation, every dtype -------------------------------------------------------------
-
-
-@needs_emulator
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("head_dim, head_dim_v", [(1, 1), (32, 19), (33, 64), (100, 7), (256, 129)],
-                         ids=["d1", "d32-dv19", "d33-dv64", "d100-dv7", "d256-dv129"])
-def test_every_instantiation_matches_oracle(executor, dtype, head_dim, head_dim_v):
-    # Several query and key blocks per bucket's tiles, partial ones in both axes.
-    rng = np.random.default_rng(head_dim * 1000 + head_dim_v)
-    q, k, v = qkv(rng, dtype, batch=2, seqlen_q=37, seqlen_k=45, head_dim=head_dim,
-                  head_dim_v=head_dim_v)
-    case = Case(rng, q, k, v)
-    case.check(case.run(executor))
+        _launch_config(dkdv, batch=1, heads_q=1, heads_kv=1, seqlen_q=5, seqlen_k=0)
 
 
 @needs_emulator
@@ -273,18 +162,6 @@ def test_half_precision_through_the_api_within_twice_the_naive_half_error(dtype)
 
 
 # ---- masks ------------------------------------------------------------------------------------------
-
-
-@needs_emulator
-@pytest.mark.parametrize("seqlen_q, seqlen_k", [(150, 100), (70, 133)], ids=["lq>lk", "lq<lk"])
-@pytest.mark.parametrize("window", [(None, 0), (None, None), (16, 0), (0, 0), (5, 40), (None, 9),
-                                    (31, None), (0, None)],
-                         ids=["causal", "full", "w16-0", "w0-0", "w5-40", "wN-9", "w31-N", "w0-N"])
-def test_masks_match_oracle(executor, seqlen_q, seqlen_k, window):
-    rng = np.random.default_rng(seqlen_q + seqlen_k)
-    q, k, v = qkv(rng, np.float64, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=16)
-    case = Case(rng, q, k, v, window=window)
-    case.check(case.run(executor))
 
 
 @needs_emulator
@@ -433,26 +310,6 @@ def test_misaligned_numpy_arrays_give_the_results_of_aligned_ones(dtype):
         np.testing.assert_array_equal(g, e)
 
 
-def check_broadcast_and_strided_views(executor, dtype, case_type=Case):
-    """A GQA backward through ``executor`` on views, against the oracle: q, dout, out and
-    dq as (B, L, H, d) buffers viewed as (B, H, L, d); k every other row, v reversed
-    along L; a broadcast (stride-0) batch axis of q; dk with L outermost, dv every
-    other row.  ``case_type``: Case or a subclass with its own accuracy rule."""
-    rng = np.random.default_rng(21)
-    b, h, lq, lk, d = 2, 4, 60, 77, 64
-    q = np.broadcast_to(random_array(rng, (1, lq, h, d), dtype).transpose(0, 2, 1, 3), (b, h, lq, d))
-    k = random_array(rng, (b, 2, 2 * lk, d), dtype)[:, :, ::2]
-    v = random_array(rng, (b, 2, lk, d), dtype)[:, :, ::-1]
-    dout = random_array(rng, (b, lq, h, d), dtype).transpose(0, 2, 1, 3)
-    case = case_type(rng, q, k, v, gqa_ratio=2, window=(30, 4), dout=dout)
-    out = np.empty((b, lq, h, d), dtype).transpose(0, 2, 1, 3)
-    out[...] = case.out
-    grads = (poisoned((b, lq, h, d), dtype).transpose(0, 2, 1, 3),
-             poisoned((lk, b, 2, d), dtype).transpose(1, 2, 0, 3),
-             poisoned((b, 2, 2 * lk, d), dtype)[:, :, 1::2])
-    case.check(case.run(executor, grads=grads, out=out))
-
-
 # ---- determinism, sizes, scales ---------------------------------------------------------------------
 
 
@@ -523,11 +380,9 @@ def test_simt_atomic_dq_matches_oracle_and_leaves_dk_dv_alone(executor, dtype, h
     q, k, v = qkv(rng, dtype, heads_kv=1, gqa_ratio=2, seqlen_q=45, seqlen_k=70, head_dim=head_dim,
                   head_dim_v=head_dim_v)
     case = Case(rng, q, k, v, gqa_ratio=2, window=(None, 0))
-    rows = _gpu_bwd.select(dtype, head_dim, head_dim_v, 80, deterministic=False)
-    assert rows[-1].name_expression.endswith(", true>")
-    dq, dk, dv = case.grads()
-    _gpu_bwd.backward(case.dout, q, k, v, case.out, case.lse, dq, dk, dv, scale=case.scale,
-                      window_left=None, window_right=0, gqa_ratio=2, deterministic=False, executor=executor)
+    rows = case.plan(80, deterministic=False)
+    assert rows[-1].name_expression.endswith(", true>") and rows[-1].atomic_dq
+    dq, dk, dv = case.run(executor, deterministic=False)
     case.check((dq, dk, dv))
     _, dk_det, dv_det = case.run(executor)
     assert np.array_equal(dk, dk_det) and np.array_equal(dv, dv_det)
@@ -535,13 +390,11 @@ def test_simt_atomic_dq_matches_oracle_and_leaves_dk_dv_alone(executor, dtype, h
 
 # ---- bwd_mma: tensor cores -------------------------------------------------------------------------
 
-MMA_ROWS = [r for r in instantiations() if r.family == "bwd_mma"]
+MMA_ROWS = BWD_MMA.rows
 
 
 def _families(case: Case, arch=80):
-    rows = _gpu_bwd.select(case.dtype, case.q.shape[-1], case.v.shape[-1], arch,
-                           aligned=rows_aligned(case.q, case.k, case.v, case.dout))
-    return {r.family for r in rows}
+    return {r.family.name for r in case.plan(arch)}
 
 
 def test_mma_catalogue_covers_every_fwd_mma_head_dim_for_both_dtypes():
@@ -550,104 +403,42 @@ def test_mma_catalogue_covers_every_fwd_mma_head_dim_for_both_dtypes():
     for arch, limit_kb in ((80, 81), (86, 49), (89, 49), (90, 113)):
         for dtype, d, deterministic in itertools.product(("float16", "bfloat16"), MMA_HEAD_DIMS,
                                                          (True, False)):
-                rows = [r for r in _gpu_bwd.select(dtype, d, d, arch, aligned=True,
-                                                   deterministic=deterministic)[1:]]
+                rows = list(_select(dtype, d, d, arch, aligned=True, deterministic=deterministic)[1:])
                 used.update(r.name_expression for r in rows)
                 assert all(by_name[r.name_expression] == r for r in rows)
-                kernels = [backward_kernel(r) for r in rows]
+                kernels = [r.kernel for r in rows]
                 # dK and dV in one launch up to 128, dV then dK from 160 on; then dQ,
                 # or (not deterministic) dQ by atomics in the launch that computes dK
                 expected = ["bwd_mma_dkdv_kernel"] * (1 if d <= 128 else 2)
                 atomic = 0 if deterministic or d == 256 else 4   # d = 256: no room for the dS tile
                 assert kernels == expected + (["bwd_mma_dq_kernel"] if not atomic else []), (dtype, d)
-                grads = [int(r.name_expression.split(", ")[5]) for r in rows if "dkdv" in r.name_expression]
+                grads = [r.grads for r in rows if r.role == "dkdv"]
                 assert grads == ([3 | atomic] if d <= 128 else [1, 2 | atomic]), (dtype, d, deterministic)
                 for r in rows:
                     assert r.threads == 128 and r.head_dim_v == d and r.kv_stages in (1, 2)
-                    shared = representative_shared_bytes(r)
+                    shared = BWD_MMA.representative_shared_bytes(r)
                     # two stages only where two CTAs still fit on an SM of the class; every
                     # row within sm_86/89's 99 KB (the static report launches each everywhere)
                     assert shared <= (limit_kb if r.kv_stages == 2 else 99) * 1024, (arch, r)
                 # the whole-stream rows, for Lq and Lk multiples of every streamed block
-                whole = _gpu_bwd.select(dtype, d, d, arch, aligned=True, deterministic=deterministic,
-                                        seqlen_q=4096, seqlen_k=4096)[1:]
+                whole = _select(dtype, d, d, arch, aligned=True, deterministic=deterministic,
+                                seqlen_q=4096, seqlen_k=4096)[1:]
                 assert all(r.whole_kv and by_name[r.name_expression] == r for r in whole)
                 assert [r.name_expression for r in whole] == [r.name_expression[:-1] + ", true>" for r in rows]
                 used.update(r.name_expression for r in whole)
     assert used == set(by_name)   # no row that no architecture launches
 
 
-@pytest.mark.parametrize("dtype", HALF, ids=[np.dtype(d).name for d in HALF])
-def test_select_picks_bwd_mma_only_where_it_applies(dtype):
-    def families(*args, **kw):
-        return [r.family for r in _gpu_bwd.select(dtype, *args, **kw)]
-
-    assert families(64, 64, 80, aligned=True) == ["bwd_simt", "bwd_mma", "bwd_mma"]
-    assert families(200, 200, 90, aligned=True) == ["bwd_simt"] + ["bwd_mma"] * 3
-    assert {r.head_dim for r in _gpu_bwd.select(dtype, 200, 200, 90, aligned=True)[1:]} == {224}
-    assert _gpu_bwd.select(dtype, 200, 200, 90, aligned=True)[0].head_dim == 256   # delta: simt bucket
-    for args, kw in [((64, 64, 80), {}),                     # alignment unknown
-                     ((64, 64, 80), dict(aligned=False)),    # rows not 16-byte aligned
-                     ((64, 32, 80), dict(aligned=True)),     # dv != d
-                     ((64, 64, 75), dict(aligned=True))]:    # no mma.sync m16n8k16 before sm_80
-        assert families(*args, **kw) == ["bwd_simt"] * 3, (args, kw)
-    for other in (np.float32, np.float64):
-        assert {r.family for r in _gpu_bwd.select(other, 64, 64, 90, aligned=True)} == {"bwd_simt"}
-
-
-def test_mma_launch_config_shared_memory_matches_the_tiles():
-    for r in MMA_ROWS:
-        grid, block, shared = backward_launch_config(r, batch=2, heads_q=6, heads_kv=3, seqlen_q=100,
-                                                     seqlen_k=200)
-        d = r.head_dim
-        stages = r.kv_stages   # each: two streamed tiles and two floats per streamed row
-        if backward_kernel(r) == "bwd_mma_dkdv_kernel":
-            assert grid == (2 * 3 * math.ceil(200 / r.block_n), 1, 1)
-            grads = int(r.name_expression.split(", ")[5])
-            own_tiles = 2 if grads & 2 else 1     # V only for dK
-            ds_tile = r.block_n * r.block_m * 2 if grads & 4 else 0   # atomic dQ: dS^T
-            assert shared == (own_tiles * r.block_n * d * 2 + stages * (2 * r.block_m * d * 2 + 2 * r.block_m * 4)
-                              + ds_tile)
-        else:
-            assert grid == (2 * 6 * math.ceil(100 / r.block_m), 1, 1)
-            assert shared == 2 * r.block_m * d * 2 + stages * (2 * r.block_n * d * 2 + 2 * r.block_n * 4)
-        assert block == (128, 1, 1)
-
-
-def _mma_row_id(r):
-    return r.name_expression.removeprefix("cf::bwd_mma_")
-
-
-# One case per (dtype, head dim): run-time d below the bucket where it can be
-# (zero-filled columns), GQA, partial query and key blocks; causal on every
-# other case.  Each case runs all the bucket's bwd_mma kernels.
-MMA_CASES = [(dtype, d, run_d) for dtype in HALF for d, run_d in
-             zip(MMA_HEAD_DIMS, (24, 64, 88, 128, 152, 192, 200, 256))]
-
-
-@needs_emulator
-@pytest.mark.parametrize("dtype, bucket, head_dim", MMA_CASES,
-                         ids=[f"{np.dtype(c[0]).name}-d{c[2]}" for c in MMA_CASES])
-def test_mma_every_instantiation_matches_oracle(executor, dtype, bucket, head_dim):
-    rng = np.random.default_rng(bucket + head_dim)
-    q, k, v = qkv(rng, dtype, heads_kv=1, gqa_ratio=2, seqlen_q=70, seqlen_k=83, head_dim=head_dim)
-    case = Case(rng, q, k, v, gqa_ratio=2, window=(None, 0) if bucket % 64 else (None, None))
-    assert _families(case) == {"bwd_simt", "bwd_mma"}
-    assert {r.head_dim for r in _gpu_bwd.select(dtype, head_dim, head_dim, 80, aligned=True)[1:]} == {bucket}
-    case.check(case.run(executor))
-
-
 def _whole_stream_cases():
     """(arch, head dim, deterministic) launches that run every whole-stream bwd_mma row
     (kWholeStream: streamed copies without bounds) of float16 at least once, for Lq = 128
     and Lk = 192 (multiples of every streamed block); bfloat16's rows differ only in the
-    mma, which the cases above run."""
+    mma, which tests/test_families.py runs."""
     whole = {r.name_expression for r in MMA_ROWS if r.whole_kv and r.dtype == "float16"}
     cases, covered = [], set()
     for d, arch, deterministic in itertools.product(MMA_HEAD_DIMS, (80, 86, 90), (True, False)):
-        rows = {r.name_expression for r in _gpu_bwd.select(np.float16, d, d, arch, aligned=True,
-                                                            deterministic=deterministic,
-                                                            seqlen_q=128, seqlen_k=192)[1:]}
+        rows = {r.name_expression for r in _select(np.float16, d, d, arch, aligned=True, deterministic=deterministic,
+                                                   seqlen_q=128, seqlen_k=192)[1:]}
         if (rows - covered) & whole:
             cases.append((arch, d, deterministic))
             covered |= rows
@@ -665,8 +456,7 @@ def test_mma_whole_stream_rows_match_oracle(arch, head_dim, deterministic):
     rng = np.random.default_rng(arch * 1000 + head_dim * 2 + deterministic)
     q, k, v = qkv(rng, np.float16, heads_kv=1, gqa_ratio=2, seqlen_q=128, seqlen_k=192, head_dim=head_dim)
     case = Case(rng, q, k, v, gqa_ratio=2, window=(None, 0) if head_dim % 64 else (None, None))
-    rows = _gpu_bwd.select(np.float16, head_dim, head_dim, arch, aligned=True, deterministic=deterministic,
-                           seqlen_q=128, seqlen_k=192)
+    rows = case.plan(arch, deterministic)
     assert all(r.whole_kv for r in rows[1:])
     ex = EmulatorExecutor(arch=arch, seed=head_dim, shuffle=True, race_check=True)
     case.check(case.run(ex, deterministic=deterministic))
@@ -685,12 +475,9 @@ def test_mma_atomic_dq_matches_oracle_and_leaves_dk_dv_alone(arch, head_dim):
     q, k, v = qkv(rng, dtype, heads_kv=1, gqa_ratio=2, seqlen_q=70, seqlen_k=83, head_dim=run_d)
     case = Case(rng, q, k, v, gqa_ratio=2, window=(None, 0) if head_dim % 64 else (None, None))
     ex = EmulatorExecutor(arch=arch, seed=head_dim, shuffle=True, race_check=True)
-    rows = _gpu_bwd.select(dtype, run_d, run_d, arch, aligned=True, deterministic=False)
-    assert [backward_kernel(r) for r in rows][-1] == "bwd_mma_dkdv_kernel"
-    dq, dk, dv = case.grads()
-    _gpu_bwd.backward(case.dout, q, k, v, case.out, case.lse, dq, dk, dv, scale=case.scale,
-                      window_left=case.window[0], window_right=case.window[1], gqa_ratio=2,
-                      deterministic=False, executor=ex)
+    rows = case.plan(arch, deterministic=False)
+    assert [r.kernel for r in rows][-1] == "bwd_mma_dkdv_kernel"
+    dq, dk, dv = case.run(ex, deterministic=False)
     case.check((dq, dk, dv))   # dq was poisoned: zeroed, then every element added to
     _, dk_det, dv_det = case.run(ex)
     # dK and dV come from the same arithmetic in the same order either way
@@ -708,22 +495,10 @@ def test_mma_other_architectures_stages_match_oracle(arch, head_dim):
     q, k, v = qkv(rng, np.float16, heads_kv=1, gqa_ratio=2, seqlen_q=70, seqlen_k=83, head_dim=head_dim)
     case = Case(rng, q, k, v, gqa_ratio=2, window=(None, 0))
     assert _families(case, arch) == {"bwd_simt", "bwd_mma"}
-    stages = [r.kv_stages for r in _gpu_bwd.select(np.float16, head_dim, head_dim, arch, aligned=True)[1:]]
+    stages = [r.kv_stages for r in case.plan(arch)[1:]]
     assert stages == {(86, 128): [1, 1], (86, 64): [2, 2], (90, 224): [2, 1, 1], (90, 256): [2, 1, 1]}[
         (arch, head_dim)]
     case.check(case.run(EmulatorExecutor(arch=arch, seed=arch, shuffle=True, race_check=True)))
-
-
-@needs_emulator
-@pytest.mark.parametrize("seqlen_q, seqlen_k", [(150, 100), (70, 133)], ids=["lq>lk", "lq<lk"])
-@pytest.mark.parametrize("window", [(None, 0), (16, 0), (0, 0), (5, 40), (31, None)],
-                         ids=["causal", "w16-0", "w0-0", "w5-40", "w31-N"])
-def test_mma_masks_match_oracle(executor, seqlen_q, seqlen_k, window):
-    rng = np.random.default_rng(seqlen_q * 3 + seqlen_k)
-    q, k, v = qkv(rng, np.float16, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=32)
-    case = Case(rng, q, k, v, window=window)
-    assert _families(case) == {"bwd_simt", "bwd_mma"}
-    case.check(case.run(executor))
 
 
 @needs_emulator

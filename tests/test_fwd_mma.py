@@ -1,18 +1,21 @@
-"""fwd_mma, the tensor-core forward kernel (cuda_src/fwd_mma.cu), without a GPU.
+"""fwd_mma, the tensor-core forward kernel (cuda_src/fwd_mma.cu), without a GPU: what is
+particular to it.  Its dispatch, launch geometry, static report and every instantiation
+on the emulator are tests/test_families.py's.
 
-Static tier: every fwd_mma row of the catalogue compiled offline by NVRTC for
-sm_80, sm_86, sm_89 and sm_90 (one compile per arch, module-scoped) -- no
-spills, no stack frame, no local memory, and the SASS of a tensor-core kernel:
-HMMA, LDSM (ldmatrix) and LDGSTS (cp.async), with the main loop emitted once.
+Static tier: each arch keeps 8 warps resident with the tiles dispatch gives it (FA2's
+rule); the swizzled shared-memory layout, evaluated by the C++ code itself, is a
+permutation without ldmatrix bank conflicts.
 
 Emulated tier: the kernels run on the CPU emulator (race checks on, threads in
-shuffled order, outputs poisoned with NaN) through :func:`cupyflash._gpu.forward`,
-exactly as the GPU path calls them.  Accuracy criterion: the error against the
-float64 oracle (on the same rounded inputs) is at most 1.25 times the error of
-naive attention from the same half-precision inputs with float32
-accumulation and P rounded to the input dtype before P V -- what a
-tensor-core kernel computes, without the tiling -- plus one rounding of the
-largest output to the dtype.
+shuffled order, outputs poisoned with NaN) through :func:`cupyflash._run.forward`,
+exactly as the GPU path calls them: padded head dims, masks with both stagings of K/V,
+rows that see no key, GQA, broadcast and transposed strides, extreme scales, the lazy
+rescale, the public call.  Accuracy criterion (tests/_kernel_util.py,
+check_against_oracle): the error against the float64 oracle (on the same rounded inputs)
+is at most 1.25 times the error of naive attention from the same half-precision inputs
+with float32 accumulation and P rounded to the input dtype before P V -- what a
+tensor-core kernel computes, without the tiling -- plus one rounding of the largest output
+to the dtype.
 """
 
 from __future__ import annotations
@@ -23,116 +26,57 @@ import numpy as np
 import pytest
 
 import cupyflash
-from cupyflash import _dispatch, _gpu, _report
-from cupyflash._kernels import MMA_HEAD_DIMS, instantiations, mma_arch_class, mma_tiles
-from cupyflash._launch import launch_config
-from cupyflash.emulator import EmulatorExecutor, emulator_available
+from cupyflash import _dispatch, _report, _run
+from cupyflash._arch import tile_class
+from cupyflash._families import FORWARD, FWD_MMA, Call, select
+from cupyflash._families.fwd_mma import MMA_HEAD_DIMS
+from cupyflash._options import KernelOptions
+from cupyflash.emulator import EmulatorExecutor
 from cupyflash.reference import naive_attention
 
-from _util import assert_lse_close, bfloat16, poisoned, random_array, visible
+from _kernel_util import (HALF_DTYPES, HALF_IDS, Recorder, needs_emulator, poisoned, qkv,
+                          run_half_forward as run_mma)
+from _util import bfloat16, random_array
 
-HALF_DTYPES = [np.dtype(np.float16)] + ([bfloat16] if bfloat16 is not None else [])
-HALF_IDS = [d.name for d in HALF_DTYPES]
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
-MMA_ROWS = [r for r in instantiations() if r.family == "fwd_mma"]
 # One compute capability per tile class, for the emulated launches.
 CLASS_ARCH = {"sm80": 80, "sm86": 86, "sm90": 90}
 
-_OK, _WHY = emulator_available()
-needs_emulator = pytest.mark.skipif(not _OK, reason=f"CPU emulator unavailable: {_WHY}")
+
+def _select(dtype, d, dv, arch, **call):
+    (row,) = select(FORWARD, Call(np.dtype(dtype).name, d, dv, **call), arch, KernelOptions())
+    return row
 
 
-# ---- the catalogue, the dispatcher and the launch configuration ------------------------------
+# ---- the tile classes and the rows' alignment ------------------------------------------------
 
-def test_catalogue_has_every_head_dim_and_tile_for_both_dtypes():
+def test_name_expressions_carry_each_class_tile():
+    # the template arguments in the kernel's order: <T, d, block_m, block_n, warps, kv_stages,
+    # lazy_rescale[, split[, whole_kv]]>
     for arch in CLASS_ARCH.values():
         for dtype in ("float16", "bfloat16"):
             for d in MMA_HEAD_DIMS:
-                inst = _gpu.select(dtype, d, d, arch, aligned=True)
-                block_m, block_n, warps, stages, lazy = mma_tiles(arch)[d]
-                assert (inst.family, inst.dtype, inst.head_dim) == ("fwd_mma", dtype, d)
-                assert (inst.block_m, inst.block_n, inst.threads, inst.kv_stages, inst.lazy_rescale) == \
-                    (block_m, block_n, 32 * warps, stages, lazy)
+                block_m, block_n, warps, stages, lazy = FWD_MMA.class_tiles(arch)[d]
+                inst = _select(dtype, d, d, arch, aligned=True)
                 assert inst.name_expression.endswith(
                     f"{d}, {block_m}, {block_n}, {warps}, {stages}, {str(lazy).lower()}>")
-    assert len({r.name_expression for r in MMA_ROWS}) == len(MMA_ROWS)
-
-
-@pytest.mark.parametrize("arch, limit_kb", [(80, 163), (86, 99), (89, 99), (90, 227)])
-def test_each_arch_gets_tiles_that_fit_its_shared_memory(arch, limit_kb):
-    for d in MMA_HEAD_DIMS:
-        inst = _gpu.select(np.float16, d, d, arch, aligned=True)
-        shared = launch_config(inst, batch=1, heads=1, seqlen_q=1, seqlen_k=1)[2]
-        assert shared == (inst.block_m + 2 * inst.kv_stages * inst.block_n) * d * 2
-        assert shared <= limit_kb * 1024, (arch, inst.name_expression)
-
-
-def test_launch_config_one_cta_per_query_block_and_head():
-    inst = _gpu.select(np.float16, 128, 128, 80, aligned=True)
-    grid, block, shared = launch_config(inst, batch=3, heads=5, seqlen_q=300, seqlen_k=7)
-    assert grid == (3 * 5 * math.ceil(300 / inst.block_m), 1, 1)
-    assert block == (inst.threads, 1, 1)
-    assert shared == 64 * 1024
-
-
-@pytest.mark.parametrize("dtype", HALF_IDS)
-def test_select_picks_fwd_mma_only_where_it_applies(dtype):
-    assert _gpu.select(dtype, 64, 64, 80, aligned=True).family == "fwd_mma"
-    assert _gpu.select(dtype, 1, 1, 90, aligned=True).head_dim == 32       # padded up to 32
-    assert _gpu.select(dtype, 200, 200, 86, aligned=True).head_dim == 224
-    assert _gpu.select(dtype, 256, 256, 89, aligned=True).family == "fwd_mma"
-    simt = [
-        _gpu.select(dtype, 64, 64, 80),                  # alignment unknown
-        _gpu.select(dtype, 64, 64, 80, aligned=False),   # rows not 16-byte aligned
-        _gpu.select(dtype, 64, 32, 80, aligned=True),    # dv != d
-        _gpu.select(dtype, 64, 64, 75, aligned=True),    # no mma.sync m16n8k16 before sm_80
-    ]
-    assert [r.family for r in simt] == ["fwd_simt"] * 4
-    assert _gpu.select(dtype, 64, 32, 80, aligned=True).head_dim == 64    # simt bucket of max(d, dv)
-    with pytest.raises(ValueError, match="256"):
-        _gpu.select(dtype, 257, 257, 80, aligned=True)
-
-
-@pytest.mark.parametrize("arch", CLASS_ARCH.values())
-def test_select_picks_the_whole_kv_row_only_for_whole_key_blocks_at_the_bucket(arch, monkeypatch):
-    # K/V copies without bounds (kWholeKV) need every key block whole and d = the bucket
-    for d in MMA_HEAD_DIMS:
-        plain = _gpu.select("float16", d, d, arch, aligned=True)
-        whole = _gpu.select("float16", d, d, arch, aligned=True, seqlen_k=3 * plain.block_n)
-        assert not plain.whole_kv and whole.whole_kv
-        assert whole.name_expression == plain.name_expression[:-1] + ", false, true>"
-        assert (whole.block_m, whole.block_n, whole.threads, whole.kv_stages, whole.lazy_rescale) == \
-            (plain.block_m, plain.block_n, plain.threads, plain.kv_stages, plain.lazy_rescale)
-        for seqlen_k in (plain.block_n + 1, 3 * plain.block_n - 8, None):
-            assert _gpu.select("float16", d, d, arch, aligned=True, seqlen_k=seqlen_k) == plain
-        assert _gpu.select("float16", d - 8, d - 8, arch, aligned=True, seqlen_k=4096) == \
-            _gpu.select("float16", d - 8, d - 8, arch, aligned=True)                 # padded head dim
-        assert not _gpu.select("float16", d, d, arch, aligned=True, split=True, seqlen_k=4096).whole_kv
-        monkeypatch.setattr(_gpu, "whole_kv_override", False)
-        assert _gpu.select("float16", d, d, arch, aligned=True, seqlen_k=4096) == plain
-        monkeypatch.setattr(_gpu, "whole_kv_override", None)
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_select_keeps_fwd_simt_for_float32_and_float64(dtype):
-    assert _gpu.select(dtype, 64, 64, 90, aligned=True).family == "fwd_simt"
 
 
 def test_arch_classes():
-    assert [mma_arch_class(a) for a in (75, 80, 86, 87, 89, 90, 100, 120)] == \
+    assert [tile_class(a) for a in (75, 80, 86, 87, 89, 90, 100, 120)] == \
         [None, "sm80", "sm86", "sm80", "sm86", "sm90", "sm90", "sm86"]
-    assert mma_tiles(75) is None
+    assert FWD_MMA.class_tiles(75) is None
 
 
 def test_rows_aligned_needs_16_byte_row_starts():
     base = np.zeros((2, 3, 40, 72), np.float16)                       # rows of 144 bytes
-    assert _gpu.rows_aligned(base, None)
-    assert _gpu.rows_aligned(base[:, :, ::-1], base[:, :, 1:])       # negative / shifted by a row
-    assert _gpu.rows_aligned(np.broadcast_to(base[:1], base.shape))   # stride 0
-    assert not _gpu.rows_aligned(np.zeros((2, 3, 40, 36), np.float16))   # rows of 72 bytes
-    assert not _gpu.rows_aligned(base[..., 1:])                       # first element 2 bytes off
-    assert _gpu.rows_aligned(np.zeros((1, 1, 1, 36), np.float16)[..., :8])   # size-1 axes never step
-    assert not _gpu.rows_aligned(base, base[:, :, :, :36].copy())
+    assert _run.rows_aligned(base, None)
+    assert _run.rows_aligned(base[:, :, ::-1], base[:, :, 1:])       # negative / shifted by a row
+    assert _run.rows_aligned(np.broadcast_to(base[:1], base.shape))   # stride 0
+    assert not _run.rows_aligned(np.zeros((2, 3, 40, 36), np.float16))   # rows of 72 bytes
+    assert not _run.rows_aligned(base[..., 1:])                       # first element 2 bytes off
+    assert _run.rows_aligned(np.zeros((1, 1, 1, 36), np.float16)[..., :8])   # size-1 axes never step
+    assert not _run.rows_aligned(base, base[:, :, :, :36].copy())
 
 
 # ---- the swizzled shared-memory layout, evaluated by the C++ code itself ----------------------
@@ -193,44 +137,17 @@ def test_swizzled_layout_is_a_permutation_without_ldmatrix_bank_conflicts(execut
 
 @pytest.fixture(scope="module")
 def report():
-    return _report.kernel_report(ARCHS, MMA_ROWS)
+    return _report.kernel_report(ARCHS, FWD_MMA.rows)   # the compiles of tests/test_families.py's report
 
 
 def _row_id(row):
     return f"{row['arch']}:{row['name']}"
 
 
-def test_every_mma_kernel_compiles_without_spills_stack_or_local_memory(report):
-    assert {(r["arch"], r["name"]) for r in report} == \
-        {(a, i.name_expression) for a in ARCHS for i in MMA_ROWS}
-    bad = [(_row_id(r), r["spill_stores"], r["spill_loads"], r["stack_bytes"],
-            r["sass"].get("LDL", 0), r["sass"].get("STL", 0))
-           for r in report
-           if r["spill_stores"] or r["spill_loads"] or r["stack_bytes"]
-           or r["sass"].get("LDL") or r["sass"].get("STL")]
-    assert not bad, f"(kernel, spill st, spill ld, stack, LDL, STL): {bad}"
-    assert all(0 < r["registers"] <= 255 for r in report)
-
-
-def test_sass_is_tensor_core_ldmatrix_and_cp_async_with_the_main_loop_emitted_once(report):
-    # Per key block a warp issues kMTiles * block_n/8 * d/16 mma for S and kMTiles * d/8 *
-    # block_n/16 for O; ldmatrix.x4: kMTiles * d/16 (Q) + block_n/16 * d/16 (K) +
-    # block_n/16 * d/16 (V).  Exactly these counts: one unrolled copy of the loop.
-    insts = {i.name_expression: i for i in MMA_ROWS}
-    for r in report:
-        inst = insts[r["name"]]
-        m_tiles = inst.block_m // (inst.threads // 32) // 16
-        hmma = m_tiles * inst.block_n // 8 * inst.head_dim // 16 * 2
-        ldsm = (m_tiles + 2 * inst.block_n // 16) * inst.head_dim // 16
-        sass = r["sass"]
-        assert sass.get("HMMA") == hmma, (_row_id(r), sass.get("HMMA"), hmma)
-        assert sass.get("LDSM") == ldsm, (_row_id(r), sass.get("LDSM"), ldsm)
-        assert sass.get("LDGSTS", 0) > 0 and sass.get("SHFL", 0) > 0 and sass.get("MUFU", 0) > 0, _row_id(r)
-
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_each_arch_keeps_8_warps_resident_with_its_tiles(report, arch):
-    chosen = {_gpu.select(dt, d, d, int(arch[3:]), aligned=True).name_expression
+    chosen = {_select(dt, d, d, int(arch[3:]), aligned=True).name_expression
               for dt in HALF_IDS for d in MMA_HEAD_DIMS}
     for r in report:
         if r["arch"] == arch and r["name"] in chosen:
@@ -246,129 +163,6 @@ def executors():
             for arch in CLASS_ARCH.values()}
 
 
-class Recorder:
-    """Executor wrapper that remembers which instantiations were launched."""
-
-    def __init__(self, inner):
-        self.inner, self.arch, self.launched = inner, inner.arch, []
-
-    def launch(self, entry, name_expression, grid, block, shared_mem, params):
-        self.launched.append(name_expression)
-        self.inner.launch(entry, name_expression, grid, block, shared_mem, params)
-
-
-def naive_half_attention(q, k, v, *, scale, window, gqa_ratio):
-    """Attention as a tensor-core kernel computes it, untiled: scores and softmax in float32
-    from the half inputs, the unnormalised P = exp(S - rowmax) rounded to the input dtype
-    before P V, the row sum of P taken before that rounding, the output in float32 (not
-    rounded: check_against_oracle allows for the kernels' one rounding of it)."""
-    dtype = q.dtype
-    k = np.repeat(k, gqa_ratio, axis=1) if gqa_ratio > 1 else k
-    v = np.repeat(v, gqa_ratio, axis=1) if gqa_ratio > 1 else v
-    s = np.matmul(q.astype(np.float32), np.swapaxes(k.astype(np.float32), -1, -2)) * np.float32(scale)
-    s = np.where(visible(q.shape[-2], k.shape[-2], window), s, -np.inf)
-    m = s.max(axis=-1, keepdims=True, initial=-np.inf)
-    p = np.exp(s - np.where(np.isfinite(m), m, 0)).astype(np.float32)
-    total = p.sum(axis=-1, keepdims=True, dtype=np.float32)
-    pv = np.matmul(p.astype(dtype).astype(np.float32), v.astype(np.float32))
-    return np.where(total > 0, pv / np.where(total > 0, total, 1), 0).astype(np.float32)
-
-
-# Unit roundoff of the 16-bit dtypes: one rounding of the output may be off by this, relatively.
-HALF_UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
-# How much further from the oracle than naive_half_attention the kernels may be, besides their
-# one rounding of the output (docs/testing.md, "Error analysis"): both round P where a
-# tensor-core kernel must, and differ in float32 order and in where P is rounded (against the
-# running maximum), not in what is rounded.
-HALF_FORWARD_FACTOR = 1.25
-
-
-# One ulp at 1.0 (machine epsilon): 10 and 7 explicit mantissa bits.
-ULP_AT_ONE = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
-
-
-def run_mma(executor, q, k, v, *, window=(None, None), gqa_ratio=1, scale=None, out=None,
-            lse=None, with_lse=True, family="fwd_mma", splits=1):
-    """One forward through _gpu.forward on the emulator, checked against the oracle;
-    ``splits`` > 1 forces a split-KV launch (the kSplit row, then fwd_combine)."""
-    batch, heads, seqlen_q, head_dim = q.shape
-    if out is None:
-        out = poisoned((batch, heads, seqlen_q, v.shape[3]), q.dtype)
-    if lse is None and with_lse:
-        lse = poisoned((batch, heads, seqlen_q), np.float32)
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    recorder = Recorder(executor)
-    saved, _gpu.split_override = _gpu.split_override, splits
-    try:
-        _gpu.forward(q, k, v, out, lse, scale=scale, window_left=window[0], window_right=window[1],
-                     gqa_ratio=gqa_ratio, executor=recorder)
-    finally:
-        _gpu.split_override = saved
-    expected = [f"cf::{family}_kernel"] + (["cf::fwd_combine_kernel"] if splits > 1 else [])
-    assert [n.split("<")[0] for n in recorder.launched] == expected, recorder.launched
-    check_against_oracle(out, lse if with_lse else None, q, k, v, scale=scale, window=window,
-                         gqa_ratio=gqa_ratio)
-    return out, lse
-
-
-def check_against_oracle(out, lse, q, k, v, *, scale=None, window=(None, None), gqa_ratio=1):
-    """Every element written; out no further from the float64 oracle than HALF_FORWARD_FACTOR
-    times naive_half_attention, plus one rounding of the largest output (and float32's);
-    lse (unless None) to its tolerance."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    assert not np.isnan(out.astype(np.float64)).any(), "output element left unwritten (NaN)"
-    oracle, oracle_lse = naive_attention(q, k, v, scale=scale, window=window,
-                                         enable_gqa=gqa_ratio > 1, return_lse=True)
-    naive = naive_half_attention(q, k, v, scale=scale, window=window, gqa_ratio=gqa_ratio)
-    err = np.abs(out.astype(np.float64) - oracle).max(initial=0.0)
-    naive_err = np.abs(naive.astype(np.float64) - oracle).max(initial=0.0)
-    largest = np.abs(oracle).max(initial=0.0)
-    bound = HALF_FORWARD_FACTOR * naive_err + (HALF_UNIT_ROUNDOFF[q.dtype.name] + 2.0**-24) * largest
-    assert err <= bound, (f"max error {err:.3g} > {HALF_FORWARD_FACTOR} x the yardstick's {naive_err:.3g} "
-                          f"+ one rounding of the largest output {largest:.3g}")
-    if lse is not None:
-        assert_lse_close(lse, oracle_lse, q.dtype)
-
-
-def qkv(rng, dtype, *, batch=1, heads_kv=1, gqa_ratio=1, seqlen_q, seqlen_k, head_dim):
-    heads = gqa_ratio * heads_kv
-    return (random_array(rng, (batch, heads, seqlen_q, head_dim), dtype),
-            random_array(rng, (batch, heads_kv, seqlen_k, head_dim), dtype),
-            random_array(rng, (batch, heads_kv, seqlen_k, head_dim), dtype))
-
-
-def _arch_serving(inst):
-    seqlen_k = inst.block_n if inst.whole_kv else None   # whole K/V blocks: the whole-KV row
-    for arch in CLASS_ARCH.values():
-        if _gpu.select(inst.dtype, inst.head_dim, inst.head_dim, arch, aligned=True, split=inst.split,
-                       seqlen_k=seqlen_k) == inst:
-            return arch
-    raise AssertionError(f"no arch selects {inst.name_expression}")
-
-
-@needs_emulator
-@pytest.mark.parametrize("inst", MMA_ROWS, ids=[f"{r.dtype}-d{r.head_dim}-{r.block_m}x{r.block_n}w"
-                                                 f"{r.threads // 32}s{r.kv_stages}"
-                                                 f"{'-lazy' if r.lazy_rescale else ''}"
-                                                 f"{'-split' if r.split else ''}"
-                                                 f"{'-whole' if r.whole_kv else ''}" for r in MMA_ROWS])
-def test_every_instantiation_matches_oracle_with_tails_and_causal_mask(executors, inst):
-    # Two query blocks (the second partial), Lk > Lq: key blocks fully visible, cut by
-    # the diagonal, skipped, and a partial last one (a whole-KV row: Lk a multiple of
-    # block_n, the dispatcher's condition for it).  A split-KV row runs 3 splits.
-    arch = _arch_serving(inst)
-    dtype = np.dtype(bfloat16 if inst.dtype == "bfloat16" else inst.dtype)
-    rng = np.random.default_rng(inst.head_dim * 7 + inst.block_n)
-    seqlen_q = inst.block_m + 21
-    seqlen_k = seqlen_q + 2 * inst.block_n + 5
-    if inst.whole_kv:
-        seqlen_k += -seqlen_k % inst.block_n
-    q, k, v = qkv(rng, dtype, heads_kv=1, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=inst.head_dim)
-    recorder = Recorder(executors[arch])
-    run_mma(recorder, q, k, v, window=(None, 0), splits=3 if inst.split else 1)
-    assert recorder.launched[0] == inst.name_expression
-
-
 @needs_emulator
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=HALF_IDS)
 @pytest.mark.parametrize("head_dim", [40, 72, 200, 8], ids=["d40", "d72", "d200", "d8"])
@@ -377,16 +171,6 @@ def test_padded_head_dims_match_oracle(executors, dtype, head_dim):
     rng = np.random.default_rng(head_dim)
     q, k, v = qkv(rng, dtype, batch=2, seqlen_q=70, seqlen_k=90, head_dim=head_dim)
     run_mma(executors[80], q, k, v)
-
-
-@needs_emulator
-@pytest.mark.parametrize("seqlen_q, seqlen_k", [(150, 100), (70, 200)], ids=["lq>lk", "lq<lk"])
-@pytest.mark.parametrize("window", [(None, 0), (16, 0), (0, 0), (5, 40), (None, 9), (70, None)],
-                         ids=["causal", "w16-0", "w0-0", "w5-40", "wN-9", "w70-N"])
-def test_masks_match_oracle(executors, seqlen_q, seqlen_k, window):
-    rng = np.random.default_rng(seqlen_q * 3 + seqlen_k)
-    q, k, v = qkv(rng, np.float16, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=64)
-    run_mma(executors[80], q, k, v, window=window)
 
 
 @needs_emulator
@@ -430,8 +214,8 @@ def test_fully_masked_key_blocks_are_never_read(executors):
     k[:, :, :128] = np.nan
     v[:, :, :128] = np.nan
     out = poisoned(q.shape, np.float16)
-    _gpu.forward(q, k, v, out, None, scale=0.125, window_left=130, window_right=0, gqa_ratio=1,
-                 executor=executors[80])
+    _run.forward(q, k, v, out, None, scale=0.125, window_left=130, window_right=0, gqa_ratio=1,
+                 executor=executors[80], options=KernelOptions())
     ref = naive_attention(q, k[:, :, 128:], v[:, :, 128:], scale=0.125, window=(130, 0))
     assert np.abs(out.astype(np.float64) - ref).max() < 4e-3
 
@@ -468,7 +252,7 @@ def test_transposed_and_strided_views_in_and_out(executors, dtype):
     v = random_array(rng, (b, h, lk, d), dtype)[:, :, ::-1]
     out = poisoned((b, lq, h, d), dtype).transpose(0, 2, 1, 3)
     lse = poisoned((b, lq, h), np.float32).transpose(0, 2, 1)
-    assert _gpu.rows_aligned(q, k, v, out)
+    assert _run.rows_aligned(q, k, v, out)
     run_mma(executors[80], q, k, v, out=out, lse=lse, window=(20, 5))
 
 
@@ -491,7 +275,7 @@ def test_extreme_and_negative_scales(executors, scale, family):
     # not), -inf * 0 is NaN: zero, negative and such tiny scales run fwd_simt.
     rng = np.random.default_rng(14)
     q, k, v = qkv(rng, np.float16, seqlen_q=45, seqlen_k=77, head_dim=32)
-    assert _gpu.select(q.dtype, 32, 32, 80, aligned=True, scale=scale).family == family
+    assert _select(q.dtype, 32, 32, 80, aligned=True, scale=scale).family.name == family
     run_mma(executors[80], q, k, v, scale=scale, window=(None, 0), family=family)
 
 
@@ -504,7 +288,7 @@ def test_row_maxima_growing_from_block_to_block(executors, arch, step):
     # reference stays put and the probabilities reach 2^3; beyond it every block
     # moves it.  sm_90's d = 128 tile rescales every block.
     d, block_n = 128, 64
-    inst = _gpu.select(np.float16, d, d, arch, aligned=True)
+    inst = _select(np.float16, d, d, arch, aligned=True)
     assert (inst.block_n, inst.lazy_rescale) == (block_n, arch == 80)
     rng = np.random.default_rng(int(step) + arch)
     seqlen_q, seqlen_k = 40, 5 * block_n + 9

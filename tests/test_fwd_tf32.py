@@ -1,24 +1,18 @@
-"""fwd_tf32, the float32 forward on the TF32 tensor cores (cuda_src/fwd_tf32.cu), without a GPU.
+"""fwd_tf32, the float32 forward on the TF32 tensor cores (cuda_src/fwd_tf32.cu), without a GPU:
+what is particular to it.  Its dispatch (only where the caller allows TF32 --
+``attention(..., precision="tf32")``, one TF32 product per product, or ``"tf32x3"``, three
+on operands split into two TF32 parts -- for float32 with d = dv up to 128 and scale > 0
+on sm_80 and newer), launch geometry, static report and every instantiation on the
+emulator are tests/test_families.py's.
 
-Dispatch: only where the caller allows TF32 -- ``attention(..., precision="tf32")``
-(one TF32 product per product) or ``"tf32x3"`` (three, on operands split into
-two TF32 parts) -- for float32 with d = dv up to 128 and scale > 0 on sm_80 and
-newer; precision="ieee" (the default) never runs it, and other dtypes reject
-the option.
-
-Static tier: every row compiled offline by NVRTC for sm_80, sm_86, sm_89 and
-sm_90 -- no spills, no stack, no local memory; the SASS issues exactly one
-unrolled main loop of HMMA (passes x kMTiles x (block_n/8 x d/8 for S + d/8 x
-block_n/8 for O)) and copies the tiles with cp.async.
-
-Emulated tier: each instantiation through :func:`cupyflash._gpu.forward` on the
-CPU emulator (shuffled threads, race check) against the float64 oracle:
-"tf32x3" within float32's own tolerance, "tf32" no further than twice the
-naive TF32 attention of the same inputs; partial query and key blocks, causal
-and window masks with Lq < Lk and Lq > Lk (rows that see no key), GQA, padded
-head dims (d = 3 .. 100), rows that are not 16-byte aligned, transposed
-strides, split-KV; outputs NaN-poisoned first.  The instruction itself is
-checked against the fragment table in tests/test_emulator.py (fid_mma_tf32).
+Here: precision is checked before any work and the CPU path stays IEEE; the shared
+layouts are chunk permutations whose fragment loads hit distinct banks; on the CPU
+emulator (shuffled threads, race check) through :func:`cupyflash._run.forward`, against
+the float64 oracle, the error model -- "tf32x3" within float32's own tolerance, "tf32"
+no further than twice the naive TF32 attention of the same inputs -- on padded head dims
+(d = 3 .. 100), rows that are not 16-byte aligned, GQA, transposed strides and split-KV;
+the public call routes precision.  The instruction itself is checked against the fragment
+table in tests/test_emulator.py (fid_mma_tf32).
 """
 
 from __future__ import annotations
@@ -27,72 +21,26 @@ import numpy as np
 import pytest
 
 import cupyflash
-from cupyflash import _gpu, _report
-from cupyflash._kernels import TF32_HEAD_DIMS, TF32_PASSES, instantiations, launchable
-from cupyflash._launch import launch_config
-from cupyflash.emulator import EmulatorExecutor, emulator_available
+from cupyflash import _run
+from cupyflash._families import FWD_TF32
+from cupyflash._families.fwd_tf32 import TF32_HEAD_DIMS, TF32_PASSES
+from cupyflash._options import KernelOptions
+from cupyflash.emulator import EmulatorExecutor
 from cupyflash.reference import naive_attention
 
-from _util import (TOLERANCE, assert_compiled_clean, forward_against_oracle, naive_tf32_attention, poisoned,
-                   random_array)
+from _kernel_util import needs_emulator
+from _util import TOLERANCE, forward_against_oracle, naive_tf32_attention, poisoned, random_array
 
-TF32_ROWS = [r for r in instantiations() if r.family == "fwd_tf32"]
-ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
 PRECISIONS = tuple(TF32_PASSES)
-
-_OK, _WHY = emulator_available()
-needs_emulator = pytest.mark.skipif(not _OK, reason=f"CPU emulator unavailable: {_WHY}")
 
 
 def bucket(d):
     return min(b for b in TF32_HEAD_DIMS if b >= d)
 
 
-# ---- the catalogue and the dispatcher -----------------------------------------------------------
-
-def test_select_picks_fwd_tf32_only_where_tf32_is_allowed():
-    for precision, passes in TF32_PASSES.items():
-        for arch in (80, 86, 89, 90, 100, 120):
-            for d in (1, 3, 32, 40, 64, 100, 128):
-                inst = _gpu.select("float32", d, d, arch, precision=precision)
-                assert (inst.family, inst.head_dim, inst.passes) == ("fwd_tf32", bucket(d), passes)
-                # the default, and precision="ieee", keep IEEE float32
-                assert _gpu.select("float32", d, d, arch).family == "fwd_simt"
-                assert _gpu.select("float32", d, d, arch, precision="ieee").family == "fwd_simt"
-        # where the kernel does not apply, IEEE float32
-        assert _gpu.select("float32", 64, 64, 75, precision=precision).family == "fwd_simt"
-        assert _gpu.select("float32", 64, 32, 80, precision=precision).family == "fwd_simt"
-        assert _gpu.select("float32", 129, 129, 90, precision=precision).family == "fwd_simt"
-        assert _gpu.select("float32", 64, 64, 80, precision=precision, scale=0.0).family == "fwd_simt"
-        assert _gpu.select("float32", 64, 64, 80, precision=precision, scale=-1.0).family == "fwd_simt"
-        # a scale the kernel's float32 scale * log2(e) holds as 0 or a subnormal (see
-        # test_fwd_mma's scale test): NaN rows once, found by the tf32x3 fuzzer
-        for tiny in (4.4e-159, 1e-40):
-            assert _gpu.select("float32", 64, 64, 80, precision=precision, scale=tiny).family == "fwd_simt"
-        assert _gpu.select("float32", 64, 64, 80, precision=precision, scale=1e-37).family == "fwd_tf32"
-        # asked for explicitly, TF32 wins over the opt-in float32 DMMA path
-        assert _gpu.select("float32", 64, 64, 90, precision=precision, dmma=True).family == "fwd_tf32"
-    assert _gpu.select("float32", 64, 64, 90, dmma=True).family == "fwd_dmma"
-
-
-def test_launchable_on_every_tensor_core_gpu():
-    names = {r.name_expression for r in TF32_ROWS}
-    assert len(TF32_ROWS) == len(TF32_HEAD_DIMS) * len(TF32_PASSES) == len(names)
-    assert all(r.dtype == "float32" and r.passes in (1, 3) for r in TF32_ROWS)
-    for arch in (75, 80, 86, 89, 90, 100):
-        assert (names <= launchable(arch)) == (arch >= 80)
-        assert (not names & launchable(arch)) == (arch < 80)
-
-
-def test_launch_config_and_shared_memory():
-    for inst in TF32_ROWS:
-        grid, block, shared = launch_config(inst, batch=2, heads=3, seqlen_q=1000, seqlen_k=77, num_splits=2)
-        assert block == (inst.threads, 1, 1) and grid == (2 * 3 * -(-1000 // inst.block_m), 2, 1)
-        # three passes: K and V (d = 128: V alone) as TF32 big and small parts, where two
-        # CTAs still fit an sm_80 SM
-        planes = 2 if inst.passes == 1 else 4 if inst.head_dim < 128 else 3
-        assert shared == (inst.block_m + planes * inst.block_n) * inst.head_dim * 4
-        assert shared <= (80 if inst.passes == 3 else 99) * 1024
+def test_rows_are_float32_with_one_or_three_passes():
+    assert all(r.dtype == "float32" and r.passes in (1, 3) for r in FWD_TF32.rows)
+    assert {TF32_PASSES[p] for p in PRECISIONS} == {r.passes for r in FWD_TF32.rows} == {1, 3}
 
 
 def test_precision_is_checked_before_any_work():
@@ -199,32 +147,6 @@ def test_layouts_are_chunk_permutations_and_fragment_loads_hit_distinct_banks(ex
                 assert conflict_free(offsets["pairs1"], [(8 * kk + 2 * t, 32 * jg + 4 * g + 2 * e) for g, t in lanes])
 
 
-# ---- static: NVRTC for sm_80, sm_86, sm_89, sm_90 ---------------------------------------------
-
-@pytest.fixture(scope="module")
-def report():
-    return _report.kernel_report(ARCHS, TF32_ROWS)
-
-
-def test_every_kernel_compiles_without_spills_stack_or_local_memory(report):
-    assert_compiled_clean(report, TF32_ROWS, ARCHS)
-
-
-def test_sass_issues_the_tf32_mma_of_one_key_block(report):
-    # per key block a warp issues passes x kMTiles x (block_n/8 x d/8) MMAs for S and
-    # as many for O (k8 steps: d/8 for S, block_n/8 for O).  S = Q K^T unrolls two
-    # 16-column groups per iteration (kUnrollQK), so its loop body holds the MMAs of
-    # min(d, 32) columns; O's loop is unrolled whole.
-    insts = {i.name_expression: i for i in TF32_ROWS}
-    for r in report:
-        inst, sass = insts[r["name"]], r["sass"]
-        m_tiles = inst.block_m // (inst.threads // 32) // 16
-        expected = inst.passes * m_tiles * (inst.block_n // 8) * (min(inst.head_dim, 32) + inst.head_dim) // 8
-        assert sass.get("HMMA") == expected, (r["arch"], r["name"], sass.get("HMMA"), expected)
-        assert not sass.get("DMMA"), (r["arch"], r["name"])
-        assert sass.get("LDGSTS", 0) > 0, (r["arch"], r["name"])
-
-
 # ---- emulated ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -232,79 +154,57 @@ def executor():
     return EmulatorExecutor(arch=80, seed=32, shuffle=True, race_check=True)
 
 
-def run_tf32(executor, monkeypatch, *, head_dim, seqlen_q, seqlen_k, precision="tf32x3", window=(None, None),
+def run_tf32(executor, *, head_dim, seqlen_q, seqlen_k, precision="tf32x3", window=(None, None),
              gqa_ratio=1, batch=1, heads_kv=1, splits=1, q=None, k=None, v=None, out=None, with_lse=True,
              seed=0):
-    """One forward through _gpu.forward with TF32 allowed, checked against the oracle
-    (forward_against_oracle's rule for ``precision``); returns the names launched and the output."""
-    monkeypatch.setattr(_gpu, "split_override", splits)
+    """One forward through _run.forward with TF32 allowed and ``splits`` forced, checked against
+    the oracle (forward_against_oracle's rule for ``precision``); returns the names launched
+    and the output."""
     rng = np.random.default_rng(seed)
     heads = heads_kv * gqa_ratio
     q = random_array(rng, (batch, heads, seqlen_q, head_dim), np.float32) if q is None else q
     k = random_array(rng, (batch, heads_kv, seqlen_k, head_dim), np.float32) if k is None else k
     v = random_array(rng, (batch, heads_kv, seqlen_k, head_dim), np.float32) if v is None else v
     spy, out = forward_against_oracle(executor, q, k, v, window=window, gqa_ratio=gqa_ratio, out=out,
-                                      with_lse=with_lse, precision=precision)
+                                      with_lse=with_lse, precision=precision, options=KernelOptions(splits=splits))
     return spy.launched, out
-
-
-@needs_emulator
-@pytest.mark.parametrize("inst", TF32_ROWS, ids=lambda r: f"x{r.passes}-d{r.head_dim}")
-def test_every_instantiation_matches_the_oracle_with_tails_and_masks(executor, monkeypatch, inst):
-    # Two query blocks (the second partial), Lk > Lq: key blocks fully visible, cut by
-    # the diagonal, skipped, and a partial last one; then the same non-causal.
-    precision = next(p for p, n in TF32_PASSES.items() if n == inst.passes)
-    seqlen_q, seqlen_k = inst.block_m + 21, inst.block_m + 2 * inst.block_n + 5
-    for window in ((None, 0), (None, None)):
-        launched, _ = run_tf32(executor, monkeypatch, head_dim=inst.head_dim, seqlen_q=seqlen_q,
-                               seqlen_k=seqlen_k, precision=precision, window=window, seed=inst.head_dim)
-        assert launched == [inst.name_expression]
-
-
-@needs_emulator
-@pytest.mark.parametrize("seqlen_q, seqlen_k", [(150, 100), (70, 200)], ids=["lq>lk", "lq<lk"])
-@pytest.mark.parametrize("window", [(None, 0), (16, 0), (0, 0), (5, 40), (70, None)],
-                         ids=["causal", "w16-0", "w0-0", "w5-40", "w70-N"])
-def test_masks_match_the_oracle(executor, monkeypatch, seqlen_q, seqlen_k, window):
-    run_tf32(executor, monkeypatch, head_dim=64, seqlen_q=seqlen_q, seqlen_k=seqlen_k, window=window,
-             seed=seqlen_q + seqlen_k)
 
 
 @needs_emulator
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("head_dim", [3, 17, 40, 100], ids=["d3", "d17", "d40", "d100"])
-def test_padded_and_unaligned_head_dims(executor, monkeypatch, head_dim, precision):
+def test_padded_and_unaligned_head_dims(executor, head_dim, precision):
     # d = 3 and 17: rows of 12 and 68 bytes, not 16-byte aligned (4-byte cp.async)
-    launched, _ = run_tf32(executor, monkeypatch, head_dim=head_dim, seqlen_q=70, seqlen_k=90, batch=2,
+    launched, _ = run_tf32(executor, head_dim=head_dim, seqlen_q=70, seqlen_k=90, batch=2,
                            precision=precision, seed=head_dim)
     assert launched[0].startswith(f"cf::fwd_tf32_kernel<{bucket(head_dim)},")
 
 
 @needs_emulator
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_gqa_strides_without_lse_and_split_kv(executor, monkeypatch, precision):
+def test_gqa_strides_without_lse_and_split_kv(executor, precision):
     rng = np.random.default_rng(5)
     # q and out as (B, L, H, d) buffers viewed as (B, H, L, d); 3 splits of the keys
     q = random_array(rng, (2, 90, 4, 64), np.float32).transpose(0, 2, 1, 3)
     out = poisoned((2, 90, 4, 64), np.float32).transpose(0, 2, 1, 3)
     k = random_array(rng, (2, 2, 400, 64), np.float32)
     v = random_array(rng, (2, 2, 400, 64), np.float32)
-    launched, _ = run_tf32(executor, monkeypatch, head_dim=64, seqlen_q=90, seqlen_k=400, window=(None, 0),
+    launched, _ = run_tf32(executor, head_dim=64, seqlen_q=90, seqlen_k=400, window=(None, 0),
                            gqa_ratio=2, q=q, k=k, v=v, out=out, with_lse=False, splits=3, precision=precision)
     assert launched == [f"cf::fwd_tf32_kernel<64, 64, 64, 4, {TF32_PASSES[precision]}>",
                         "cf::fwd_combine_kernel<float, float>"]
 
 
 @needs_emulator
-def test_split_kv_with_lse_and_rows_that_see_no_key(executor, monkeypatch):
+def test_split_kv_with_lse_and_rows_that_see_no_key(executor):
     # Lq > Lk under a causal mask: the first rows see no key (zeros, lse = -inf)
-    launched, _ = run_tf32(executor, monkeypatch, head_dim=32, seqlen_q=200, seqlen_k=130, window=(None, 0),
+    launched, _ = run_tf32(executor, head_dim=32, seqlen_q=200, seqlen_k=130, window=(None, 0),
                            splits=2, precision="tf32")
     assert launched == ["cf::fwd_tf32_kernel<32, 64, 64, 4, 1>", "cf::fwd_combine_kernel<float, float>"]
 
 
 @needs_emulator
-def test_three_passes_recover_float32_accuracy_and_one_does_not(executor, monkeypatch):
+def test_three_passes_recover_float32_accuracy_and_one_does_not(executor):
     # The same inputs through both kernels and fwd_simt (IEEE float32): tf32x3 within
     # float32's tolerance of the oracle and within a few times fwd_simt's own error;
     # tf32 about 2^-11 relative (TF32's rounding), far outside it.
@@ -314,8 +214,8 @@ def test_three_passes_recover_float32_accuracy_and_one_does_not(executor, monkey
     errors = {}
     for precision in ("ieee",) + PRECISIONS:
         out = poisoned(q.shape, np.float32)
-        _gpu.forward(q, k, v, out, None, scale=1 / 8, window_left=None, window_right=None, gqa_ratio=1,
-                     executor=executor, precision=precision)
+        _run.forward(q, k, v, out, None, scale=1 / 8, window_left=None, window_right=None, gqa_ratio=1,
+                     executor=executor, precision=precision, options=KernelOptions())
         errors[precision] = np.abs(out.astype(np.float64) - ref).max()
     tol = TOLERANCE[np.dtype(np.float32)]
     assert errors["tf32x3"] <= tol["atol"] and errors["ieee"] <= tol["atol"], errors

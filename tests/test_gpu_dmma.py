@@ -8,7 +8,7 @@ and Lq > Lk, GQA, padded and unaligned head dims, split-KV (forward), a check
 that the DMMA kernels are the ones that ran, agreement with fwd_simt and
 bwd_simt to float64 rounding on a longer sequence, and repeated runs bit for
 bit.  Outputs are poisoned with NaN before each forward launch; gradients are
-checked against the float64 CPU backward term by term (tests/test_gpu_backward.py).
+checked against the float64 CPU backward term by term (tests/_backward_util.py, check_gradients).
 Skipped cleanly without CuPy or a CUDA device, and on GPUs other than compute
 capability 8.0 and 9.0.
 """
@@ -21,19 +21,21 @@ import numpy as np
 import pytest
 
 import cupyflash
-from cupyflash import _gpu
-from cupyflash._kernels import DMMA_ARCHS, DMMA_HEAD_DIMS, instantiations
+from cupyflash._arch import DMMA_ARCHS
+from cupyflash._families import BWD_DMMA, FWD_DMMA
+from cupyflash._families.fwd_dmma import DMMA_HEAD_DIMS
+from cupyflash._options import DMMA_ENV
 from cupyflash.reference import naive_attention
 
+from _backward_util import check_gradients
 from _util import assert_close, assert_lse_close, random_array
-from test_gpu_backward import _check as check_gradients
 
 cp = pytest.importorskip("cupy")
 
 pytestmark = pytest.mark.gpu
 
-DMMA_ROWS = [r for r in instantiations() if r.family == "fwd_dmma"]
-BWD_ROWS = [r for r in instantiations() if r.family == "bwd_dmma"]
+DMMA_ROWS = FWD_DMMA.rows
+BWD_ROWS = BWD_DMMA.rows
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -45,9 +47,9 @@ def dmma_gpu():
 
 @pytest.fixture
 def spy(monkeypatch, cuda_spy):
-    """fwd_dmma on, and a record of what cupyflash.attention launches in this test."""
-    monkeypatch.setattr(_gpu, "dmma_override", True)
-    monkeypatch.setattr(_gpu, "dmma_float32_override", True)
+    """fwd_dmma and bwd_dmma on for both dtypes (the public calls read the switch from the
+    environment), and a record of what cupyflash.attention launches in this test."""
+    monkeypatch.setenv(DMMA_ENV, "float64,float32")
     return cuda_spy
 
 
@@ -113,7 +115,7 @@ def test_a_split_decoding_step_and_a_long_sequence_agree_with_fwd_simt(spy, monk
     assert spy.launched[-1] == "cf::fwd_combine_kernel<double, double>"
     q, k, v = qkv(rng, seqlen_q=2048, seqlen_k=2048, head_dim=64, heads_kv=8, batch=2)
     dmma = cupyflash.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), causal=True, backend="cuda")
-    monkeypatch.setattr(_gpu, "dmma_override", False)
+    monkeypatch.setenv(DMMA_ENV, "float32")   # float64 back on the CUDA cores
     simt = cupyflash.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), causal=True, backend="cuda")
     np.testing.assert_allclose(cp.asnumpy(dmma), cp.asnumpy(simt), rtol=1e-12, atol=1e-13)
 
@@ -232,7 +234,7 @@ def test_backward_long_sequence_agrees_with_bwd_simt_and_ignores_deterministic(s
     fast = [cp.asnumpy(g) for g in cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True,
                                                                  deterministic=False)]
     assert "cf::bwd_dmma_dq_kernel<64, 64, 16, 4>" in spy.launched
-    monkeypatch.setattr(_gpu, "dmma_override", False)
+    monkeypatch.setenv(DMMA_ENV, "float32")   # float64 back on the CUDA cores
     simt = [cp.asnumpy(g) for g in cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True)]
     for name, a, b, c in zip(("dq", "dk", "dv"), dmma, fast, simt):
         np.testing.assert_array_equal(a, b, err_msg=name)   # no atomic variant: the same kernels

@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 
 import cupyflash
-from cupyflash._kernels import TF32_HEAD_DIMS, TF32_PASSES, instantiations
+from cupyflash._families import BWD_TF32, FWD_TF32
+from cupyflash._families.fwd_tf32 import TF32_HEAD_DIMS, TF32_PASSES
 from cupyflash.reference import naive_attention, naive_attention_backward
 
 from _backward_util import (TF32_YARDSTICK_FACTOR, assert_within_term_bound, assert_within_yardstick,
@@ -36,7 +37,7 @@ cp = pytest.importorskip("cupy")
 
 pytestmark = pytest.mark.gpu
 
-TF32_ROWS = [r for r in instantiations() if r.family == "fwd_tf32"]
+TF32_ROWS = FWD_TF32.rows
 PRECISIONS = tuple(TF32_PASSES)
 
 
@@ -150,7 +151,7 @@ def check_backward(q, k, v, *, precision, window=(None, None), gqa_ratio=1, dete
             assert_within_yardstick(g, e, n, factor=TF32_YARDSTICK_FACTOR, sizes=size, what=name)
 
 
-BWD_ROWS = [r for r in instantiations() if r.family == "bwd_tf32" and "dkdv" in r.name_expression]
+BWD_ROWS = [r for r in BWD_TF32.rows if r.role == "dkdv"]
 
 
 @pytest.mark.parametrize("inst", BWD_ROWS, ids=lambda r: f"x{r.passes}-d{r.head_dim}")

@@ -13,7 +13,7 @@ against NumPy, then each product of the kernels as they call it
 descriptor or layout.  The backward: bwd_wgmma's
 head dims (padded ones too) with GQA, tails, causal and window masks, both
 deterministic and with dQ by atomics, against the float64 oracle
-(tests/test_gpu_backward.py's criterion); deterministic runs bit-identical and
+(tests/_backward_util.py's check_gradients); deterministic runs bit-identical and
 dK, dV the same bit for bit either way.  Skipped on other GPUs.
 """
 
@@ -27,17 +27,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cupyflash
-from cupyflash import _gpu, _gpu_bwd
+from cupyflash._families import BACKWARD, Call, select
+from cupyflash._options import WGMMA_ENV, KernelOptions
 
+from _backward_util import check_gradients
+from _emulator_util import PLANTED_DTYPE, bf16_round
+from _fuzz_util import BACKWARD_SCALES, NUMPY_MAX_LEN, check_backward, check_forward, problems
+from _kernel_util import (HALF_DTYPES, HALF_IDS, MASK_LENGTHS, MASK_WINDOWS, PROBE, PROBE_SHARED, PRODUCT_FORMS,
+                          PRODUCT_SHARED, PRODUCT_THREADS, PRODUCTS, attention_on_gpu, check_against_oracle,
+                          check_head_dim, check_long_sequence, check_masks, check_product, compile_planted_sm90a,
+                          launched, product_case)  # noqa: F401
 from _util import random_array, random_qkv
-from test_fwd_mma import HALF_DTYPES, HALF_IDS, check_against_oracle
-from test_emulator import PLANTED_DTYPE
-from test_fwd_wgmma import (PROBE, PROBE_SHARED, PRODUCT_FORMS, PRODUCT_SHARED, PRODUCT_THREADS, PRODUCTS,
-                            _bf16_round, check_product, compile_planted_sm90a, product_case)
-from test_fuzz import BACKWARD_SCALES, NUMPY_MAX_LEN, check_backward, check_forward, problems
-from test_gpu_backward import _check
-from test_gpu_mma import (MASK_LENGTHS, MASK_WINDOWS, attention_on_gpu, check_head_dim, check_long_sequence,
-                          check_masks, launched)  # noqa: F401
 
 cp = pytest.importorskip("cupy")
 
@@ -53,7 +53,7 @@ def sm90_only():
 
 @pytest.fixture(autouse=True)
 def wgmma_on(monkeypatch):
-    monkeypatch.setenv(_gpu.WGMMA_ENV, "1")
+    monkeypatch.setenv(WGMMA_ENV, "1")
 
 
 # ---- one wgmma per operand form, on the device ------------------------------------------------
@@ -92,7 +92,7 @@ def test_one_wgmma_of_each_operand_form_matches_numpy(probe_module, regs_a, flag
     kernel = probe_module[f"wgmma_probe<{'true' if regs_a else 'false'}>"]
     kernel((1,), (128,), (params,), shared_mem=PROBE_SHARED)
     out = cp.asnumpy(out_d).reshape(64, 64)
-    a, b = _bf16_round(inp[:1024]).reshape(64, 16), _bf16_round(inp[1024:]).reshape(16, 64)
+    a, b = bf16_round(inp[:1024]).reshape(64, 16), bf16_round(inp[1024:]).reshape(16, 64)
     np.testing.assert_allclose(out, a @ b, rtol=1e-6, atol=1e-6)
 
 
@@ -164,10 +164,11 @@ def _backward_both_ways(rng, launched, dtype, shape_q, shape_kv, **kw):  # noqa:
             for det in (True, True, False)]
     d = q.shape[-1]
     expected = [r.name_expression for det in (True, True, False)
-                for r in _gpu_bwd.select(dtype, d, d, 90, aligned=True, deterministic=det)]
+                for r in select(BACKWARD, Call(np.dtype(dtype).name, d, d, aligned=True, deterministic=det), 90,
+                                KernelOptions(wgmma=True))]
     assert [n for n in launched if "bwd_wgmma" in n] == [n for n in expected if "bwd_wgmma" in n]
     for grads in (runs[0], runs[2]):
-        _check(tuple(cp.asnumpy(g) for g in grads), dout, q, k, v, cp.asnumpy(out), dtype, **kw)
+        check_gradients(tuple(cp.asnumpy(g) for g in grads), dout, q, k, v, cp.asnumpy(out), dtype, **kw)
     for a, b in zip(runs[0], runs[1]):
         assert cp.array_equal(a.view(cp.uint8), b.view(cp.uint8)), "deterministic runs differ"
     for a, b in zip(runs[0][1:], runs[2][1:]):

@@ -1,12 +1,13 @@
-"""The CUDA forward kernels, fwd_simt and fwd_v1, run on the CPU emulator.
+"""The CUDA forward kernels, fwd_simt and fwd_v1, run on the CPU emulator: what is particular to
+them.  fwd_simt's dispatch, every instantiation and its masks are tests/test_families.py's.
 
-Each case calls :func:`cupyflash._gpu.forward` / :func:`~cupyflash._gpu.forward_v1`
+Each case calls :func:`cupyflash._run.forward` / :func:`~cupyflash._run.forward_v1`
 exactly as the GPU path does, but through
 :class:`cupyflash.emulator.EmulatorExecutor` (threads in shuffled order,
 shared-memory race and bounds checks on), and compares ``out`` and ``lse``
 with the float64 oracle.  Outputs start as NaN, so an element a kernel forgets
-to write shows.  Together the cases cover every instantiation in the catalogue
-and every branch of the kernels: partial query and key blocks, masked and
+to write shows.  Together with tests/test_families.py the cases cover every
+instantiation in the catalogue and every branch of the kernels: partial query and key blocks, masked and
 unmasked key blocks, skipped key blocks, rows that see no key, GQA,
 broadcast and transposed strides.
 """
@@ -19,28 +20,23 @@ import shutil
 import numpy as np
 import pytest
 
-from cupyflash import _gpu
-from cupyflash._kernels import HEAD_DIM_BUCKETS, family_rows, instantiations
-from cupyflash._launch import launch_config, representative_shared_bytes, v1_block_sizes
+from cupyflash import _run
+from cupyflash._families import FORWARD, FWD_SIMT, FWD_V1, Call, Sizes, select
+from cupyflash._families.fwd_simt import HEAD_DIM_BUCKETS
+from cupyflash._families.fwd_v1 import v1_block_sizes
+from cupyflash._options import KernelOptions
 from cupyflash._params import FWD_PARAMS, UNBOUNDED, KernelView, fwd_params
-from cupyflash.emulator import EmulatorExecutor, emulator_available
+from cupyflash.emulator import EmulatorExecutor
 from cupyflash.reference import naive_attention
 
+from _kernel_util import needs_emulator, qkv
 from _util import (DTYPE_IDS, DTYPES, accum_dtype, assert_close, assert_lse_close, cxx_struct_layout,
                    logit_rounding, poisoned, random_array)
-
-
-_OK, _WHY = emulator_available()
-needs_emulator = pytest.mark.skipif(not _OK, reason=f"CPU emulator unavailable: {_WHY}")
 
 
 @pytest.fixture(scope="module")
 def executor():
     return EmulatorExecutor(arch=80, seed=1234, shuffle=True, race_check=True)
-
-
-def _heads(gqa_ratio, heads_kv):
-    return gqa_ratio * heads_kv
 
 
 def run_and_check(executor, q, k, v, *, family="fwd_simt", window=(None, None), gqa_ratio=1,
@@ -57,9 +53,9 @@ def run_and_check(executor, q, k, v, *, family="fwd_simt", window=(None, None), 
     common = dict(scale=scale, window_left=left, window_right=right, gqa_ratio=gqa_ratio,
                   executor=executor)
     if family == "fwd_simt":
-        _gpu.forward(q, k, v, out, lse, **common)
+        _run.forward(q, k, v, out, lse, options=KernelOptions(), **common)
     else:
-        _gpu.forward_v1(q, k, v, out, lse, sram_size=sram_size, **common)
+        _run.forward_v1(q, k, v, out, lse, sram_size=sram_size, **common)
     ref_out, ref_lse = naive_attention(q, k, v, scale=scale, window=window,
                                        enable_gqa=gqa_ratio > 1, return_lse=True)
     assert not np.isnan(out.astype(np.float64)).any(), "output element left unwritten (NaN)"
@@ -67,15 +63,6 @@ def run_and_check(executor, q, k, v, *, family="fwd_simt", window=(None, None), 
     if with_lse:
         assert_lse_close(lse, ref_lse, dtype)
     return out, lse
-
-
-def qkv(rng, dtype, *, batch=1, heads_kv=1, gqa_ratio=1, seqlen_q, seqlen_k, head_dim,
-        head_dim_v=None, scale=1.0):
-    head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    heads = _heads(gqa_ratio, heads_kv)
-    return (random_array(rng, (batch, heads, seqlen_q, head_dim), dtype, scale),
-            random_array(rng, (batch, heads_kv, seqlen_k, head_dim), dtype, scale),
-            random_array(rng, (batch, heads_kv, seqlen_k, head_dim_v), dtype, scale))
 
 
 # ---- the params struct, the catalogue and the launch configuration -------------------------------
@@ -145,87 +132,48 @@ def test_params_from_kernel_views_equal_params_from_the_arrays():
     made = views["q"].array()
     assert made.shape == view.shape and made.strides == view.strides
     assert np.shares_memory(made, base) and (made == view).all()
-    assert _gpu.rows_aligned(views["q"]) == _gpu.rows_aligned(view)
-
-
-def test_family_rows_are_the_catalogue_rows_of_that_family_and_dtype():
-    rows = instantiations()
-    for family, dtype in {(r.family, r.dtype) for r in rows}:
-        assert family_rows(family, dtype) == tuple(r for r in rows if r.family == family and r.dtype == dtype)
+    assert _run.rows_aligned(views["q"]) == _run.rows_aligned(view)
 
 
 def test_catalogue_covers_every_dtype_and_bucket_within_99k_shared_memory():
-    rows = instantiations()
-    simt = [r for r in rows if r.family == "fwd_simt"]
+    simt = FWD_SIMT.rows
     assert {(r.dtype, r.head_dim) for r in simt} == {
         (d, b) for d in ("float16", "bfloat16", "float32", "float64") for b in HEAD_DIM_BUCKETS}
-    assert {r.dtype for r in rows if r.family == "fwd_v1"} == {
-        "float16", "bfloat16", "float32", "float64"}
-    assert len({r.name_expression for r in rows}) == len(rows)
+    assert {r.dtype for r in FWD_V1.rows} == {"float16", "bfloat16", "float32", "float64"}
     for r in simt:
         assert r.block_m % 16 == 0 and r.block_n % 8 == 0, r
         assert f"{r.head_dim}, {r.head_dim_v}, {r.block_m}, {r.block_n}>" in r.name_expression
         # the opt-in limit of sm_86 / sm_89; up to bucket 64, 64 KB (3 CTAs on an H100)
-        assert representative_shared_bytes(r) <= (64 if r.head_dim <= 64 else 99) * 1024, r
+        assert FWD_SIMT.representative_shared_bytes(r) <= (64 if r.head_dim <= 64 else 99) * 1024, r
+
+
+def _launch_config(inst, *, batch, heads, seqlen_q, seqlen_k, head_dim=0, head_dim_v=0, sram_size=None):
+    return inst.family.launch_config(inst, Sizes(batch, heads, heads, seqlen_q, seqlen_k, head_dim, head_dim_v,
+                                                  sram_size=sram_size))
 
 
 def test_launch_config_grid_and_shared_memory():
-    inst = _gpu.select(np.float32, 64, 64, 80)
-    grid, block, shared = launch_config(inst, batch=3, heads=5, seqlen_q=130, seqlen_k=7)
+    (inst,) = select(FORWARD, Call("float32", 64, 64), 80, KernelOptions())
+    grid, block, shared = _launch_config(inst, batch=3, heads=5, seqlen_q=130, seqlen_k=7)
     assert grid == (3 * 5 * math.ceil(130 / inst.block_m), 1, 1)
     assert block == (128, 1, 1)
     # Q, K and V (float32: kAsync), P (block_m rows of block_n + 8)
     assert shared == ((inst.block_m + 2 * inst.block_n) * 64 + inst.block_m * (inst.block_n + 8)) * 4
     with pytest.raises(ValueError, match="CTAs"):
-        launch_config(inst, batch=2**16, heads=2**10, seqlen_q=2**12, seqlen_k=1)
-    v1 = [r for r in instantiations() if r.family == "fwd_v1" and r.dtype == "float64"][0]
+        _launch_config(inst, batch=2**16, heads=2**10, seqlen_q=2**12, seqlen_k=1)
+    v1 = [r for r in FWD_V1.rows if r.dtype == "float64"][0]
     assert v1_block_sizes(1000, 16, 100, 100) == (16, 16)     # Bc = ceil(1000/64) = 16, Br = min(16, d)
     assert v1_block_sizes(1000, 8, 100, 100) == (8, 32)
     assert v1_block_sizes(1000, 8, 5, 3) == (5, 3)           # never longer than the sequence
-    grid, block, shared = launch_config(v1, batch=2, heads=3, seqlen_q=100, seqlen_k=100,
+    grid, block, shared = _launch_config(v1, batch=2, heads=3, seqlen_q=100, seqlen_k=100,
                                         head_dim=16, head_dim_v=8, sram_size=1000)
     assert grid == (6, 1, 1)
     assert shared == (16 * 24 + 16 * 24 + 16 * 16 + 6 * 16) * 8
     with pytest.raises(ValueError, match="sram_size"):
-        launch_config(v1, batch=1, heads=1, seqlen_q=1, seqlen_k=1, head_dim=4, head_dim_v=4)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_select_picks_the_smallest_bucket_holding_both_head_dims(dtype):
-    name = np.dtype(dtype).name
-    for d, dv, bucket in [(1, 1, 32), (32, 3, 32), (33, 8, 64), (8, 65, 128), (128, 128, 128),
-                          (200, 1, 256), (256, 256, 256)]:
-        inst = _gpu.select(dtype, d, dv, 80)
-        assert (inst.family, inst.dtype) == ("fwd_simt", name)
-        assert (inst.head_dim, inst.head_dim_v) == (bucket, bucket)
-    with pytest.raises(ValueError, match="256"):
-        _gpu.select(dtype, 257, 1, 80)
+        _launch_config(v1, batch=1, heads=1, seqlen_q=1, seqlen_k=1, head_dim=4, head_dim_v=4)
 
 
 # ---- fwd_simt --------------------------------------------------------------------------------
-
-@needs_emulator
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("head_dim, head_dim_v", [(1, 1), (19, 33), (100, 7), (129, 256)],
-                         ids=["d1", "d19-dv33", "d100-dv7", "d129-dv256"])
-def test_simt_every_instantiation_matches_oracle(executor, dtype, head_dim, head_dim_v):
-    # One shape per (dtype, bucket): partial query and key blocks, several key blocks.
-    rng = np.random.default_rng(head_dim * 1000 + head_dim_v)
-    q, k, v = qkv(rng, dtype, batch=2, heads_kv=1, seqlen_q=37, seqlen_k=45, head_dim=head_dim,
-                  head_dim_v=head_dim_v)
-    run_and_check(executor, q, k, v)
-
-
-@needs_emulator
-@pytest.mark.parametrize("seqlen_q, seqlen_k", [(150, 100), (70, 133)], ids=["lq>lk", "lq<lk"])
-@pytest.mark.parametrize("window", [(None, 0), (None, None), (16, 0), (0, 0), (5, 40), (None, 9),
-                                    (31, None), (0, None)],
-                         ids=["causal", "full", "w16-0", "w0-0", "w5-40", "wN-9", "w31-N", "w0-N"])
-def test_simt_masks_match_oracle(executor, seqlen_q, seqlen_k, window):
-    rng = np.random.default_rng(seqlen_q + seqlen_k)
-    q, k, v = qkv(rng, np.float32, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=16)
-    run_and_check(executor, q, k, v, window=window)
-
 
 @needs_emulator
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -271,9 +219,9 @@ def _call(family, executor, q, k, v, out, lse, *, window, sram_size, scale=0.25,
     common = dict(scale=scale, window_left=window[0], window_right=window[1], gqa_ratio=gqa_ratio,
                   executor=executor)
     if family == "fwd_simt":
-        _gpu.forward(q, k, v, out, lse, **common)
+        _run.forward(q, k, v, out, lse, options=KernelOptions(), **common)
     else:
-        _gpu.forward_v1(q, k, v, out, lse, sram_size=sram_size, **common)
+        _run.forward_v1(q, k, v, out, lse, sram_size=sram_size, **common)
 
 
 @needs_emulator
