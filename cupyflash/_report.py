@@ -126,14 +126,6 @@ def occupancy(arch, *, threads: int, registers: int, shared_bytes: int,
     return candidates[limiter], limiter
 
 
-# ---- NVRTC (cupyflash._nvrtc) --------------------------------------------------------
-
-# Old names of what moved to cupyflash._nvrtc, still imported by tests/test_fwd_wgmma.py
-# and tests/test_gpu_first_contact.py; removed once those import it from there.
-_nvrtc = nvrtc.compiler
-_include_options = nvrtc.include_options
-
-
 def nvrtc_options(arch) -> tuple[str, ...]:
     """The options the report compiles with for ``arch``: the loader's plus CuPy's own,
     with ptxas's resource report on."""

@@ -256,12 +256,12 @@ def compile_planted_sm90a(source: str, names) -> tuple[str, bytes, dict]:
     """(ptxas log, cubin, lowered names) of a planted file compiled by NVRTC for sm_90a with
     the loader's options (tests/test_gpu_wgmma.py loads the cubin)."""
     from cupyflash._loader import COMPILE_OPTIONS
-    from cupyflash._report import _include_options, _nvrtc
+    from cupyflash import _nvrtc
     from cupyflash._source import assemble
 
-    options = COMPILE_OPTIONS + _include_options() + (
+    options = COMPILE_OPTIONS + _nvrtc.include_options() + (
         "-arch=sm_90a", "--device-as-default-execution-space", "-ftz=true", "--ptxas-options=-v")
-    return _nvrtc().compile(assemble(source), list(names), options, Path(source).name)
+    return _nvrtc.compiler().compile(assemble(source), list(names), options, Path(source).name)
 
 
 # ---- the GPU tier's forward checks (tests/test_gpu_mma.py, tests/test_gpu_wgmma.py) --------------

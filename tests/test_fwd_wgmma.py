@@ -190,13 +190,3 @@ def test_wgmma_rows_are_in_the_catalogue_table():
     # each split-KV and whole-KV row, per dtype and head dim
     assert sum(r.split for r in rows) == sum(r.whole_kv for r in rows) == 2 * len(WGMMA_HEAD_DIMS)
     assert not any(r.split and r.whole_kv for r in rows)
-
-
-def test_generated_wgmma_wrappers_are_up_to_date():
-    from cupyflash import _gen_wgmma
-    from cupyflash._source import cuda_src_dir
-
-    text = (cuda_src_dir() / "wgmma.cuh").read_text()
-    assert _gen_wgmma.header_text(text) == text, "run python -m cupyflash._gen_wgmma"
-    # ss, rs_mn and ss_mn per type and n
-    assert text.count("wgmma.mma_async.sync.aligned.m64n") == 3 * len(_gen_wgmma.TYPES) * len(_gen_wgmma.NS)

@@ -180,13 +180,14 @@ def test_the_script_records_the_emulators_probes(fc, tmp_path, capsys):
 
 def test_the_probe_compiles_for_sm80_and_sm90a_as_the_script_compiles_it(fc):
     from cupyflash._loader import COMPILE_OPTIONS
-    from cupyflash._report import _include_options, _nvrtc, parse_ptxas_log
+    from cupyflash import _nvrtc
+    from cupyflash._report import parse_ptxas_log
     from cupyflash._source import assemble
 
     for target, kinds in (("sm_80", (0, 1)), ("sm_90a", (0, 1, 2))):
-        options = COMPILE_OPTIONS + _include_options() + (
+        options = COMPILE_OPTIONS + _nvrtc.include_options() + (
             f"-arch={target}", "--device-as-default-execution-space", "-ftz=true", "--ptxas-options=-v")
-        log, _cubin, lowered = _nvrtc().compile(assemble(str(fc.PROBE)),
+        log, _cubin, lowered = _nvrtc.compiler().compile(assemble(str(fc.PROBE)),
                                                 [f"accumulation_probe<{k}>" for k in kinds], options, fc.PROBE.name)
         stats = parse_ptxas_log(log)
         assert len(lowered) == len(kinds)

@@ -10,7 +10,6 @@ a split-KV one (``kSplit``).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
