@@ -60,7 +60,8 @@ def test_wgmma_is_read_from_the_environment_as_before(value, expected, monkeypat
     assert KernelOptions.from_environment().wgmma is expected     # os.environ, read now
 
 
-@pytest.mark.parametrize("value, expected", list(DMMA_WORDS.items()), ids=repr)
+@pytest.mark.parametrize("value, expected", list(DMMA_WORDS.items()),
+                         ids=[f"{v!r}-{sorted(e)}" for v, e in DMMA_WORDS.items()])   # sets print in hash order
 def test_dmma_is_read_from_the_environment_as_before(value, expected, monkeypatch):
     assert KernelOptions.from_environment({DMMA_ENV: value}).dmma == expected
     monkeypatch.setenv(DMMA_ENV, value)
