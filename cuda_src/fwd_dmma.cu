@@ -13,7 +13,7 @@
 // Q K(n)^T, K(n + 1) during O += P V(n)).  Per key block, every warp computes
 //     S = Q K^T                   k4 steps: an A fragment per m8 tile (Q[g][t]),
 //                                 a B fragment per n8 tile (K[n + g][t])
-//     mask                        only on blocks that cross a mask boundary
+//     mask                        only on blocks that cross a mask boundary (score.cuh)
 //     online softmax, exp2        OnlineSoftmax<double, kMTiles, 4>: lane (g, t)
 //                                 holds row g of each m8 tile, columns 2t, 2t + 1
 //                                 of each n8 tile; rows reduce over the quad
@@ -44,6 +44,7 @@
 #include "mask.cuh"
 #include "params.cuh"
 #include "ptx.cuh"
+#include "score.cuh"
 #include "softmax.cuh"
 #include "tile_io.cuh"
 
@@ -112,22 +113,6 @@ __device__ __forceinline__ void dmma_qk(double (&s)[Tr::kMTiles][Tr::kSCols], co
     for (int mi = 0; mi < Tr::kMTiles; ++mi)
 #pragma unroll
         for (int c = 0; c < Tr::kSCols; ++c) s[mi][c] *= scale_log2;
-}
-
-// Scores of keys a row may not see (window, causal, beyond Lk) -> -inf; m0 is the
-// warp's first query row, n0 the block's first key.
-template <class Tr>
-__device__ __forceinline__ void dmma_mask(double (&s)[Tr::kMTiles][Tr::kSCols], const WindowMask& mask,
-                                          int64_t m0, int64_t n0) {
-    const int g = lane_id() >> 2;
-#pragma unroll
-    for (int mi = 0; mi < Tr::kMTiles; ++mi) {
-        int lo, hi;
-        mask.row_range(m0 + 8 * mi + g, n0, Tr::kBlockN, lo, hi);
-#pragma unroll
-        for (int c = 0; c < Tr::kSCols; ++c)
-            if (fragment_col(c) < lo || fragment_col(c) >= hi) s[mi][c] = neg_inf<double>();
-    }
 }
 
 // o += P V, P the (unnormalised) probabilities in the score accumulators.  Key
@@ -207,7 +192,9 @@ fwd_dmma_kernel(const FwdParams params) {
         double s[Tr::kMTiles][Tr::kSCols];
         tiles.keys(n_block);
         dmma_qk<Tr>(s, tiles.sQ, tiles.sK, row0, scale_log2);
-        if (block.needs_mask(mask, n0, kBlockN)) dmma_mask<Tr>(s, mask, block.m0 + row0, n0);
+        score_epilogue<WindowRule<false>>(s, M8n8Fragment{}, mask, params,
+                                          ScoreTile{tile.batch, tile.head, block.m0 + row0, n0, 0, kBlockN},
+                                          block.needs_mask(mask, n0, kBlockN));
         softmax.update(s, o);
         tiles.values(n_block);
         dmma_pv<Tr>(o, s, tiles.sV);

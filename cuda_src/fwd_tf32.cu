@@ -13,7 +13,7 @@
 // Q once, K and V in their own buffers by cp.async, V(n) landing during
 // S = Q K(n)^T, K(n + 1) during O += P V(n)).  Per key block every warp computes
 //     S = Q K^T        tf32_abt: Q and K fragments by 16-byte loads
-//     mask             only on blocks that cross a mask boundary (fwd_blocks.cuh)
+//     mask             only on blocks that cross a mask boundary (score.cuh)
 //     online softmax   OnlineSoftmax<float, kRows, 4>, the scale folded into exp2
 //     O += P V         tf32_accumulate: P's A fragments straight from the score
 //                      accumulators, V's by 16-byte loads
@@ -34,6 +34,7 @@
 #include "fwd_tiles.cuh"
 #include "params.cuh"
 #include "ptx.cuh"
+#include "score.cuh"
 #include "softmax.cuh"
 #include "tf32_tile.cuh"
 #include "tile_io.cuh"
@@ -166,7 +167,9 @@ fwd_tf32_kernel(const FwdParams params) {
         tiles.keys(n_block);
         tf32_abt<kPasses, Tr::kMTiles, Tr::kNTiles, kHeadDim, typename Tr::QTile, typename Tr::KTile, Tr::kUnrollQK>(
             s, tiles.sQ, tiles.sK, row0);  // S = Q K^T
-        if (block.needs_mask(mask, n0, kBlockN)) apply_mask<Tr>(s, BlockMask(params, block.m0 + row0, n0, kBlockN));
+        score_epilogue<BlockRule>(s, M16n8Fragment{}, mask, params,
+                                  ScoreTile{tile.batch, tile.head, block.m0 + row0, n0, 0, kBlockN},
+                                  block.needs_mask(mask, n0, kBlockN));
         softmax.template update_unscaled<false>(s, o, scale_log2);
         tiles.values(n_block);
         tf32_accumulate<kPasses, Tr::kMTiles, Tr::kNTiles, kHeadDim, typename Tr::VTile>(o, s, tiles.sV);  // O += P V
