@@ -7,8 +7,10 @@
 // with cp.async while the other is in use; 16-bit types: one buffer,
 // converted to float on the way in -- see SimtTiles).  Per key block:
 // S = Q K^T (in registers, scale * log2(e) folded in), mask if the block is
-// partly admissible (score.cuh), online softmax with exp2, O += P V.  The normalisation
-// by the row sum happens once, at the end.  With FwdParams::num_splits > 1
+// partly admissible (score.cuh), online softmax with exp2, O += P V.  The
+// normalisation by the row sum happens once, at the end.  The loop itself is
+// fwd_loop.cuh's, shared with fwd_dmma and fwd_tf32; this file gives it the
+// products (SimtFwdLoop).  With FwdParams::num_splits > 1
 // (split-KV), CTA (x, y) visits only the y-th run of its key blocks and
 // writes its partial output and lse for fwd_combine.cu to merge.
 //
@@ -25,6 +27,7 @@
 #pragma once
 
 #include "block_info.cuh"
+#include "fwd_loop.cuh"
 #include "fwd_tiles.cuh"
 #include "fragment.cuh"
 #include "mask.cuh"
@@ -184,54 +187,43 @@ __device__ __forceinline__ void store_output(
     }
 }
 
+// fwd_loop.cuh's hooks: the products above on this file's thread layout.
+template <class Tr>
+struct SimtFwdLoop : Tr {
+    using Acc = typename Tr::Acc;
+    using Thread = SimtThread<Tr>;
+    using Mover = RowTileMover<Tr>;
+    using Rule = WindowRule<false>;
+    using Softmax = OnlineSoftmax<Acc, Tr::kRowsPerThread, Tr::kLanesPerRow>;
+    using Scores = Acc[Tr::kRowsPerThread][Tr::kKeysPerThread];
+    using Output = Acc[Tr::kRowsPerThread][Tr::kChunksPerThreadV][Tr::kVec];
+    static constexpr int kStatRows = Tr::kRowsPerThread;
+
+    __device__ static int first_row(const Thread&) { return 0; }
+    __device__ static const Thread& fragment(const Thread& me) { return me; }
+    template <class Tiles>
+    __device__ static void scores(Scores& s, const Tiles& t, const Thread& me, int d, Acc scale_log2) {
+        mma_qk<Tr>(s, t.sQ, t.sK, me, d, scale_log2);
+    }
+    __device__ static void update(Softmax& softmax, Scores& s, Output& o, Acc) { softmax.update(s, o); }
+    template <class Tiles>
+    __device__ static void accumulate(Output& o, const Scores& s, const Tiles& t, const Thread& me) {
+        mma_pv<Tr>(o, s, t.sP, t.sV, Tr::kHeadDimV, me);
+    }
+    template <typename Out>
+    __device__ static void store(const Output& o, const Acc (&lse)[kStatRows], Out* out, int64_t out_row_stride,
+                                 Acc* lse_out, int64_t lse_row_stride, const QueryBlock& block, const Thread& me,
+                                 const FwdParams& p) {
+        store_output<Tr>(o, lse, out, out_row_stride, lse_out, lse_row_stride, block, p, me);
+    }
+};
+
 template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN>
 __global__ void __launch_bounds__(
     (SimtFwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>::kThreads),
     (SimtFwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>::kMinBlocksPerSm))
 fwd_simt_kernel(const FwdParams params) {
-    using Tr = SimtFwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>;
-    using Acc = typename Tr::Acc;
-    constexpr int TM = Tr::kRowsPerThread;
-
-    const TileIndex tile(params, kBlockM, blockIdx.x);
-    const HeadSlice<T, Acc> head(params, tile.batch, tile.head);
-    const WindowMask mask(params);
-    const QueryBlock block(params, mask, tile.m_block * kBlockM, kBlockM);
-    const SimtThread<Tr> me;
-    const Acc scale_log2 = static_cast<Acc>(params.scale_log2);
-    const int d = static_cast<int>(params.head_dim);
-
-    int64_t n_begin = block.n_begin(kBlockN), n_end = block.n_end(kBlockN);
-    split_key_blocks(params, blockIdx.y, n_begin, n_end);
-    const SimtTiles<Tr, T> tiles(params, head, block, n_begin, n_end);
-
-    OnlineSoftmax<Acc, TM, Tr::kLanesPerRow> softmax;
-    Acc o[TM][Tr::kChunksPerThreadV][Tr::kVec] = {};
-    Acc s[TM][Tr::kKeysPerThread];
-
-    for (int64_t n_block = n_begin; n_block < n_end; ++n_block) {
-        const int64_t n0 = n_block * kBlockN;
-        tiles.keys(n_block);
-        mma_qk<Tr>(s, tiles.sQ, tiles.sK, me, d, scale_log2);
-        score_epilogue<WindowRule<false>>(s, me, mask, params,
-                                          ScoreTile{tile.batch, tile.head, block.m0, n0, 0, kBlockN},
-                                          block.needs_mask(mask, n0, kBlockN));
-        softmax.update(s, o);
-        tiles.values(n_block);
-        mma_pv<Tr>(o, s, tiles.sP, tiles.sV, kHeadDimV, me);
-        tiles.done();
-    }
-    tiles.finish();
-
-    Acc lse[TM];
-    softmax.normalize(o, lse);
-    if (params.num_splits > 1) {
-        const SplitSlice<Acc> part(params, tile.batch, tile.head, blockIdx.y);
-        store_output<Tr>(o, lse, part.o, params.head_dim_v, part.lse, 1, block, params, me);
-    } else {
-        store_output<Tr>(o, lse, head.out, params.out_row_stride, head.lse, params.lse_row_stride,
-                         block, params, me);
-    }
+    fwd_tile_loop<SimtFwdLoop<SimtFwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>>, T>(params);
 }
 
 }  // namespace cf
