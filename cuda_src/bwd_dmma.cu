@@ -211,12 +211,26 @@ bwd_dmma_dkdv_kernel(const BwdParams params) {
     bwd_dkdv_loop<DmmaBwdTraits<T, kHeadDim, kOwn, kStream, kWarps>>(params);
 }
 
+// bwd_dmma_dkdv_kernel's dynamic shared memory, in bytes: a constant of its traits, for
+// the host (the launch configuration's formula is checked against it).
+template <int kHeadDim, int kOwn, int kStream, int kWarps, typename T = double>
+constexpr int bwd_dmma_dkdv_kernel_smem() {
+    return DmmaBwdTraits<T, kHeadDim, kOwn, kStream, kWarps>::kSmemBytes;
+}
+
 // dQ of kOwn query rows of one (batch, query head); T as for the dK/dV kernel.
 template <int kHeadDim, int kOwn, int kStream, int kWarps, typename T = double>
 __global__ void __launch_bounds__((DmmaBwdTraits<T, kHeadDim, kOwn, kStream, kWarps>::kThreads),
                                   (DmmaBwdTraits<T, kHeadDim, kOwn, kStream, kWarps>::kMinBlocksPerSm))
 bwd_dmma_dq_kernel(const BwdParams params) {
     bwd_dq_loop<DmmaBwdTraits<T, kHeadDim, kOwn, kStream, kWarps>>(params);
+}
+
+// bwd_dmma_dq_kernel's dynamic shared memory, in bytes: a constant of its traits, for
+// the host (the launch configuration's formula is checked against it).
+template <int kHeadDim, int kOwn, int kStream, int kWarps, typename T = double>
+constexpr int bwd_dmma_dq_kernel_smem() {
+    return DmmaBwdTraits<T, kHeadDim, kOwn, kStream, kWarps>::kSmemBytes;
 }
 
 }  // namespace cf

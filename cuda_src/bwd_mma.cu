@@ -305,6 +305,14 @@ bwd_mma_dkdv_kernel(const BwdParams params) {
                            1.0f, keys_valid, static_cast<int>(p.head_dim_v));
 }
 
+// bwd_mma_dkdv_kernel's dynamic shared memory, in bytes: a constant of its traits, for
+// the host (the launch configuration's formula is checked against it).
+template <typename T, int kHeadDim, int kBlockN, int kBlockM, int kWarps, int kGrads, int kStages,
+          bool kWholeStream = false>
+constexpr int bwd_mma_dkdv_kernel_smem() {
+    return MmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarps, kGrads, kStages>::kSmemBytes;
+}
+
 // dQ of kBlockM query rows of one (batch, query head).
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kWholeStream = false>
 __global__ void __launch_bounds__(
@@ -377,6 +385,13 @@ bwd_mma_dq_kernel(const BwdParams params) {
 
     store_gradient<Tr>(grad.dq + (block.m0 + row0) * params.dq_row_stride, params.dq_row_stride, dq,
                        static_cast<float>(p.scale), block.rows - row0, d);
+}
+
+// bwd_mma_dq_kernel's dynamic shared memory, in bytes: a constant of its traits, for
+// the host (the launch configuration's formula is checked against it).
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kWholeStream = false>
+constexpr int bwd_mma_dq_kernel_smem() {
+    return MmaBwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps, kGradDV | kGradDK, kStages>::kSmemBytes;
 }
 
 }  // namespace cf

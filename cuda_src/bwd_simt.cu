@@ -476,6 +476,13 @@ bwd_simt_dkdv_kernel(const BwdParams params) {
                        Acc(1), block.keys, dv, me);
 }
 
+// bwd_simt_dkdv_kernel's dynamic shared memory, in bytes: a constant of its traits, for
+// the host (the launch configuration's formula is checked against it).
+template <typename T, int kHeadDim, int kHeadDimV, int kBlockN, int kBlockM, bool kAtomicDq>
+constexpr int bwd_simt_dkdv_kernel_smem() {
+    return SimtBwdTraits<T, kHeadDim, kHeadDimV, kBlockN, kBlockM>::kSmemBytes;
+}
+
 // dQ of kBlockM query rows of one (batch, query head).
 template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN>
 __global__ void __launch_bounds__(
@@ -550,6 +557,13 @@ bwd_simt_dq_kernel(const BwdParams params) {
 
     store_gradient<Tr>(grad.dq + block.m0 * params.dq_row_stride, params.dq_row_stride, dq,
                        static_cast<Acc>(p.scale), block.rows, d, me);
+}
+
+// bwd_simt_dq_kernel's dynamic shared memory, in bytes: a constant of its traits, for
+// the host (the launch configuration's formula is checked against it).
+template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN>
+constexpr int bwd_simt_dq_kernel_smem() {
+    return SimtBwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>::kSmemBytes;
 }
 
 }  // namespace cf

@@ -143,12 +143,26 @@ bwd_tf32_dkdv_kernel(const BwdParams params) {
     bwd_dkdv_loop<Tf32BwdTraits<kHeadDim, kOwn, kStream, kWarps, kPasses>>(params);
 }
 
+// bwd_tf32_dkdv_kernel's dynamic shared memory, in bytes: a constant of its traits, for
+// the host (the launch configuration's formula is checked against it).
+template <int kHeadDim, int kOwn, int kStream, int kWarps, int kPasses>
+constexpr int bwd_tf32_dkdv_kernel_smem() {
+    return Tf32BwdTraits<kHeadDim, kOwn, kStream, kWarps, kPasses>::kSmemBytes;
+}
+
 // dQ of kOwn query rows of one (batch, query head).
 template <int kHeadDim, int kOwn, int kStream, int kWarps, int kPasses>
 __global__ void __launch_bounds__((Tf32BwdTraits<kHeadDim, kOwn, kStream, kWarps, kPasses>::kThreads),
                                   (Tf32BwdTraits<kHeadDim, kOwn, kStream, kWarps, kPasses>::kMinBlocksPerSm))
 bwd_tf32_dq_kernel(const BwdParams params) {
     bwd_dq_loop<Tf32BwdTraits<kHeadDim, kOwn, kStream, kWarps, kPasses>>(params);
+}
+
+// bwd_tf32_dq_kernel's dynamic shared memory, in bytes: a constant of its traits, for
+// the host (the launch configuration's formula is checked against it).
+template <int kHeadDim, int kOwn, int kStream, int kWarps, int kPasses>
+constexpr int bwd_tf32_dq_kernel_smem() {
+    return Tf32BwdTraits<kHeadDim, kOwn, kStream, kWarps, kPasses>::kSmemBytes;
 }
 
 }  // namespace cf

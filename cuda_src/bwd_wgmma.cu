@@ -317,6 +317,13 @@ bwd_wgmma_dkdv_kernel(const BwdParams params) {
                            keys_valid, static_cast<int>(p.head_dim_v));
 }
 
+// bwd_wgmma_dkdv_kernel's dynamic shared memory, in bytes: a constant of its traits, for
+// the host (the launch configuration's formula is checked against it).
+template <typename T, int kHeadDim, int kBlockN, int kBlockM, int kWarpGroups, int kGrads>
+constexpr int bwd_wgmma_dkdv_kernel_smem() {
+    return WgmmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarpGroups, kGrads>::kSmemBytes;
+}
+
 // dQ of kBlockM query rows of one (batch, query head).  kWholeStream: every
 // key block complete and d the bucket (Lk a multiple of kBlockN): the K and V
 // copies skip their bounds.
@@ -393,6 +400,13 @@ bwd_wgmma_dq_kernel(const BwdParams params) {
 
     store_gradient<Tr>(grad.dq + (block.m0 + row0) * params.dq_row_stride, params.dq_row_stride, dq,
                        static_cast<float>(p.scale), block.rows - row0, d);
+}
+
+// bwd_wgmma_dq_kernel's dynamic shared memory, in bytes: a constant of its traits, for
+// the host (the launch configuration's formula is checked against it).
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarpGroups, bool kWholeStream = false>
+constexpr int bwd_wgmma_dq_kernel_smem() {
+    return WgmmaBwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarpGroups, kGradDV | kGradDK>::kSmemBytes;
 }
 
 }  // namespace cf

@@ -207,4 +207,11 @@ fwd_dmma_kernel(const FwdParams params) {
     fwd_tile_loop<DmmaFwdLoop<DmmaFwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps>>, T>(params);
 }
 
+// fwd_dmma_kernel's dynamic shared memory, in bytes: a constant of its traits, for
+// the host (the launch configuration's formula is checked against it).
+template <int kHeadDim, int kBlockM, int kBlockN, int kWarps, typename T = double>
+constexpr int fwd_dmma_kernel_smem() {
+    return DmmaFwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps>::kSmemBytes;
+}
+
 }  // namespace cf

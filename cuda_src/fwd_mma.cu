@@ -162,4 +162,12 @@ fwd_mma_kernel(const FwdParams params) {
     finish_output<Tr, kSplit>(params, batch, head, m_block, row0, sQ, softmax, o);
 }
 
+// fwd_mma_kernel's dynamic shared memory, in bytes: a constant of its traits, for
+// the host (the launch configuration's formula is checked against it).
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kLazyRescale,
+          bool kSplit = false, bool kWholeKV = false>
+constexpr int fwd_mma_kernel_smem() {
+    return MmaFwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps, kStages, kLazyRescale>::kSmemBytes;
+}
+
 }  // namespace cf

@@ -226,4 +226,11 @@ fwd_simt_kernel(const FwdParams params) {
     fwd_tile_loop<SimtFwdLoop<SimtFwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>>, T>(params);
 }
 
+// fwd_simt_kernel's dynamic shared memory, in bytes: a constant of its traits, for
+// the host (the launch configuration's formula is checked against it).
+template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN>
+constexpr int fwd_simt_kernel_smem() {
+    return SimtFwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>::kSmemBytes;
+}
+
 }  // namespace cf

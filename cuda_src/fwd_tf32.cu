@@ -186,4 +186,11 @@ fwd_tf32_kernel(const FwdParams params) {
     fwd_tile_loop<Tf32FwdLoop<Tf32FwdTraits<kHeadDim, kBlockM, kBlockN, kWarps, kPasses>>, float>(params);
 }
 
+// fwd_tf32_kernel's dynamic shared memory, in bytes: a constant of its traits, for
+// the host (the launch configuration's formula is checked against it).
+template <int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kPasses>
+constexpr int fwd_tf32_kernel_smem() {
+    return Tf32FwdTraits<kHeadDim, kBlockM, kBlockN, kWarps, kPasses>::kSmemBytes;
+}
+
 }  // namespace cf

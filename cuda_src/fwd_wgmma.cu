@@ -219,4 +219,12 @@ fwd_wgmma_kernel(const FwdParams params) {
     finish_output<Tr, kSplit>(params, batch, head, m_block, row0, sQ, softmax, o);
 }
 
+// fwd_wgmma_kernel's dynamic shared memory, in bytes: a constant of its traits, for
+// the host (the launch configuration's formula is checked against it).
+template <typename T, int kHeadDim, int kBlockN, int kWarpGroups, bool kLazyRescale, bool kSplit = false,
+          bool kWholeKV = false>
+constexpr int fwd_wgmma_kernel_smem() {
+    return WgmmaFwdTraits<T, kHeadDim, kBlockN, kWarpGroups, kLazyRescale>::kSmemBytes;
+}
+
 }  // namespace cf
