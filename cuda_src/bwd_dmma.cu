@@ -181,8 +181,8 @@ struct DmmaBwdTraits {
     static_assert(kHeadDim % 16 == 0 && kHeadDim <= 128, "head dim bucket: a multiple of 16 up to 128");
     static_assert(kSmemBytes <= 99 * 1024, "within the opt-in shared memory of every sm_80+ GPU");
 
-    // bwd_tc_loops.cuh's interface: accumulator row r is row g of m8 tile r.
-    __device__ static int row(int r) { return 8 * r + (lane_id() >> 2); }
+    // bwd_tc_loops.cuh's interface: the accumulators are DMMA's (row g of m8 tile r).
+    using Fragment = M8n8Fragment;
     __device__ static void row_products(double (&x)[kRows][kSCols], const double* sX, const double* sY, int row0) {
         dmma_row_products<DmmaBwdTraits>(x, sX, sY, row0);
     }
@@ -211,12 +211,26 @@ bwd_dmma_dkdv_kernel(const BwdParams params) {
     bwd_dkdv_loop<DmmaBwdTraits<T, kHeadDim, kOwn, kStream, kWarps>>(params);
 }
 
+// bwd_dmma_dkdv_kernel's dynamic shared memory, in bytes: a constant of its traits, for
+// the host (the launch configuration's formula is checked against it).
+template <int kHeadDim, int kOwn, int kStream, int kWarps, typename T = double>
+constexpr int bwd_dmma_dkdv_kernel_smem() {
+    return DmmaBwdTraits<T, kHeadDim, kOwn, kStream, kWarps>::kSmemBytes;
+}
+
 // dQ of kOwn query rows of one (batch, query head); T as for the dK/dV kernel.
 template <int kHeadDim, int kOwn, int kStream, int kWarps, typename T = double>
 __global__ void __launch_bounds__((DmmaBwdTraits<T, kHeadDim, kOwn, kStream, kWarps>::kThreads),
                                   (DmmaBwdTraits<T, kHeadDim, kOwn, kStream, kWarps>::kMinBlocksPerSm))
 bwd_dmma_dq_kernel(const BwdParams params) {
     bwd_dq_loop<DmmaBwdTraits<T, kHeadDim, kOwn, kStream, kWarps>>(params);
+}
+
+// bwd_dmma_dq_kernel's dynamic shared memory, in bytes: a constant of its traits, for
+// the host (the launch configuration's formula is checked against it).
+template <int kHeadDim, int kOwn, int kStream, int kWarps, typename T = double>
+constexpr int bwd_dmma_dq_kernel_smem() {
+    return DmmaBwdTraits<T, kHeadDim, kOwn, kStream, kWarps>::kSmemBytes;
 }
 
 }  // namespace cf

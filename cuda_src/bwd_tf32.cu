@@ -95,7 +95,7 @@ struct Tf32BwdTraits {
     static_assert(kSmemBytes <= 99 * 1024, "within the opt-in shared memory of every sm_80+ GPU");
 
     // bwd_tc_loops.cuh's interface: the accumulators are mma_tile.cuh's register tiles.
-    __device__ static int row(int r) { return fragment_row(r); }
+    using Fragment = M16n8Fragment;
     // x = X Y^T, 32 columns per unrolled iteration (16 at d = 32): fully unrolled,
     // the dK/dV kernels' fragment loads spill 8-12 bytes on sm_80 at d = 64, and at
     // d = 32 the three-pass one spills 8-44 bytes (NVRTC 13.5, 13.0, 12.0).
@@ -143,12 +143,26 @@ bwd_tf32_dkdv_kernel(const BwdParams params) {
     bwd_dkdv_loop<Tf32BwdTraits<kHeadDim, kOwn, kStream, kWarps, kPasses>>(params);
 }
 
+// bwd_tf32_dkdv_kernel's dynamic shared memory, in bytes: a constant of its traits, for
+// the host (the launch configuration's formula is checked against it).
+template <int kHeadDim, int kOwn, int kStream, int kWarps, int kPasses>
+constexpr int bwd_tf32_dkdv_kernel_smem() {
+    return Tf32BwdTraits<kHeadDim, kOwn, kStream, kWarps, kPasses>::kSmemBytes;
+}
+
 // dQ of kOwn query rows of one (batch, query head).
 template <int kHeadDim, int kOwn, int kStream, int kWarps, int kPasses>
 __global__ void __launch_bounds__((Tf32BwdTraits<kHeadDim, kOwn, kStream, kWarps, kPasses>::kThreads),
                                   (Tf32BwdTraits<kHeadDim, kOwn, kStream, kWarps, kPasses>::kMinBlocksPerSm))
 bwd_tf32_dq_kernel(const BwdParams params) {
     bwd_dq_loop<Tf32BwdTraits<kHeadDim, kOwn, kStream, kWarps, kPasses>>(params);
+}
+
+// bwd_tf32_dq_kernel's dynamic shared memory, in bytes: a constant of its traits, for
+// the host (the launch configuration's formula is checked against it).
+template <int kHeadDim, int kOwn, int kStream, int kWarps, int kPasses>
+constexpr int bwd_tf32_dq_kernel_smem() {
+    return Tf32BwdTraits<kHeadDim, kOwn, kStream, kWarps, kPasses>::kSmemBytes;
 }
 
 }  // namespace cf

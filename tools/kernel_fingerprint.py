@@ -10,14 +10,25 @@ kernel here that is the loop over key (or streamed) blocks.
 
     python tools/kernel_fingerprint.py --arch sm_80 --arch sm_90 -o before.json
     python tools/kernel_fingerprint.py --compare before.json after.json
+    python tools/kernel_fingerprint.py --family fwd_mma --family fwd_wgmma -o part.json
+
+``--family`` keeps the rows of those entry files only (a quick check after one
+kernel changed; ``--compare`` then reports the rows absent from the part as
+gone).  Each row also carries ``sass_sha``, a digest of its instructions without
+addresses: equal digests mean the kernel's code did not change at all.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import re
 import sys
+from pathlib import Path
+
+# This checkout's package, not whichever one the environment has installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 _ADDRESS = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _BRANCH = re.compile(r"\bBRA(?:\.\S+)?\s+(?:`\(\S+\)\s*)?0x([0-9a-f]+)")
@@ -41,10 +52,12 @@ def loop_spans(sass_text: str) -> list[int]:
     return spans
 
 
-def fingerprint(archs) -> list[dict]:
+def fingerprint(archs, families=None) -> list[dict]:
+    from cupyflash._kernels import instantiations
     from cupyflash._report import kernel_report, sass_instructions
 
-    rows = kernel_report(archs, sass=True, sass_text=True)
+    rows_in = [i for i in instantiations() if not families or i.entry.removesuffix(".cu") in families]
+    rows = kernel_report(archs, rows_in, sass=True, sass_text=True)
     out = []
     for r in rows:
         text = r.get("sass_text") or ""
@@ -53,7 +66,8 @@ def fingerprint(archs) -> list[dict]:
                         spill_stores=r["spill_stores"], spill_loads=r["spill_loads"],
                         stack_bytes=r["stack_bytes"], shared_bytes=r["shared_bytes"],
                         instructions=len(sass_instructions(text)),
-                        main_loop=max(spans, default=0)))
+                        main_loop=max(spans, default=0),
+                        sass_sha=hashlib.sha256("\n".join(sass_instructions(text)).encode()).hexdigest()[:16]))
     return out
 
 
@@ -75,6 +89,15 @@ def compare(before: list[dict], after: list[dict], threshold: float) -> int:
         for key in ("registers", "main_loop", "instructions"):
             if o[key] and (r[key] - o[key]) / o[key] > threshold and key != "instructions":
                 grew.append((r["arch"], r["name"], key, o[key], r[key]))
+    moved = [(r, old[(r["arch"], r["name"])]) for r in after if (r["arch"], r["name"]) in old]
+    hashed = [(r, o) for r, o in moved if "sass_sha" in r and "sass_sha" in o]
+    if hashed:
+        same = sum(1 for r, o in hashed if r["sass_sha"] == o["sass_sha"])
+        print(f"sass identical: {same} of {len(hashed)} rows")
+    for r, o in moved:
+        if r["registers"] != o["registers"] or r["main_loop"] != o["main_loop"]:
+            print(f"MOVED {r['arch']} {r['name']}: registers {o['registers']} -> {r['registers']}, "
+                  f"main loop {o['main_loop']} -> {r['main_loop']}")
     for arch, name, key, a, b in grew:
         print(f"GREW {arch} {name} {key}: {a} -> {b} ({(b - a) / a:+.1%})")
     bad += len(grew)
@@ -92,12 +115,14 @@ def main(argv=None) -> int:
     p.add_argument("--arch", action="append", default=None)
     p.add_argument("-o", "--output")
     p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
+    p.add_argument("--family", action="append", default=None,
+                   help="only the rows of this entry file (fwd_mma, bwd_tf32, ...); repeatable")
     p.add_argument("--threshold", type=float, default=0.03)
     a = p.parse_args(argv)
     if a.compare:
         before, after = (json.load(open(f)) for f in a.compare)
         return 1 if compare(before, after, a.threshold) else 0
-    rows = fingerprint(a.arch or ["sm_80", "sm_90"])
+    rows = fingerprint(a.arch or ["sm_80", "sm_90"], a.family)
     text = json.dumps(rows, indent=0)
     if a.output:
         open(a.output, "w").write(text)
