@@ -53,10 +53,13 @@ def loop_spans(sass_text: str) -> list[int]:
 
 
 def fingerprint(archs, families=None) -> list[dict]:
-    from cupyflash._kernels import instantiations
+    try:
+        from cupyflash._families import catalogue
+    except ImportError:   # a commit before issue 25's families
+        from cupyflash._kernels import instantiations as catalogue
     from cupyflash._report import kernel_report, sass_instructions
 
-    rows_in = [i for i in instantiations() if not families or i.entry.removesuffix(".cu") in families]
+    rows_in = [i for i in catalogue() if not families or i.entry.removesuffix(".cu") in families]
     rows = kernel_report(archs, rows_in, sass=True, sass_text=True)
     out = []
     for r in rows:
