@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["dtype_name", "accumulator_dtype", "accumulator_name", "CXX_TYPE", "CXX_ACCUMULATOR"]
+__all__ = ["dtype_name", "accumulator_dtype", "accumulator_name", "CXX_TYPE", "CXX_ACCUMULATOR", "DTYPES"]
 
 # C++ spelling of each dtype in kernel name expressions.
 CXX_TYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}
+# The dtypes the kernels take, in the catalogue's order.
+DTYPES = tuple(CXX_TYPE)
 # C++ spelling of each accumulator type.
 CXX_ACCUMULATOR = {"float32": "float", "float64": "double"}
 

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import functools
 
-from .._dtypes import accumulator_dtype, accumulator_name
+from .._dtypes import DTYPES, accumulator_dtype, accumulator_name
 from ._family import DELTA, DKDV, DQ, Call, Family, Sizes
 from .fwd_simt import HEAD_DIM_BUCKETS, simt_bucket
 
 __all__ = ["BWD_SIMT"]
 
-_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 class BwdSimt(Family):
@@ -67,12 +66,12 @@ class BwdSimt(Family):
         return delta, dkdv(False), dq, (dkdv(True) if streamed % 16 == 0 else None)
 
     def build_rows(self):
-        return [r for dtype in _DTYPES for bucket in HEAD_DIM_BUCKETS for r in self._kernels(dtype, bucket)
+        return [r for dtype in DTYPES for bucket in HEAD_DIM_BUCKETS for r in self._kernels(dtype, bucket)
                 if r is not None]
 
     @functools.cached_property
     def _index(self):
-        return {(dtype, bucket): self._kernels(dtype, bucket) for dtype in _DTYPES for bucket in HEAD_DIM_BUCKETS}
+        return {(dtype, bucket): self._kernels(dtype, bucket) for dtype in DTYPES for bucket in HEAD_DIM_BUCKETS}
 
     def delta(self, call: Call):
         """The delta kernel every backward family launches first."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 
-from .._dtypes import accumulator_dtype, accumulator_name
+from .._dtypes import DTYPES, accumulator_dtype, accumulator_name
 from ._family import COMBINE, Family, Sizes
 
 __all__ = ["FWD_COMBINE"]
@@ -26,7 +26,7 @@ class FwdCombine(Family):
     def build_rows(self):
         return [self.row("fwd_combine_kernel", dtype, accumulator_name(dtype), role=COMBINE, dtype=dtype,
                          head_dim=self.head_dim, head_dim_v=self.head_dim, threads=self.threads)
-                for dtype in ("float16", "bfloat16", "float32", "float64")]
+                for dtype in DTYPES]
 
     @functools.cached_property
     def _by_dtype(self):

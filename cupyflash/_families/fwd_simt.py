@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 
-from .._dtypes import accumulator_dtype, accumulator_name
+from .._dtypes import DTYPES, accumulator_dtype, accumulator_name
 from ._family import FORWARD, Call, Family, Sizes, smallest_fit
 
 __all__ = ["FWD_SIMT", "HEAD_DIM_BUCKETS", "simt_bucket"]
@@ -19,7 +19,6 @@ __all__ = ["FWD_SIMT", "HEAD_DIM_BUCKETS", "simt_bucket"]
 # kernel, so four instantiations per dtype cover 1..256.  d and dv share the
 # bucket of max(d, dv).
 HEAD_DIM_BUCKETS = (32, 64, 128, 256)
-_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 def simt_bucket(family: Family, dtype: str, head_dim: int, head_dim_v: int) -> int:
@@ -32,7 +31,7 @@ def simt_bucket(family: Family, dtype: str, head_dim: int, head_dim_v: int) -> i
     ValueError
         A head dim above the largest bucket.
     """
-    if dtype not in _DTYPES:
+    if dtype not in DTYPES:
         raise TypeError(f"no {family.name} kernels for dtype {dtype}")
     bucket = smallest_fit(HEAD_DIM_BUCKETS, max(head_dim, head_dim_v))
     if bucket is None:
@@ -74,7 +73,7 @@ class FwdSimt(Family):
 
     def build_rows(self):
         rows = []
-        for dtype in _DTYPES:
+        for dtype in DTYPES:
             for bucket in HEAD_DIM_BUCKETS:
                 block_m, block_n = self.tiles[accumulator_name(dtype)][bucket]
                 rows.append(self.row("fwd_simt_kernel", dtype, bucket, bucket, block_m, block_n, role=FORWARD,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 
-from .._dtypes import accumulator_dtype
+from .._dtypes import DTYPES, accumulator_dtype
 from ._family import FORWARD, Family, Sizes
 
 __all__ = ["FWD_V1", "v1_block_sizes"]
@@ -45,7 +45,7 @@ class FwdV1(Family):
     def build_rows(self):
         return [self.row("fwd_v1_kernel", dtype, role=FORWARD, dtype=dtype, head_dim=self.head_dim,
                          head_dim_v=self.head_dim, threads=self.threads)
-                for dtype in ("float16", "bfloat16", "float32", "float64")]
+                for dtype in DTYPES]
 
     @functools.cached_property
     def _by_dtype(self):
