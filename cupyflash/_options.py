@@ -95,10 +95,3 @@ class KernelOptions:
             return families
         by_name = {f.name: f for f in self.families}
         return tuple(by_name.get(f.name, f) for f in families)
-
-    def family(self, family):
-        """``family``, or its replacement in :attr:`families`."""
-        for f in self.families:
-            if f.name == family.name:
-                return f
-        return family

@@ -92,12 +92,11 @@ def forward(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio, e
         splits = 1 if sms is None else num_splits(row, batch=batch, heads=heads, seqlen_q=seqlen_q,
                                                   seqlen_k=seqlen_k, arch=executor.arch, multiprocessors=sms,
                                                   window_left=window_left, window_right=window_right)
-    if splits > 1:
-        (row,) = row.family.plan(Call(call.dtype, call.head_dim, call.head_dim_v, aligned=call.aligned,
-                                      scale=call.scale, precision=precision, split=True),
-                                 executor.arch, options)
     workspace = (None, None, None)
-    if splits > 1:   # each split's normalised partial rows and lse, in the accumulator type
+    if splits > 1:
+        # the family's split-KV instantiation (never a whole-KV one: no lengths), and
+        # each split's normalised partial rows and lse, in the accumulator type
+        (row,) = row.family.plan(replace(call, split=True, seqlen_q=None, seqlen_k=None), executor.arch, options)
         xp = _array_module(q)
         acc = accumulator_dtype(q.dtype)
         workspace = (xp.empty((splits, batch, heads, seqlen_q, head_dim_v), dtype=acc),

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from .._dtypes import CXX_TYPE
 
@@ -211,8 +211,6 @@ class Family:
         rows for forward, delta and dQ kernels, keys for dK/dV kernels."""
         if row.role == DKDV:
             heads, rows, block = sizes.heads_kv, sizes.seqlen_k, row.block_n
-        elif row.role in (DELTA, DQ):
-            heads, rows, block = sizes.heads_q, sizes.seqlen_q, row.block_m
         else:
             heads, rows, block = sizes.heads_q, sizes.seqlen_q, row.block_m
         return -(-rows // block) * heads * sizes.batch
@@ -255,7 +253,3 @@ def smallest_fit(sizes, value: int) -> int | None:
     """The smallest of ``sizes`` that is at least ``value`` (None: none)."""
     fits = [s for s in sizes if s >= value]
     return min(fits) if fits else None
-
-
-def with_split(call: Call) -> Call:
-    return replace(call, split=True)
