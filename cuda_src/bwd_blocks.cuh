@@ -1,11 +1,11 @@
 // bwd_blocks.cuh -- the parts of the tensor-core backward kernels that do not
 // depend on how the products are computed (bwd_mma.cu: mma.sync; bwd_wgmma.cu:
 // wgmma): the streamed query blocks of the dK/dV kernels and key blocks of the
-// dQ kernels, a query row's statistics, the probabilities and their gradient
-// on a warp's accumulator tile, the mask, and the gradient stores.  Everything
-// takes the kernel's traits Tr (kThreads, kBlockStream, StreamTile, kRows,
-// kSCols, kGCols) with a warp's accumulators in mma_tile.cuh's register-tile
-// layout, which is also wgmma's (wgmma.cuh).
+// dQ kernels, a query row's statistics, the probabilities' gradient on a
+// warp's accumulator tile (the probabilities and the mask: score.cuh), and the
+// gradient stores.  Everything takes the kernel's traits Tr (kThreads,
+// kBlockStream, StreamTile, kRows, kSCols, kGCols) with a warp's accumulators
+// in mma_tile.cuh's register-tile layout, which is also wgmma's (wgmma.cuh).
 #pragma once
 
 #include "block_info.cuh"
@@ -14,6 +14,7 @@
 #include "mma_tile.cuh"
 #include "params_bwd.cuh"
 #include "ptx.cuh"
+#include "score.cuh"
 #include "softmax.cuh"
 
 namespace cf {
@@ -122,44 +123,6 @@ struct KeyStream {
         cp_async_tile<Tr::kThreads, typename Tr::StreamTile, kWhole>(v(stage), v_src, n0, p.v_row_stride, keys, d);
     }
 };
-
-// P = exp2(s * scale_log2 - lse_log2): ex2.approx in float, the accurate exp2 in double.
-__device__ __forceinline__ float recompute_p(float s, float scale_log2, float lse_log2) {
-    return exp2_approx(s * scale_log2 - lse_log2);
-}
-__device__ __forceinline__ double recompute_p(double s, double scale_log2, double lse_log2) {
-    return exp2(s * scale_log2 - lse_log2);
-}
-
-// s (raw scores) -> P = exp2(s * scale_log2 - lse_log2(r, c)); Acc float (or
-// double: bwd_dmma).
-template <class Tr, typename Acc, class Stat>
-__device__ __forceinline__ void probabilities(Acc (&s)[Tr::kRows][Tr::kSCols], const Stat& lse_log2,
-                                              Acc scale_log2) {
-#pragma unroll
-    for (int r = 0; r < Tr::kRows; ++r)
-#pragma unroll
-        for (int c = 0; c < Tr::kSCols; ++c) s[r][c] = recompute_p(s[r][c], scale_log2, lse_log2(r, c));
-}
-
-// P of pairs (query, key) that are not admissible (window, causal, past Lq or
-// Lk) -> 0, by a select.  The element [r][c] is query first_query + (row or
-// column) and key first_key + (column or row), the key relative to n0.
-template <bool kQueryRows, class Tr>
-__device__ __forceinline__ void apply_mask(float (&p)[Tr::kRows][Tr::kSCols], const WindowMask& mask,
-                                           int64_t first_query, int64_t n0, int first_key, int block_n,
-                                           int64_t seqlen_q) {
-#pragma unroll
-    for (int r = 0; r < Tr::kRows; ++r)
-#pragma unroll
-        for (int c = 0; c < Tr::kSCols; ++c) {
-            const int64_t i = first_query + (kQueryRows ? fragment_row(r) : fragment_col(c));
-            const int j = first_key + (kQueryRows ? fragment_col(c) : fragment_row(r));
-            int lo, hi;
-            mask.row_range(i, n0, block_n, lo, hi);
-            if (i >= seqlen_q || j < lo || j >= hi) p[r][c] = 0.0f;
-        }
-}
 
 // dp (dO V^T) -> dS = P o (dP - delta(r, c)).
 template <class Tr, typename Acc, class Stat>

@@ -181,8 +181,8 @@ struct DmmaBwdTraits {
     static_assert(kHeadDim % 16 == 0 && kHeadDim <= 128, "head dim bucket: a multiple of 16 up to 128");
     static_assert(kSmemBytes <= 99 * 1024, "within the opt-in shared memory of every sm_80+ GPU");
 
-    // bwd_tc_loops.cuh's interface: accumulator row r is row g of m8 tile r.
-    __device__ static int row(int r) { return 8 * r + (lane_id() >> 2); }
+    // bwd_tc_loops.cuh's interface: the accumulators are DMMA's (row g of m8 tile r).
+    using Fragment = M8n8Fragment;
     __device__ static void row_products(double (&x)[kRows][kSCols], const double* sX, const double* sY, int row0) {
         dmma_row_products<DmmaBwdTraits>(x, sX, sY, row0);
     }

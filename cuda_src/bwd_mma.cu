@@ -50,6 +50,7 @@
 #include "mma_tile.cuh"
 #include "params_bwd.cuh"
 #include "ptx.cuh"
+#include "score.cuh"
 #include "softmax.cuh"
 
 namespace cf {
@@ -264,9 +265,9 @@ bwd_mma_dkdv_kernel(const BwdParams params) {
             const int64_t m0 = m_block * kBlockM;
 
             mma_own_stream<Tr>(s, sK, sQ, row0);                               // S^T = K Q^T
-            probabilities<Tr>(s, lse_of, scale_log2);                          // P^T
-            if (block.needs_mask(p, mask, m0, kBlockM, kBlockN))
-                apply_mask<false, Tr>(s, mask, m0, block.n0, row0, kBlockN, p.seqlen_q);
+            probability_epilogue<WindowRule<true>, false>(                    // P^T
+                s, M16n8Fragment{}, mask, p, ScoreTile{tile.batch, head, m0, block.n0, row0, kBlockN},
+                [&] { return block.needs_mask(p, mask, m0, kBlockM, kBlockN); }, lse_of, scale_log2);
             if constexpr (kDV) mma_accumulate<Tr>(dv, s, sdO);                 // dV += P^T dO
             if constexpr (kDK) {
                 float dp[Tr::kRows][Tr::kSCols];
@@ -372,9 +373,9 @@ bwd_mma_dq_kernel(const BwdParams params) {
         const int64_t n0 = n_block * kBlockN;
 
         mma_own_stream<Tr>(s, sQ, sK, row0);                                   // S = Q K^T
-        probabilities<Tr>(s, lse_of, scale_log2);                             // P
-        if (block.needs_mask(mask, n0, kBlockN))
-            apply_mask<true, Tr>(s, mask, block.m0 + row0, n0, 0, kBlockN, p.seqlen_q);
+        probability_epilogue<WindowRule<true>, true>(                      // P
+            s, M16n8Fragment{}, mask, p, ScoreTile{tile.batch, tile.head, block.m0 + row0, n0, 0, kBlockN},
+            [&] { return block.needs_mask(mask, n0, kBlockN); }, lse_of, scale_log2);
         mma_own_stream<Tr>(dp, sdO, sV, row0);                                 // dP = dO V^T
         score_gradient<Tr>(dp, s, delta_of);                                  // dS
         mma_accumulate<Tr>(dq, dp, sK);                                        // dQ += dS K

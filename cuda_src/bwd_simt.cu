@@ -42,9 +42,11 @@
 
 #include "block_info.cuh"
 #include "block_info_bwd.cuh"
+#include "fragment.cuh"
 #include "mask.cuh"
 #include "params_bwd.cuh"
 #include "ptx.cuh"
+#include "score.cuh"
 #include "softmax.cuh"
 #include "tile_io.cuh"
 
@@ -117,17 +119,7 @@ struct SimtBwdTraits {
 
 // This thread's place in the layout described at the top of the file.
 template <class Tr>
-struct SimtBwdThread {
-    int row_group, lane_in_group;
-
-    __device__ SimtBwdThread()
-        : row_group(static_cast<int>(threadIdx.x) / Tr::kLanesPerRow),
-          lane_in_group(static_cast<int>(threadIdx.x) % Tr::kLanesPerRow) {}
-
-    __device__ int row(int ii) const { return ii * Tr::kRowGroups + row_group; }
-    __device__ int col(int jj) const { return jj * Tr::kLanesPerRow + lane_in_group; }
-    __device__ int chunk(int qq) const { return qq * Tr::kLanesPerRow + lane_in_group; }
-};
+using SimtBwdThread = SimtRowsFragment<Tr::kRowGroups, Tr::kLanesPerRow>;
 
 // ---- block products ------------------------------------------------------------------------
 
@@ -240,41 +232,11 @@ __device__ __forceinline__ void accumulate_rows(
 // ---- probabilities and their gradient ------------------------------------------------------
 // The query rows' statistics (lse * log2(e), delta) are indexed by the own
 // row in the dQ pass (kQueryRows) and by the streamed row in the dK/dV pass.
+// The probabilities themselves and the mask: score.cuh's probability_epilogue.
 
 template <bool kQueryRows, typename Acc, int N>
 __device__ __forceinline__ Acc query_stat(const Acc (&x)[N], int ii, int jj) {
     return x[kQueryRows ? ii : jj];
-}
-
-// s (raw scores) -> P = exp2(s * scale_log2 - lse_log2).
-template <bool kQueryRows, class Tr, typename Acc, int N>
-__device__ __forceinline__ void probabilities(Acc (&s)[Tr::kRowsPerThread][Tr::kColsPerThread],
-                                              const Acc (&lse_log2)[N], Acc scale_log2) {
-#pragma unroll
-    for (int ii = 0; ii < Tr::kRowsPerThread; ++ii)
-#pragma unroll
-        for (int jj = 0; jj < Tr::kColsPerThread; ++jj)
-            s[ii][jj] = exp2_acc(s[ii][jj] * scale_log2 - query_stat<kQueryRows>(lse_log2, ii, jj));
-}
-
-// P of pairs (query i, key j) that are not admissible (window, causal, past
-// Lq or Lk) -> 0.  A select, not a product, so whatever the padded or masked
-// scores held never reaches the gradients.
-template <bool kQueryRows, class Tr, typename Acc>
-__device__ __forceinline__ void apply_mask(Acc (&p)[Tr::kRowsPerThread][Tr::kColsPerThread],
-                                           const WindowMask& mask, int64_t m0, int64_t n0,
-                                           int block_n, int64_t seqlen_q,
-                                           const SimtBwdThread<Tr>& me) {
-#pragma unroll
-    for (int ii = 0; ii < Tr::kRowsPerThread; ++ii)
-#pragma unroll
-        for (int jj = 0; jj < Tr::kColsPerThread; ++jj) {
-            const int64_t i = m0 + (kQueryRows ? me.row(ii) : me.col(jj));
-            const int j = kQueryRows ? me.col(jj) : me.row(ii);  // key j relative to n0
-            int lo, hi;
-            mask.row_range(i, n0, block_n, lo, hi);
-            if (i >= seqlen_q || j < lo || j >= hi) p[ii][jj] = Acc(0);
-        }
 }
 
 // dp (dO V^T) -> dS = P o (dP - delta).
@@ -488,9 +450,10 @@ bwd_simt_dkdv_kernel(const BwdParams params) {
                              params.delta_row_stride, m0 + me.col(jj), p.seqlen_q);
 
         dot_rows<Tr, Layout>(s, sK, sQ, me, d);                        // S^T = K Q^T
-        probabilities<false, Tr>(s, lse_log2, scale_log2);              // P^T
-        if (block.needs_mask(p, mask, m0, kBlockM, kBlockN))
-            apply_mask<false, Tr>(s, mask, m0, block.n0, kBlockN, p.seqlen_q, me);
+        probability_epilogue<WindowRule<true>, false>(                  // P^T
+            s, me, mask, p, ScoreTile{tile.batch, head, m0, block.n0, 0, kBlockN},
+            [&] { return block.needs_mask(p, mask, m0, kBlockM, kBlockN); },
+            [&](int, int jj) { return lse_log2[jj]; }, scale_log2);
         dot_rows<Tr, LayoutV>(dp, sV, sdO, me, dv);                    // dP^T = V dO^T
         accumulate_rows<Tr, LayoutV>(dv_acc, s, sS, sdO, me);           // dV += P^T dO
         score_gradient<false, Tr>(dp, s, delta);                        // dS^T
@@ -582,9 +545,10 @@ bwd_simt_dq_kernel(const BwdParams params) {
         const int64_t n0 = n_block * kBlockN;
 
         dot_rows<Tr, Layout>(s, sQ, sK, me, d);                            // S = Q K^T
-        probabilities<true, Tr>(s, lse_log2, scale_log2);                   // P
-        if (block.needs_mask(mask, n0, kBlockN))
-            apply_mask<true, Tr>(s, mask, block.m0, n0, kBlockN, p.seqlen_q, me);
+        probability_epilogue<WindowRule<true>, true>(                       // P
+            s, me, mask, p, ScoreTile{tile.batch, tile.head, block.m0, n0, 0, kBlockN},
+            [&] { return block.needs_mask(mask, n0, kBlockN); },
+            [&](int ii, int) { return lse_log2[ii]; }, scale_log2);
         dot_rows<Tr, LayoutV>(dp, sdO, sV, me, dv);                        // dP = dO V^T
         score_gradient<true, Tr>(dp, s, delta);                             // dS
         accumulate_rows<Tr, Layout>(dq, dp, sS, sK, me);                    // dQ += dS K

@@ -9,8 +9,7 @@
 //   kThreads, kWarpRows, kOwnRows, kStreamRows, kOwnTile, kStreamTile,
 //   kRows, kSCols, kGCols, kAsync  (shapes; kAsync: cp.async and two stages of
 //                      the streamed tiles, else converting loads and one)
-//   row(r)             the warp-tile row of the lane's accumulator row r (the
-//                      column of element [r][c] is mma_tile.cuh's fragment_col(c))
+//   Fragment           the accumulators' coordinate trait (fragment.cuh)
 //   row_products(x, sX, sY, row0)   x = X Y^T: the warp's own rows by every streamed row
 //   accumulate(g, x, sZ)            g += X Z: x in row_products' shape, Z streamed
 //   store_rows(dst, stride, g, factor, row0, rows_valid, cols_valid)
@@ -29,6 +28,7 @@
 #include "mma_tile.cuh"
 #include "params_bwd.cuh"
 #include "ptx.cuh"
+#include "score.cuh"
 #include "softmax.cuh"
 
 namespace cf {
@@ -139,22 +139,10 @@ __device__ __forceinline__ void bwd_dkdv_loop(const BwdParams& params) {
         for (int c = 0; c < Tr::kSCols; ++c)
             load_query_stats(lse_log2[c], delta[c], qo.lse, p.lse_row_stride, grad.delta, params.delta_row_stride,
                              m0 + fragment_col(c), p.seqlen_q);
-        probabilities<Tr>(s, [&](int, int c) { return lse_log2[c]; }, scale_log2);  // P^T
-        if (block.needs_mask(p, mask, m0, kStream, kOwn)) {
-            // P of pairs (query i, key j) the mask hides, or past Lq or Lk -> 0 (a select:
-            // whatever the padded scores held never reaches the gradients).
-#pragma unroll
-            for (int c = 0; c < Tr::kSCols; ++c) {
-                const int64_t i = m0 + fragment_col(c);
-                int lo, hi;
-                mask.row_range(i, block.n0, kOwn, lo, hi);
-#pragma unroll
-                for (int r = 0; r < Tr::kRows; ++r) {
-                    const int key = row0 + Tr::row(r);
-                    if (i >= p.seqlen_q || key < lo || key >= hi) s[r][c] = Acc(0);
-                }
-            }
-        }
+        probability_epilogue<WindowRule<true>, false>(  // P^T
+            s, typename Tr::Fragment{}, mask, p, ScoreTile{tile.batch, head, m0, block.n0, row0, kOwn},
+            [&] { return block.needs_mask(p, mask, m0, kStream, kOwn); }, [&](int, int c) { return lse_log2[c]; },
+            scale_log2);
         Tr::row_products(dp, sV, sdO, row0);  // dP^T = V dO^T
         Tr::accumulate(dv, s, sdO);           // dV += P^T dO
         score_gradient<Tr>(dp, s, [&](int, int c) { return delta[c]; });  // dS^T
@@ -199,7 +187,7 @@ __device__ __forceinline__ void bwd_dq_loop(const BwdParams& params) {
 #pragma unroll
     for (int r = 0; r < Tr::kRows; ++r)
         load_query_stats(lse_log2[r], delta[r], head.lse, p.lse_row_stride, grad.delta, params.delta_row_stride,
-                         block.m0 + row0 + Tr::row(r), p.seqlen_q);
+                         block.m0 + row0 + Tr::Fragment::row(r), p.seqlen_q);
 
     auto load_keys = [&](int stage, int64_t n_block) {
         const int64_t n0 = n_block * kStream;
@@ -223,19 +211,11 @@ __device__ __forceinline__ void bwd_dq_loop(const BwdParams& params) {
 
         Acc s[Tr::kRows][Tr::kSCols], dp[Tr::kRows][Tr::kSCols];
         Tr::row_products(s, sQ, sK, row0);  // S = Q K^T
-        probabilities<Tr>(s, [&](int r, int) { return lse_log2[r]; }, scale_log2);  // P
-        if (block.needs_mask(mask, n0, kStream)) {
-            // Keys the mask hides from a row, and keys past Lk -> P = 0 (rows past Lq
-            // already have P = 0: their lse_log2 is +inf).
-#pragma unroll
-            for (int r = 0; r < Tr::kRows; ++r) {
-                int lo, hi;
-                mask.row_range(block.m0 + row0 + Tr::row(r), n0, kStream, lo, hi);
-#pragma unroll
-                for (int c = 0; c < Tr::kSCols; ++c)
-                    if (fragment_col(c) < lo || fragment_col(c) >= hi) s[r][c] = Acc(0);
-            }
-        }
+        // P; rows past Lq need no query bound: their lse_log2 is +inf, so P = 0.
+        probability_epilogue<WindowRule<false>, true>(
+            s, typename Tr::Fragment{}, mask, p, ScoreTile{tile.batch, tile.head, block.m0 + row0, n0, 0, kStream},
+            [&] { return block.needs_mask(mask, n0, kStream); }, [&](int r, int) { return lse_log2[r]; },
+            scale_log2);
         Tr::row_products(dp, sdO, sV, row0);  // dP = dO V^T
         score_gradient<Tr>(dp, s, [&](int r, int) { return delta[r]; });  // dS
         Tr::accumulate(dq, dp, sK);           // dQ += dS K

@@ -51,6 +51,7 @@
 #include "mma_tile.cuh"
 #include "params_bwd.cuh"
 #include "ptx.cuh"
+#include "score.cuh"
 #include "softmax.cuh"
 #include "wgmma.cuh"
 
@@ -272,9 +273,9 @@ bwd_wgmma_dkdv_kernel(const BwdParams params) {
             if (!kAtomicDq && has_next) queries.load_stats(next_head, next_m, next_lse_log2, next_delta);
             if constexpr (kDK) wgmma_wait<1>(s);           // S^T
             else wgmma_wait<0>(s);
-            probabilities<Tr>(s, lse_of, scale_log2);      // P^T
-            if (block.needs_mask(p, mask, m0, kBlockM, kBlockN))
-                apply_mask<false, Tr>(s, mask, m0, block.n0, row0, kBlockN, p.seqlen_q);
+            probability_epilogue<WindowRule<true>, false>(                    // P^T
+                s, Wgmma64Fragment{}, mask, p, ScoreTile{tile.batch, head, m0, block.n0, row0, kBlockN},
+                [&] { return block.needs_mask(p, mask, m0, kBlockM, kBlockN); }, lse_of, scale_log2);
             // The A operands live until the wait that retires their products.
             uint32_t a[Tr::kStreamSteps][4], ds[Tr::kStreamSteps][4];
             if constexpr (kDV) {
@@ -385,9 +386,9 @@ bwd_wgmma_dq_kernel(const BwdParams params) {
         wgmma_own_stream<Tr>(dp, sdO, sV, wg_row0);    // dP = dO V^T
         wgmma_commit();
         wgmma_wait<1>(s);                              // S
-        probabilities<Tr>(s, lse_of, scale_log2);      // P
-        if (block.needs_mask(mask, n0, kBlockN))
-            apply_mask<true, Tr>(s, mask, block.m0 + row0, n0, 0, kBlockN, p.seqlen_q);
+        probability_epilogue<WindowRule<true>, true>(                      // P
+            s, Wgmma64Fragment{}, mask, p, ScoreTile{tile.batch, tile.head, block.m0 + row0, n0, 0, kBlockN},
+            [&] { return block.needs_mask(mask, n0, kBlockN); }, lse_of, scale_log2);
         wgmma_wait<0>(dp);                             // dP
         score_gradient<Tr>(dp, s, delta_of);           // dS
         uint32_t a[Tr::kStreamSteps][4];

@@ -1,7 +1,7 @@
 // fwd_blocks.cuh -- the parts of the tensor-core forward kernels that do not
 // depend on how the products are computed (fwd_mma.cu: mma.sync; fwd_wgmma.cu:
-// wgmma): which key blocks a query block visits and which need the mask, the
-// mask itself on a warp's accumulator tile, P re-packed as A operands, the
+// wgmma): which key blocks a query block visits and which need the mask
+// (score.cuh applies it), P re-packed as A operands, the
 // K/V cp.async pipeline and the output epilogue.  Everything takes the
 // kernel's traits Tr: kBlockM, kBlockN, kHeadDim, kThreads, kStages,
 // kWarpRows, kMTiles, kRows, kSCols, kKeySteps, QTile and KVTile, with a
@@ -13,49 +13,10 @@
 #include "mma_tile.cuh"
 #include "params.cuh"
 #include "ptx.cuh"
+#include "score.cuh"
 #include "softmax.cuh"
 
 namespace cf {
-
-// WindowMask's rule for the rows of one warp and one key block, in 32-bit
-// offsets relative to the block: key n0 + c is admissible for row
-// first_row + ri iff lo(ri) <= c < hi(ri).  The 64-bit bounds (the window
-// sides may be kUnbounded) are clamped to +-2^30 once per block; adding a row
-// offset below 2^16 to a clamped value cannot change whether it lies in
-// [0, kBlockN].  Keeps the masking step, which runs while the scores and the
-// output accumulators are all live, to a few 32-bit registers.
-struct BlockMask {
-    int lo_base, hi_base, keys;
-
-    __device__ BlockMask(const FwdParams& p, int64_t first_row, int64_t n0, int block_n) {
-        const int64_t aligned = first_row + (p.seqlen_k - p.seqlen_q) - n0;  // row 0's diagonal key - n0
-        lo_base = clamp30(aligned - p.window_left);
-        hi_base = clamp30(aligned + p.window_right + 1);
-        keys = static_cast<int>(min64(p.seqlen_k - n0, block_n));
-    }
-    __device__ static int clamp30(int64_t x) {
-        constexpr int64_t kLimit = int64_t(1) << 30;
-        return static_cast<int>(x < -kLimit ? -kLimit : x > kLimit ? kLimit : x);
-    }
-    __device__ int lo(int ri) const { return lo_base + ri; }
-    __device__ int hi(int ri) const { return min(hi_base + ri, keys); }
-};
-
-// Scores of keys a row may not see (window, causal, beyond Lk) -> -inf.
-template <class Tr>
-__device__ __forceinline__ void apply_mask(float (&s)[Tr::kRows][Tr::kSCols], const BlockMask& mask) {
-    const int g = lane_id() >> 2, t = lane_id() & 3;
-#pragma unroll
-    for (int r = 0; r < Tr::kRows; ++r) {
-        const int ri = 16 * (r >> 1) + 8 * (r & 1) + g;
-        const int lo = mask.lo(ri), hi = mask.hi(ri);
-#pragma unroll
-        for (int c = 0; c < Tr::kSCols; ++c) {
-            const int key = 8 * (c >> 1) + 2 * t + (c & 1);
-            if (key < lo || key >= hi) s[r][c] = neg_inf<float>();
-        }
-    }
-}
 
 // The key blocks [full_begin, full_end) that every row of the query block
 // sees completely (QueryBlock::needs_mask is false exactly there): the admissible

@@ -13,14 +13,15 @@
 // Q K(n)^T, K(n + 1) during O += P V(n)).  Per key block, every warp computes
 //     S = Q K^T                   k4 steps: an A fragment per m8 tile (Q[g][t]),
 //                                 a B fragment per n8 tile (K[n + g][t])
-//     mask                        only on blocks that cross a mask boundary
+//     mask                        only on blocks that cross a mask boundary (score.cuh)
 //     online softmax, exp2        OnlineSoftmax<double, kMTiles, 4>: lane (g, t)
 //                                 holds row g of each m8 tile, columns 2t, 2t + 1
 //                                 of each n8 tile; rows reduce over the quad
 //     O += P V                    P's A fragments (P[g][k + t]) gathered from the
 //                                 score accumulators by two quad shuffles each;
 //                                 B fragments V[k + t][n + g]
-// and divides O by l once, at the end.
+// and divides O by l once, at the end: fwd_loop.cuh's loop with this file's
+// products (DmmaFwdLoop).
 //
 // Shared layouts (16-byte chunks of 2 doubles): Q and K rows swizzle their
 // chunks by XOR with row % 8, so the 8 rows x 4 columns of an A or B fragment
@@ -40,10 +41,12 @@
 
 #include "block_info.cuh"
 #include "dmma_tile.cuh"
+#include "fwd_loop.cuh"
 #include "fwd_tiles.cuh"
 #include "mask.cuh"
 #include "params.cuh"
 #include "ptx.cuh"
+#include "score.cuh"
 #include "softmax.cuh"
 #include "tile_io.cuh"
 
@@ -114,22 +117,6 @@ __device__ __forceinline__ void dmma_qk(double (&s)[Tr::kMTiles][Tr::kSCols], co
         for (int c = 0; c < Tr::kSCols; ++c) s[mi][c] *= scale_log2;
 }
 
-// Scores of keys a row may not see (window, causal, beyond Lk) -> -inf; m0 is the
-// warp's first query row, n0 the block's first key.
-template <class Tr>
-__device__ __forceinline__ void dmma_mask(double (&s)[Tr::kMTiles][Tr::kSCols], const WindowMask& mask,
-                                          int64_t m0, int64_t n0) {
-    const int g = lane_id() >> 2;
-#pragma unroll
-    for (int mi = 0; mi < Tr::kMTiles; ++mi) {
-        int lo, hi;
-        mask.row_range(m0 + 8 * mi + g, n0, Tr::kBlockN, lo, hi);
-#pragma unroll
-        for (int c = 0; c < Tr::kSCols; ++c)
-            if (fragment_col(c) < lo || fragment_col(c) >= hi) s[mi][c] = neg_inf<double>();
-    }
-}
-
 // o += P V, P the (unnormalised) probabilities in the score accumulators.  Key
 // step kk takes keys 4 kk .. 4 kk + 3: P's A fragment comes from the
 // accumulators by gather_a (dmma_tile.cuh).
@@ -179,51 +166,45 @@ __device__ __forceinline__ void dmma_store(const double (&o)[Tr::kMTiles][Tr::kO
     }
 }
 
+// fwd_loop.cuh's hooks: the DMMA products above, one warp per kWarpRows rows.
+template <class Tr>
+struct DmmaFwdLoop : Tr {
+    using Acc = double;
+    using Thread = WarpRows<Tr::kWarpRows>;
+    using Mover = RowTileMover<Tr>;
+    using Rule = WindowRule<false>;
+    using Softmax = OnlineSoftmax<double, Tr::kMTiles, 4>;
+    using Scores = double[Tr::kMTiles][Tr::kSCols];
+    using Output = double[Tr::kMTiles][Tr::kOCols];
+    static constexpr int kStatRows = Tr::kMTiles;
+
+    __device__ static int first_row(const Thread& me) { return me.row0; }
+    __device__ static M8n8Fragment fragment(const Thread&) { return {}; }
+    template <class Tiles>
+    __device__ static void scores(Scores& s, const Tiles& t, const Thread& me, int, double scale_log2) {
+        dmma_qk<Tr>(s, t.sQ, t.sK, me.row0, scale_log2);
+    }
+    __device__ static void update(Softmax& softmax, Scores& s, Output& o, double) { softmax.update(s, o); }
+    template <class Tiles>
+    __device__ static void accumulate(Output& o, const Scores& s, const Tiles& t, const Thread&) {
+        dmma_pv<Tr>(o, s, t.sV);
+    }
+    template <typename Out>
+    __device__ static void store(const Output& o, const double (&lse)[kStatRows], Out* out, int64_t out_row_stride,
+                                 Out* lse_out, int64_t lse_row_stride, const QueryBlock& block, const Thread& me,
+                                 const FwdParams& p) {
+        dmma_store<Tr>(o, lse, out, out_row_stride, lse_out, lse_row_stride, block, me.row0,
+                       static_cast<int>(p.head_dim_v));
+    }
+};
+
 // T: double, or float (opt-in: products exact, sums in double, the output and
 // lse rounded to float once at the end).
 template <int kHeadDim, int kBlockM, int kBlockN, int kWarps, typename T = double>
 __global__ void __launch_bounds__((DmmaFwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps>::kThreads),
                                   (DmmaFwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps>::kMinBlocksPerSm))
 fwd_dmma_kernel(const FwdParams params) {
-    using Tr = DmmaFwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps>;
-    using Out = acc_t<T>;  // the type of out's partials and of lse: the call's accumulator type
-
-    const TileIndex tile(params, kBlockM, blockIdx.x);
-    const HeadSlice<T, double> head(params, tile.batch, tile.head);  // q, k, v for the tiles
-    const HeadSlice<T, Out> io(params, tile.batch, tile.head);       // out, lse
-    const WindowMask mask(params);
-    const QueryBlock block(params, mask, tile.m_block * kBlockM, kBlockM);
-    const double scale_log2 = params.scale_log2;
-    const int row0 = warp_id() * Tr::kWarpRows;  // the warp's first row in the Q tile
-
-    int64_t n_begin = block.n_begin(kBlockN), n_end = block.n_end(kBlockN);
-    split_key_blocks(params, blockIdx.y, n_begin, n_end);
-    const SimtTiles<Tr, T> tiles(params, head, block, n_begin, n_end);
-
-    OnlineSoftmax<double, Tr::kMTiles, 4> softmax;
-    double o[Tr::kMTiles][Tr::kOCols] = {};
-    for (int64_t n_block = n_begin; n_block < n_end; ++n_block) {
-        const int64_t n0 = n_block * kBlockN;
-        double s[Tr::kMTiles][Tr::kSCols];
-        tiles.keys(n_block);
-        dmma_qk<Tr>(s, tiles.sQ, tiles.sK, row0, scale_log2);
-        if (block.needs_mask(mask, n0, kBlockN)) dmma_mask<Tr>(s, mask, block.m0 + row0, n0);
-        softmax.update(s, o);
-        tiles.values(n_block);
-        dmma_pv<Tr>(o, s, tiles.sV);
-        tiles.done();
-    }
-    tiles.finish();
-
-    double lse[Tr::kMTiles];
-    softmax.normalize(o, lse);
-    const int dv = static_cast<int>(params.head_dim_v);
-    if (params.num_splits > 1) {
-        const SplitSlice<Out> part(params, tile.batch, tile.head, blockIdx.y);
-        dmma_store<Tr>(o, lse, part.o, dv, part.lse, 1, block, row0, dv);
-    } else {
-        dmma_store<Tr>(o, lse, io.out, params.out_row_stride, io.lse, params.lse_row_stride, block, row0, dv);
-    }
+    fwd_tile_loop<DmmaFwdLoop<DmmaFwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps>>, T>(params);
 }
 
 // fwd_dmma_kernel's dynamic shared memory, in bytes: a constant of its traits, for

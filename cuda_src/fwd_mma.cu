@@ -36,6 +36,7 @@
 #include "mma_tile.cuh"
 #include "params.cuh"
 #include "ptx.cuh"
+#include "score.cuh"
 #include "softmax.cuh"
 
 namespace cf {
@@ -133,6 +134,7 @@ fwd_mma_kernel(const FwdParams params) {
     const float scale_log2 = static_cast<float>(params.scale_log2);
     const int row0 = warp_id() * Tr::kWarpRows;  // the warp's first row in the Q tile
 
+    const WindowMask mask(params);
     int n_begin, n_end;
     const UnmaskedBlocks unmasked = key_blocks<Tr>(params, m_block, n_begin, n_end);
     if constexpr (kSplit) split_key_blocks(params, blockIdx.y, n_begin, n_end);
@@ -145,9 +147,10 @@ fwd_mma_kernel(const FwdParams params) {
         float s[Tr::kRows][Tr::kSCols];
         kv.await_keys(n_block);
         mma_qk<Tr>(s, sQ, kv.keys(), row0);
-        if (unmasked.needs_mask(n_block))
-            apply_mask<Tr>(s, BlockMask(params, static_cast<int64_t>(m_block) * kBlockM + row0,
-                                        static_cast<int64_t>(n_block) * kBlockN, kBlockN));
+        score_epilogue<BlockRule>(s, M16n8Fragment{}, mask, params,
+                                  ScoreTile{batch, head, static_cast<int64_t>(m_block) * kBlockM + row0,
+                                            static_cast<int64_t>(n_block) * kBlockN, 0, kBlockN},
+                                  unmasked.needs_mask(n_block));
         softmax.template update_unscaled<Tr::kLazyRescale>(s, o, scale_log2);
         uint32_t p[Tr::kKeySteps][Tr::kMTiles][4];
         scores_to_a<Tr, T>(p, s);

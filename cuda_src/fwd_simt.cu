@@ -7,8 +7,10 @@
 // with cp.async while the other is in use; 16-bit types: one buffer,
 // converted to float on the way in -- see SimtTiles).  Per key block:
 // S = Q K^T (in registers, scale * log2(e) folded in), mask if the block is
-// partly admissible, online softmax with exp2, O += P V.  The normalisation
-// by the row sum happens once, at the end.  With FwdParams::num_splits > 1
+// partly admissible (score.cuh), online softmax with exp2, O += P V.  The
+// normalisation by the row sum happens once, at the end.  The loop itself is
+// fwd_loop.cuh's, shared with fwd_dmma and fwd_tf32; this file gives it the
+// products (SimtFwdLoop).  With FwdParams::num_splits > 1
 // (split-KV), CTA (x, y) visits only the y-th run of its key blocks and
 // writes its partial output and lse for fwd_combine.cu to merge.
 //
@@ -25,10 +27,13 @@
 #pragma once
 
 #include "block_info.cuh"
+#include "fwd_loop.cuh"
 #include "fwd_tiles.cuh"
+#include "fragment.cuh"
 #include "mask.cuh"
 #include "params.cuh"
 #include "ptx.cuh"
+#include "score.cuh"
 #include "softmax.cuh"
 #include "tile_io.cuh"
 
@@ -83,17 +88,7 @@ struct SimtFwdTraits {
 
 // This thread's place in the layout described at the top of the file.
 template <class Tr>
-struct SimtThread {
-    int row_group, lane_in_group;
-
-    __device__ SimtThread()
-        : row_group(static_cast<int>(threadIdx.x) / Tr::kLanesPerRow),
-          lane_in_group(static_cast<int>(threadIdx.x) % Tr::kLanesPerRow) {}
-
-    __device__ int row(int ii) const { return ii * Tr::kRowGroups + row_group; }
-    __device__ int key(int jj) const { return jj * Tr::kLanesPerRow + lane_in_group; }
-    __device__ int chunk_v(int qq) const { return qq * Tr::kLanesPerRow + lane_in_group; }
-};
+using SimtThread = SimtRowsFragment<Tr::kRowGroups, Tr::kLanesPerRow>;
 
 // s = (Q K^T) * scale_log2 for this thread's rows and keys; the head dim is
 // walked in 16-byte chunks up to the run-time d (the tile is zero beyond it).
@@ -115,7 +110,7 @@ __device__ __forceinline__ void mma_qk(Acc (&s)[Tr::kRowsPerThread][Tr::kKeysPer
 #pragma unroll
         for (int ii = 0; ii < TM; ++ii) a[ii] = load_vec16(sQ + Tr::QLayout::chunk(me.row(ii), q));
 #pragma unroll
-        for (int jj = 0; jj < TN; ++jj) b[jj] = load_vec16(sK + Tr::KLayout::chunk(me.key(jj), q));
+        for (int jj = 0; jj < TN; ++jj) b[jj] = load_vec16(sK + Tr::KLayout::chunk(me.col(jj), q));
 #pragma unroll
         for (int ii = 0; ii < TM; ++ii)
 #pragma unroll
@@ -127,23 +122,6 @@ __device__ __forceinline__ void mma_qk(Acc (&s)[Tr::kRowsPerThread][Tr::kKeysPer
     for (int ii = 0; ii < TM; ++ii)
 #pragma unroll
         for (int jj = 0; jj < TN; ++jj) s[ii][jj] *= scale_log2;
-}
-
-// Scores of keys row `m0 + row` may not see (window, causal, beyond Lk) -> -inf.
-template <class Tr, typename Acc>
-__device__ __forceinline__ void apply_mask(Acc (&s)[Tr::kRowsPerThread][Tr::kKeysPerThread],
-                                           const WindowMask& mask, int64_t m0, int64_t n0,
-                                           const SimtThread<Tr>& me) {
-#pragma unroll
-    for (int ii = 0; ii < Tr::kRowsPerThread; ++ii) {
-        int lo, hi;
-        mask.row_range(m0 + me.row(ii), n0, Tr::kKeysPerThread * Tr::kLanesPerRow, lo, hi);
-#pragma unroll
-        for (int jj = 0; jj < Tr::kKeysPerThread; ++jj) {
-            const int c = me.key(jj);
-            if (c < lo || c >= hi) s[ii][jj] = neg_inf<Acc>();
-        }
-    }
 }
 
 // o += P V.  P goes through shared memory: each thread stores its entries,
@@ -164,7 +142,7 @@ __device__ __forceinline__ void mma_pv(
 #pragma unroll
     for (int ii = 0; ii < TM; ++ii)
 #pragma unroll
-        for (int jj = 0; jj < Tr::kKeysPerThread; ++jj) sP[me.row(ii) * Tr::kPPitch + me.key(jj)] = p[ii][jj];
+        for (int jj = 0; jj < Tr::kKeysPerThread; ++jj) sP[me.row(ii) * Tr::kPPitch + me.col(jj)] = p[ii][jj];
     __syncwarp();
     // One chunk of keys per iteration keeps kRowsPerThread P vectors live.
 #pragma unroll 1
@@ -176,7 +154,7 @@ __device__ __forceinline__ void mma_pv(
         for (int e = 0; e < Tr::kVec; ++e) {
 #pragma unroll
             for (int qq = 0; qq < Tr::kChunksPerThreadV; ++qq) {
-                const Vec16<Acc> v = load_vec16(sV + (k0 + e) * v_cols + me.chunk_v(qq) * Tr::kVec);
+                const Vec16<Acc> v = load_vec16(sV + (k0 + e) * v_cols + me.chunk(qq) * Tr::kVec);
 #pragma unroll
                 for (int ii = 0; ii < TM; ++ii)
 #pragma unroll
@@ -202,59 +180,50 @@ __device__ __forceinline__ void store_output(
         Out* out_row = out + i * out_row_stride;
 #pragma unroll
         for (int qq = 0; qq < Tr::kChunksPerThreadV; ++qq) {
-            const int col = me.chunk_v(qq) * Tr::kVec;
+            const int col = me.chunk(qq) * Tr::kVec;
             store_run(out_row + col, o[ii][qq], static_cast<int>(p.head_dim_v) - col);
         }
         if (lse_out != nullptr && me.lane_in_group == 0) lse_out[i * lse_row_stride] = lse[ii];
     }
 }
 
+// fwd_loop.cuh's hooks: the products above on this file's thread layout.
+template <class Tr>
+struct SimtFwdLoop : Tr {
+    using Acc = typename Tr::Acc;
+    using Thread = SimtThread<Tr>;
+    using Mover = RowTileMover<Tr>;
+    using Rule = WindowRule<false>;
+    using Softmax = OnlineSoftmax<Acc, Tr::kRowsPerThread, Tr::kLanesPerRow>;
+    using Scores = Acc[Tr::kRowsPerThread][Tr::kKeysPerThread];
+    using Output = Acc[Tr::kRowsPerThread][Tr::kChunksPerThreadV][Tr::kVec];
+    static constexpr int kStatRows = Tr::kRowsPerThread;
+
+    __device__ static int first_row(const Thread&) { return 0; }
+    __device__ static const Thread& fragment(const Thread& me) { return me; }
+    template <class Tiles>
+    __device__ static void scores(Scores& s, const Tiles& t, const Thread& me, int d, Acc scale_log2) {
+        mma_qk<Tr>(s, t.sQ, t.sK, me, d, scale_log2);
+    }
+    __device__ static void update(Softmax& softmax, Scores& s, Output& o, Acc) { softmax.update(s, o); }
+    template <class Tiles>
+    __device__ static void accumulate(Output& o, const Scores& s, const Tiles& t, const Thread& me) {
+        mma_pv<Tr>(o, s, t.sP, t.sV, Tr::kHeadDimV, me);
+    }
+    template <typename Out>
+    __device__ static void store(const Output& o, const Acc (&lse)[kStatRows], Out* out, int64_t out_row_stride,
+                                 Acc* lse_out, int64_t lse_row_stride, const QueryBlock& block, const Thread& me,
+                                 const FwdParams& p) {
+        store_output<Tr>(o, lse, out, out_row_stride, lse_out, lse_row_stride, block, p, me);
+    }
+};
+
 template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN>
 __global__ void __launch_bounds__(
     (SimtFwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>::kThreads),
     (SimtFwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>::kMinBlocksPerSm))
 fwd_simt_kernel(const FwdParams params) {
-    using Tr = SimtFwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>;
-    using Acc = typename Tr::Acc;
-    constexpr int TM = Tr::kRowsPerThread;
-
-    const TileIndex tile(params, kBlockM, blockIdx.x);
-    const HeadSlice<T, Acc> head(params, tile.batch, tile.head);
-    const WindowMask mask(params);
-    const QueryBlock block(params, mask, tile.m_block * kBlockM, kBlockM);
-    const SimtThread<Tr> me;
-    const Acc scale_log2 = static_cast<Acc>(params.scale_log2);
-    const int d = static_cast<int>(params.head_dim);
-
-    int64_t n_begin = block.n_begin(kBlockN), n_end = block.n_end(kBlockN);
-    split_key_blocks(params, blockIdx.y, n_begin, n_end);
-    const SimtTiles<Tr, T> tiles(params, head, block, n_begin, n_end);
-
-    OnlineSoftmax<Acc, TM, Tr::kLanesPerRow> softmax;
-    Acc o[TM][Tr::kChunksPerThreadV][Tr::kVec] = {};
-    Acc s[TM][Tr::kKeysPerThread];
-
-    for (int64_t n_block = n_begin; n_block < n_end; ++n_block) {
-        const int64_t n0 = n_block * kBlockN;
-        tiles.keys(n_block);
-        mma_qk<Tr>(s, tiles.sQ, tiles.sK, me, d, scale_log2);
-        if (block.needs_mask(mask, n0, kBlockN)) apply_mask<Tr>(s, mask, block.m0, n0, me);
-        softmax.update(s, o);
-        tiles.values(n_block);
-        mma_pv<Tr>(o, s, tiles.sP, tiles.sV, kHeadDimV, me);
-        tiles.done();
-    }
-    tiles.finish();
-
-    Acc lse[TM];
-    softmax.normalize(o, lse);
-    if (params.num_splits > 1) {
-        const SplitSlice<Acc> part(params, tile.batch, tile.head, blockIdx.y);
-        store_output<Tr>(o, lse, part.o, params.head_dim_v, part.lse, 1, block, params, me);
-    } else {
-        store_output<Tr>(o, lse, head.out, params.out_row_stride, head.lse, params.lse_row_stride,
-                         block, params, me);
-    }
+    fwd_tile_loop<SimtFwdLoop<SimtFwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>>, T>(params);
 }
 
 // fwd_simt_kernel's dynamic shared memory, in bytes: a constant of its traits, for

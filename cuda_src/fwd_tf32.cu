@@ -13,11 +13,12 @@
 // Q once, K and V in their own buffers by cp.async, V(n) landing during
 // S = Q K(n)^T, K(n + 1) during O += P V(n)).  Per key block every warp computes
 //     S = Q K^T        tf32_abt: Q and K fragments by 16-byte loads
-//     mask             only on blocks that cross a mask boundary (fwd_blocks.cuh)
+//     mask             only on blocks that cross a mask boundary (score.cuh)
 //     online softmax   OnlineSoftmax<float, kRows, 4>, the scale folded into exp2
 //     O += P V         tf32_accumulate: P's A fragments straight from the score
 //                      accumulators, V's by 16-byte loads
-// and divides O by l once, at the end; O's columns are in tf32_accumulate's
+// and divides O by l once, at the end (fwd_loop.cuh's loop with this file's
+// products: Tf32FwdLoop); O's columns are in tf32_accumulate's
 // order, which store_row_tf32 undoes.  Q and V are stored as fragment quads,
 // K as rows (Tf32FwdTraits), each thread rounding (or splitting) its own copies
 // in place as they land: every fragment is one 16-byte load, free of bank
@@ -31,9 +32,11 @@
 
 #include "block_info.cuh"
 #include "fwd_blocks.cuh"
+#include "fwd_loop.cuh"
 #include "fwd_tiles.cuh"
 #include "params.cuh"
 #include "ptx.cuh"
+#include "score.cuh"
 #include "softmax.cuh"
 #include "tf32_tile.cuh"
 #include "tile_io.cuh"
@@ -141,48 +144,46 @@ __device__ __forceinline__ void tf32_store(const float (&o)[Tr::kRows][Tr::kOCol
     }
 }
 
+// fwd_loop.cuh's hooks: the TF32 products, one warp per kWarpRows rows; the
+// scale is folded into the softmax's exponent (update_unscaled).
+template <class Tr>
+struct Tf32FwdLoop : Tr {
+    using Acc = float;
+    using Thread = WarpRows<Tr::kWarpRows>;
+    using Mover = Tf32TileMover<Tr>;
+    using Rule = BlockRule;
+    using Softmax = OnlineSoftmax<float, Tr::kRows, 4>;
+    using Scores = float[Tr::kRows][Tr::kSCols];
+    using Output = float[Tr::kRows][Tr::kOCols];
+    static constexpr int kStatRows = Tr::kRows;
+
+    __device__ static int first_row(const Thread& me) { return me.row0; }
+    __device__ static M16n8Fragment fragment(const Thread&) { return {}; }
+    template <class Tiles>
+    __device__ static void scores(Scores& s, const Tiles& t, const Thread& me, int, float) {
+        tf32_abt<Tr::kPasses, Tr::kMTiles, Tr::kNTiles, Tr::kHeadDim, typename Tr::QTile, typename Tr::KTile,
+                 Tr::kUnrollQK>(s, t.sQ, t.sK, me.row0);
+    }
+    __device__ static void update(Softmax& softmax, Scores& s, Output& o, float scale_log2) {
+        softmax.template update_unscaled<false>(s, o, scale_log2);
+    }
+    template <class Tiles>
+    __device__ static void accumulate(Output& o, const Scores& s, const Tiles& t, const Thread&) {
+        tf32_accumulate<Tr::kPasses, Tr::kMTiles, Tr::kNTiles, Tr::kHeadDim, typename Tr::VTile>(o, s, t.sV);
+    }
+    __device__ static void store(const Output& o, const float (&lse)[kStatRows], float* out, int64_t out_row_stride,
+                                 float* lse_out, int64_t lse_row_stride, const QueryBlock& block, const Thread& me,
+                                 const FwdParams& p) {
+        tf32_store<Tr>(o, lse, out, out_row_stride, lse_out, lse_row_stride, block, me.row0,
+                       static_cast<int>(p.head_dim_v));
+    }
+};
+
 template <int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kPasses>
 __global__ void __launch_bounds__((Tf32FwdTraits<kHeadDim, kBlockM, kBlockN, kWarps, kPasses>::kThreads),
                                   (Tf32FwdTraits<kHeadDim, kBlockM, kBlockN, kWarps, kPasses>::kMinBlocksPerSm))
 fwd_tf32_kernel(const FwdParams params) {
-    using Tr = Tf32FwdTraits<kHeadDim, kBlockM, kBlockN, kWarps, kPasses>;
-
-    const TileIndex tile(params, kBlockM, blockIdx.x);
-    const HeadSlice<float, float> head(params, tile.batch, tile.head);
-    const WindowMask mask(params);
-    const QueryBlock block(params, mask, tile.m_block * kBlockM, kBlockM);
-    const float scale_log2 = static_cast<float>(params.scale_log2);
-    const int row0 = warp_id() * Tr::kWarpRows;  // the warp's first row in the Q tile
-
-    int64_t n_begin = block.n_begin(kBlockN), n_end = block.n_end(kBlockN);
-    split_key_blocks(params, blockIdx.y, n_begin, n_end);
-    const SimtTiles<Tr, float, Tf32TileMover<Tr>> tiles(params, head, block, n_begin, n_end);
-
-    OnlineSoftmax<float, Tr::kRows, 4> softmax;
-    float o[Tr::kRows][Tr::kOCols] = {};
-    for (int64_t n_block = n_begin; n_block < n_end; ++n_block) {
-        const int64_t n0 = n_block * kBlockN;
-        float s[Tr::kRows][Tr::kSCols];
-        tiles.keys(n_block);
-        tf32_abt<kPasses, Tr::kMTiles, Tr::kNTiles, kHeadDim, typename Tr::QTile, typename Tr::KTile, Tr::kUnrollQK>(
-            s, tiles.sQ, tiles.sK, row0);  // S = Q K^T
-        if (block.needs_mask(mask, n0, kBlockN)) apply_mask<Tr>(s, BlockMask(params, block.m0 + row0, n0, kBlockN));
-        softmax.template update_unscaled<false>(s, o, scale_log2);
-        tiles.values(n_block);
-        tf32_accumulate<kPasses, Tr::kMTiles, Tr::kNTiles, kHeadDim, typename Tr::VTile>(o, s, tiles.sV);  // O += P V
-        tiles.done();
-    }
-    tiles.finish();
-
-    float lse[Tr::kRows];
-    softmax.normalize(o, lse);
-    const int dv = static_cast<int>(params.head_dim_v);
-    if (params.num_splits > 1) {
-        const SplitSlice<float> part(params, tile.batch, tile.head, blockIdx.y);
-        tf32_store<Tr>(o, lse, part.o, dv, part.lse, 1, block, row0, dv);
-    } else {
-        tf32_store<Tr>(o, lse, head.out, params.out_row_stride, head.lse, params.lse_row_stride, block, row0, dv);
-    }
+    fwd_tile_loop<Tf32FwdLoop<Tf32FwdTraits<kHeadDim, kBlockM, kBlockN, kWarps, kPasses>>, float>(params);
 }
 
 // fwd_tf32_kernel's dynamic shared memory, in bytes: a constant of its traits, for

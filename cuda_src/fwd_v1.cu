@@ -25,6 +25,7 @@
 #include "mask.cuh"
 #include "params.cuh"
 #include "ptx.cuh"
+#include "score.cuh"
 #include "softmax.cuh"
 #include "tile_io.cuh"
 
@@ -109,17 +110,14 @@ __global__ void __launch_bounds__(kV1Threads) fwd_v1_kernel(const FwdParams para
 
             // Line 9: S_ij = Q_i K_j^T (times scale * log2 e; -inf where masked,
             // and in the padding rows/columns of a partial block).
+            const ScoreTile score_tile{batch, head, m0, n0, 0, keys};
             for (int idx = tid; idx < Br * Bc; idx += kV1Threads) {
                 const int r = idx / Bc, c = idx - r * Bc;
-                int lo = 0, hi = 0;
-                if (r < rows) mask.row_range(m0 + r, n0, keys, lo, hi);
-                Acc s = neg_inf<Acc>();
-                if (c >= lo && c < hi) {
+                sS[idx] = score_element<WindowRule<true>>(ElementFragment{r, c}, mask, params, score_tile, [&] {
                     Acc dot = Acc(0);
                     for (int k = 0; k < d; ++k) dot += sQ[r * d + k] * sK[c * d + k];
-                    s = dot * scale_log2;
-                }
-                sS[idx] = s;
+                    return dot * scale_log2;
+                });
             }
             __syncthreads();
 

@@ -41,6 +41,7 @@
 #include "mma_tile.cuh"
 #include "params.cuh"
 #include "ptx.cuh"
+#include "score.cuh"
 #include "softmax.cuh"
 #include "wgmma.cuh"
 
@@ -133,6 +134,7 @@ fwd_wgmma_kernel(const FwdParams params) {
     const int row0 = warp_id() * Tr::kWarpRows;  // the warp's first row in the Q tile
     const int wg_row0 = (warp_id() >> 2) * 64;   // its warpgroup's
 
+    const WindowMask mask(params);
     int n_begin, n_end;
     const UnmaskedBlocks unmasked = key_blocks<Tr>(params, m_block, n_begin, n_end);
     if constexpr (kSplit) split_key_blocks(params, blockIdx.y, n_begin, n_end);
@@ -167,9 +169,10 @@ fwd_wgmma_kernel(const FwdParams params) {
     };
     // The mask and the softmax of block n's scores; o's rescale factors returned.
     const auto softmax_block = [&](float (&s)[Tr::kRows][Tr::kSCols], float (&rescale)[Tr::kRows], int n_block) {
-        if (unmasked.needs_mask(n_block))
-            apply_mask<Tr>(s, BlockMask(params, static_cast<int64_t>(m_block) * Tr::kBlockM + row0,
-                                        static_cast<int64_t>(n_block) * kBlockN, kBlockN));
+        score_epilogue<BlockRule>(s, Wgmma64Fragment{}, mask, params,
+                                  ScoreTile{batch, head, static_cast<int64_t>(m_block) * Tr::kBlockM + row0,
+                                            static_cast<int64_t>(n_block) * kBlockN, 0, kBlockN},
+                                  unmasked.needs_mask(n_block));
 #pragma unroll
         for (int r = 0; r < Tr::kRows; ++r) rescale[r] = 1.0f;
         softmax.template update_unscaled<Tr::kLazyRescale>(s, rescale, scale_log2);

@@ -6,7 +6,8 @@
 //     i + (Lk - Lq) - left <= j <= i + (Lk - Lq) + right   and   0 <= j < Lk.
 // For each row the admissible keys are therefore one contiguous range
 // [first_key(i), last_key(i)], empty when first > last; both ends grow with i,
-// which is what lets block_info.cuh skip whole blocks.
+// which is what lets block_info.cuh skip whole blocks.  score.cuh applies the
+// rule to the scores.
 #pragma once
 
 #include "params.cuh"
@@ -29,13 +30,6 @@ struct WindowMask {
     // First and last key query row i may see (first > last: none).
     __device__ int64_t first_key(int64_t i) const { return max64(0, i + diagonal - left); }
     __device__ int64_t last_key(int64_t i) const { return min64(seqlen_k - 1, i + diagonal + right); }
-
-    // The admissible keys of row i as a half-open range relative to key n0,
-    // clamped to [0, width]: key n0 + c is admissible iff lo <= c < hi.
-    __device__ void row_range(int64_t i, int64_t n0, int width, int& lo, int& hi) const {
-        lo = static_cast<int>(min64(max64(first_key(i) - n0, 0), width));
-        hi = static_cast<int>(min64(max64(last_key(i) + 1 - n0, 0), width));
-    }
 };
 
 }  // namespace cf

@@ -13,18 +13,10 @@
 // compile-time constant after unrolling, so the arrays are plain registers.
 #pragma once
 
+#include "fragment.cuh"
 #include "ptx.cuh"
 
 namespace cf {
-
-// Column, within the warp's tile, of accumulator element [r][c] of this lane:
-// column 2t + c % 2 of n8 tile c / 2 -- for mma.sync m8n8k4's double
-// accumulators (dmma_tile.cuh) as for these m16n8 ones.
-__device__ __forceinline__ int fragment_col(int c) { return 8 * (c >> 1) + 2 * (lane_id() & 3) + (c & 1); }
-
-// Row, within the warp's tile, of m16n8 accumulator element [r][c] of this lane:
-// row g of the upper (r even) or lower (r odd) half of m16 tile r / 2.
-__device__ __forceinline__ int fragment_row(int r) { return 16 * (r >> 1) + 8 * (r & 1) + (lane_id() >> 2); }
 
 // ---- the element type's mma and packing ------------------------------------------------------
 
