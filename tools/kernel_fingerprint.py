@@ -12,7 +12,8 @@ kernel here that is the loop over key (or streamed) blocks.
     python tools/kernel_fingerprint.py --compare before.json after.json
     python tools/kernel_fingerprint.py --family fwd_mma --family fwd_wgmma -o part.json
 
-``--family`` keeps the rows of those entry files only (a quick check after one
+``--family`` keeps the rows of those entry files only, ``--match REGEX`` the rows
+whose kernel name matches (a quick check after one
 kernel changed; ``--compare`` then reports the rows absent from the part as
 gone).  Each row also carries ``sass_sha``, a digest of its instructions without
 addresses: equal digests mean the kernel's code did not change at all.
@@ -52,14 +53,15 @@ def loop_spans(sass_text: str) -> list[int]:
     return spans
 
 
-def fingerprint(archs, families=None) -> list[dict]:
+def fingerprint(archs, families=None, match=None) -> list[dict]:
     try:
         from cupyflash._families import catalogue
     except ImportError:   # a commit before issue 25's families
         from cupyflash._kernels import instantiations as catalogue
     from cupyflash._report import kernel_report, sass_instructions
 
-    rows_in = [i for i in catalogue() if not families or i.entry.removesuffix(".cu") in families]
+    rows_in = [i for i in catalogue() if (not families or i.entry.removesuffix(".cu") in families)
+               and (not match or re.search(match, i.name_expression))]
     rows = kernel_report(archs, rows_in, sass=True, sass_text=True)
     out = []
     for r in rows:
@@ -120,12 +122,14 @@ def main(argv=None) -> int:
     p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
     p.add_argument("--family", action="append", default=None,
                    help="only the rows of this entry file (fwd_mma, bwd_tf32, ...); repeatable")
+    p.add_argument("--match", metavar="REGEX",
+                   help="only the rows whose kernel name matches REGEX (re.search)")
     p.add_argument("--threshold", type=float, default=0.03)
     a = p.parse_args(argv)
     if a.compare:
         before, after = (json.load(open(f)) for f in a.compare)
         return 1 if compare(before, after, a.threshold) else 0
-    rows = fingerprint(a.arch or ["sm_80", "sm_90"], a.family)
+    rows = fingerprint(a.arch or ["sm_80", "sm_90"], a.family, a.match)
     text = json.dumps(rows, indent=0)
     if a.output:
         open(a.output, "w").write(text)
