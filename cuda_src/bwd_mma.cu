@@ -265,7 +265,7 @@ bwd_mma_dkdv_kernel(const BwdParams params) {
             const int64_t m0 = m_block * kBlockM;
 
             mma_own_stream<Tr>(s, sK, sQ, row0);                               // S^T = K Q^T
-            probability_epilogue<WindowRule<true>, false>(                    // P^T
+            probability_epilogue<WindowRule<true>, false, Walk::kByElement>(  // P^T
                 s, M16n8Fragment{}, mask, p, ScoreTile{tile.batch, head, m0, block.n0, row0, kBlockN},
                 [&] { return block.needs_mask(p, mask, m0, kBlockM, kBlockN); }, lse_of, scale_log2);
             if constexpr (kDV) mma_accumulate<Tr>(dv, s, sdO);                 // dV += P^T dO

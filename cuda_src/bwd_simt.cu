@@ -450,7 +450,7 @@ bwd_simt_dkdv_kernel(const BwdParams params) {
                              params.delta_row_stride, m0 + me.col(jj), p.seqlen_q);
 
         dot_rows<Tr, Layout>(s, sK, sQ, me, d);                        // S^T = K Q^T
-        probability_epilogue<WindowRule<true>, false>(                  // P^T
+        probability_epilogue<WindowRule<true>, false, Walk::kByElement>(  // P^T
             s, me, mask, p, ScoreTile{tile.batch, head, m0, block.n0, 0, kBlockN},
             [&] { return block.needs_mask(p, mask, m0, kBlockM, kBlockN); },
             [&](int, int jj) { return lse_log2[jj]; }, scale_log2);

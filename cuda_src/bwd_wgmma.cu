@@ -273,7 +273,7 @@ bwd_wgmma_dkdv_kernel(const BwdParams params) {
             if (!kAtomicDq && has_next) queries.load_stats(next_head, next_m, next_lse_log2, next_delta);
             if constexpr (kDK) wgmma_wait<1>(s);           // S^T
             else wgmma_wait<0>(s);
-            probability_epilogue<WindowRule<true>, false>(                    // P^T
+            probability_epilogue<WindowRule<true>, false, Walk::kByElement>(  // P^T
                 s, Wgmma64Fragment{}, mask, p, ScoreTile{tile.batch, head, m0, block.n0, row0, kBlockN},
                 [&] { return block.needs_mask(p, mask, m0, kBlockM, kBlockN); }, lse_of, scale_log2);
             // The A operands live until the wait that retires their products.

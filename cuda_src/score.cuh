@@ -4,7 +4,7 @@
 // Every family calls, right after its S = Q K^T (or S^T = K Q^T) product,
 //   forward   score_epilogue<Rule, kQueryRows>(s, frag, mask, params, tile, partial)
 //             scores of hidden keys -> -inf, before the online softmax;
-//   backward  probability_epilogue<Rule, kQueryRows>(s, frag, mask, params, tile,
+//   backward  probability_epilogue<Rule, kQueryRows[, kWalk]>(s, frag, mask, params, tile,
 //                                                     partial, lse_log2, scale_log2)
 //             (here `partial` a callable, lse_log2 one: element [r][c]'s query's)
 //             s -> P = exp2(s * scale_log2 - lse_log2), hidden pairs -> P = 0 (a
@@ -66,8 +66,9 @@ struct ScoreTile {
 };
 
 // A Rule's range(q, lo, hi): the keys query q may see, relative to the key
-// block: key k is admissible iff lo <= k < hi (lo >= hi: none); exists(q):
-// whether query q exists at all (false: it sees no key).
+// block: key k is admissible iff lo <= k < hi (lo >= hi: none).  With
+// kBoundsQueries, gone(q) says whether query q lies past Lq (then it sees no
+// key); without, the rule has no gone() and no query test is emitted.
 //
 // WindowMask's rule, exact in 64 bits, the range clamped to [0, keys] (keys
 // beyond Lk hidden); with kQueryBound, queries past Lq see none (the backward,
@@ -81,7 +82,8 @@ struct WindowRule {
     __device__ __forceinline__ WindowRule(const WindowMask& m, const FwdParams& p, const ScoreTile& t)
         : mask(m), q0(t.q0), k0(t.k0), seqlen_q(p.seqlen_q), keys(t.keys) {}
 
-    __device__ __forceinline__ bool exists(int q) const { return !(kQueryBound && q0 + q >= seqlen_q); }
+    static constexpr bool kBoundsQueries = kQueryBound;
+    __device__ __forceinline__ bool gone(int q) const { return q0 + q >= seqlen_q; }
     __device__ __forceinline__ void range(int q, int& lo, int& hi) const {
         const int64_t i = q0 + q;
         lo = static_cast<int>(min64(max64(mask.first_key(i) - k0, 0), keys));
@@ -108,41 +110,79 @@ struct BlockRule {
         constexpr int64_t kLimit = int64_t(1) << 30;
         return static_cast<int>(x < -kLimit ? -kLimit : x > kLimit ? kLimit : x);
     }
-    __device__ __forceinline__ bool exists(int) const { return true; }
+    static constexpr bool kBoundsQueries = false;
     __device__ __forceinline__ void range(int q, int& lo, int& hi) const {
         lo = lo_base + q;
         hi = min(hi_base + q, keys);
     }
 };
 
+// How hide_pairs walks a fragment whose rows are keys (S^T, the dK/dV
+// kernels).  The two orders compute the same selects; they differ in what the
+// register allocator sees, and each caller keeps the one its kernel was tuned
+// with (tools/kernel_fingerprint.py measured both, NVRTC 13.5 and 13.0):
+//   kByQuery    one query (column) at a time: its range once, then its keys --
+//               bwd_tc_loops.cuh (with kByElement bwd_tf32's d = 32 dK/dV
+//               kernel went 240 -> 254 registers on sm_80, 205 -> 218 on sm_90);
+//   kByElement  row by row, the rule asked per element and the reuse of the
+//               ranges left to the compiler -- bwd_mma, bwd_wgmma, bwd_simt
+//               (with kByQuery bwd_mma's d = 64 dK/dV kernels went 226 -> 254
+//               on sm_90).
+// A fragment whose rows are queries is always walked query by query.
+enum class Walk { kByQuery, kByElement };
+
 // x[r][c] -> hidden wherever Rule does not admit the element's (query, key):
 // query frag.row(r) and key key0 + frag.col(c) (kQueryRows), else the
-// transpose.  Query by query, so that one range is live at a time.
-template <bool kQueryRows, class Rule, class Frag, typename Acc, int R, int C>
+// transpose.  The test is written out in each loop, not called: a bool
+// returned by a helper, even one that folds to the same comparison, left
+// NVVM a different branch structure (bwd_tf32's d = 128 dQ kernel: 185 -> 199
+// registers on sm_80).
+template <bool kQueryRows, Walk kWalk = Walk::kByQuery, class Rule, class Frag, typename Acc, int R, int C>
 __device__ __forceinline__ void hide_pairs(Acc (&x)[R][C], const Frag& frag, const Rule& rule, int key0,
                                            Acc hidden) {
     if constexpr (kQueryRows) {
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             int lo, hi;
-            const bool exists = rule.exists(frag.row(r));
             rule.range(frag.row(r), lo, hi);
 #pragma unroll
             for (int c = 0; c < C; ++c) {
                 const int k = key0 + frag.col(c);
-                if (!exists || k < lo || k >= hi) x[r][c] = hidden;
+                if constexpr (Rule::kBoundsQueries) {
+                    if (rule.gone(frag.row(r)) || k < lo || k >= hi) x[r][c] = hidden;
+                } else if (k < lo || k >= hi) {
+                    x[r][c] = hidden;
+                }
             }
         }
-    } else {
+    } else if constexpr (kWalk == Walk::kByQuery) {
 #pragma unroll
         for (int c = 0; c < C; ++c) {
             int lo, hi;
-            const bool exists = rule.exists(frag.col(c));
             rule.range(frag.col(c), lo, hi);
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 const int k = key0 + frag.row(r);
-                if (!exists || k < lo || k >= hi) x[r][c] = hidden;
+                if constexpr (Rule::kBoundsQueries) {
+                    if (rule.gone(frag.col(c)) || k < lo || k >= hi) x[r][c] = hidden;
+                } else if (k < lo || k >= hi) {
+                    x[r][c] = hidden;
+                }
+            }
+        }
+    } else {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const int k = key0 + frag.row(r);
+#pragma unroll
+            for (int c = 0; c < C; ++c) {
+                int lo, hi;
+                rule.range(frag.col(c), lo, hi);
+                if constexpr (Rule::kBoundsQueries) {
+                    if (rule.gone(frag.col(c)) || k < lo || k >= hi) x[r][c] = hidden;
+                } else if (k < lo || k >= hi) {
+                    x[r][c] = hidden;
+                }
             }
         }
     }
@@ -167,7 +207,8 @@ __device__ __forceinline__ Acc probability(Acc s, Acc scale_log2, Acc lse_log2) 
 // admissible (window, causal, past Lq or Lk) -> 0.  `partial` is a callable,
 // asked after the exponentials: evaluated before them, the block test's 64-bit
 // arithmetic stayed live across them (bwd_dmma's dQ kernel: 164 -> 182 registers).
-template <class Rule, bool kQueryRows, class Frag, typename Acc, int R, int C, class Partial, class Stat>
+template <class Rule, bool kQueryRows, Walk kWalk = Walk::kByQuery, class Frag, typename Acc, int R, int C,
+          class Partial, class Stat>
 __device__ __forceinline__ void probability_epilogue(Acc (&s)[R][C], const Frag& frag, const WindowMask& mask,
                                                      const FwdParams& p, const ScoreTile& tile,
                                                      const Partial& partial, const Stat& lse_log2,
@@ -176,7 +217,7 @@ __device__ __forceinline__ void probability_epilogue(Acc (&s)[R][C], const Frag&
     for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int c = 0; c < C; ++c) s[r][c] = probability(s[r][c], scale_log2, lse_log2(r, c));
-    if (partial()) hide_pairs<kQueryRows>(s, frag, Rule(mask, p, tile), tile.key0, Acc(0));
+    if (partial()) hide_pairs<kQueryRows, kWalk>(s, frag, Rule(mask, p, tile), tile.key0, Acc(0));
 }
 
 // fwd_v1's form (its threads walk a shared score tile element by element):
@@ -187,7 +228,7 @@ __device__ __forceinline__ auto score_element(const ElementFragment& e, const Wi
                                               const ScoreTile& tile, const Product& product) -> decltype(product()) {
     const Rule rule(mask, p, tile);
     int lo = 0, hi = 0;
-    if (rule.exists(e.row(0))) rule.range(e.row(0), lo, hi);
+    if (!Rule::kBoundsQueries || !rule.gone(e.row(0))) rule.range(e.row(0), lo, hi);
     const int k = tile.key0 + e.col(0);
     return k < lo || k >= hi ? neg_inf<decltype(product())>() : product();
 }
