@@ -51,3 +51,25 @@ class CPUBackward(_CPUSuite):
     """Backward: ``attention_backward`` from the forward's out and lse (naive: from scratch)."""
 
     backward = True
+
+
+class CPUScoreOperands:
+    """Forward and backward with a score operand (``python -m cupyflash bench --scores``):
+    a (1, H, L, L) bias in the inputs' dtype, or a (B, 1, 1, L) key-padding mask."""
+
+    params = [IMPLS, ["bias", "mask"], [False, True]]
+    param_names = ["impl", "scores", "backward"]
+    timeout = 120
+
+    def setup(self, impl, scores, backward):
+        self.case = _bench.Case("float32", 1, 2, 1024, 1024, 64, False, backward, scores)
+        inputs = [*_bench.random_inputs(self.case), _bench.score_operands(self.case)]
+        self.fn, _ = _bench.prepare(impl, self.case, inputs, "cpu")
+
+    def time_attention(self, impl, scores, backward):
+        self.fn()
+
+    def track_peak_memory(self, impl, scores, backward):
+        return _bench.peak_tracemalloc(self.fn)
+
+    track_peak_memory.unit = "bytes"

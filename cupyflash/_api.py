@@ -12,7 +12,7 @@ __all__ = ["attention", "attention_backward", "run_attention", "run_attention_ba
 
 
 def attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=False,
-              return_lse=False, out=None, precision="ieee", backend="auto"):
+              return_lse=False, out=None, precision="ieee", backend="auto", bias=None, mask=None):
     """Exact scaled dot-product attention, ``softmax(q kᵀ · scale) v``, without the score matrix.
 
     Computes FlashAttention-style: the ``(..., Lq, Lk)`` scores and
@@ -44,7 +44,7 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=F
         ``Hkv`` with ``Hq % Hkv == 0``; query head ``h`` uses kv head
         ``h // (Hq // Hkv)``.
     return_lse : bool, default False
-        Also return the log-sum-exp of each query row's scaled, masked scores.
+        Also return the log-sum-exp of each query row's scaled, biased, masked scores.
     out : array, optional
         Preallocated output of shape ``(..., Lq, dv)`` and the input dtype;
         any strides.  Filled and returned.
@@ -61,12 +61,29 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=F
         'auto' picks 'numpy' for NumPy arrays and 'cuda' for CUDA arrays.
         'emulator' runs the CUDA kernels on the CPU emulator (NumPy arrays;
         for testing kernels without a GPU).
+    bias : array or tuple of arrays, optional
+        Added to the scaled scores: they become ``scale * q kᵀ + bias`` (as
+        PyTorch's ``scaled_dot_product_attention`` adds a float ``attn_mask``).
+        Each array broadcasts (NumPy's rules, read in place, never expanded)
+        to the scores' shape ``batch + (Lq, Lk)``, ``batch`` the output's
+        leading shape; any of the four float dtypes, read in the accumulation
+        type.  A tuple of up to 4 arrays adds them all (in order), so that
+        e.g. a ``(B, N, 1, 1, L)`` padding bias and a ``(B, 1, H, L, L)`` pair
+        bias never have to be summed into a ``(B, N, H, L, L)`` array.  A
+        ``-inf`` entry hides that key from that query, as a False ``mask``
+        entry does; NaN makes the rows it touches NaN.  So far the NumPy
+        backend only (NumPy arrays).
+    mask : bool array, optional
+        True where a query may attend to a key (PyTorch's convention),
+        broadcastable like ``bias``; combined with ``causal``/``window`` by
+        AND.  So far the NumPy backend only.
 
     Returns
     -------
     out : array, shape (..., Lq, dv)
         Same dtype and array type as the inputs.  A query row that sees no
-        key (possible with ``window``/``causal`` and Lq > Lk) is all zeros.
+        key (possible with ``window``/``causal`` and Lq > Lk, a ``mask`` or
+        an all ``-inf`` ``bias``) is all zeros.
     lse : array, shape (..., Lq)
         Natural-log log-sum-exp; float32 (float64 for float64 inputs);
         ``-inf`` for rows that see no key.  Only if ``return_lse``.
@@ -75,12 +92,16 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=F
     ------
     TypeError
         Non-arrays, a mix of NumPy and CuPy arrays, unsupported or differing
-        dtypes, a backend that does not take this kind of array.
+        dtypes, a backend that does not take this kind of array, a ``bias``
+        that is not floating or a ``mask`` that is not bool.
     ValueError
         Shapes that do not fit together or broadcast, GQA head counts that do
         not divide, non-finite ``scale``, a malformed ``window``, an ``out`` of
         the wrong shape or dtype, an unknown ``backend`` or ``precision``, a
-        ``precision`` other than 'ieee' for inputs that are not float32.
+        ``precision`` other than 'ieee' for inputs that are not float32, a
+        ``bias`` or ``mask`` that does not broadcast to the scores' shape.
+    NotImplementedError
+        ``bias`` or ``mask`` on the CUDA or emulator backend (not yet).
 
     See Also
     --------
@@ -110,25 +131,29 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=F
     ((2, 4, 128, 64), dtype('float32'), (2, 4, 128))
     """
     return run_attention(q, k, v, scale=scale, causal=causal, window=window, enable_gqa=enable_gqa,
-                         return_lse=return_lse, out=out, precision=precision, backend=backend)
+                         return_lse=return_lse, out=out, precision=precision, backend=backend,
+                         bias=bias, mask=mask)
 
 
 def run_attention(q, k, v, *, scale=None, causal=False, window=None, enable_gqa=False, return_lse=False,
-                  out=None, precision="ieee", backend="auto", options: KernelOptions | None = None):
+                  out=None, precision="ieee", backend="auto", options: KernelOptions | None = None,
+                  bias=None, mask=None):
     """:func:`attention` with explicit dispatch ``options`` (tests and benchmarks; None: read
     ``CUPYFLASH_WGMMA`` / ``CUPYFLASH_DMMA`` from the environment, as :func:`attention` does)."""
     problem, _ = check_forward(q, k, v, scale=scale, causal=causal, window=window,
-                               enable_gqa=enable_gqa, backend=backend)
+                               enable_gqa=enable_gqa, backend=backend, bias=bias, mask=mask)
     problem.precision = check_precision(precision, problem.dtype)
     if out is not None:
         check_output(out, "out", problem.out_shape, problem.dtype, problem.kind,
-                     (problem.q, problem.k, problem.v))
+                     (problem.q, problem.k, problem.v, *problem.bias,
+                      *(() if problem.mask is None else (problem.mask,))))
     return run_forward(problem, out, bool(return_lse), options)
 
 
 def attention_backward(dout, q, k, v, out, lse, /, *, scale=None, causal=False, window=None,
-                       enable_gqa=False, deterministic=True, precision="ieee", backend="auto"):
-    """Gradients of :func:`attention` with respect to q, k and v.
+                       enable_gqa=False, deterministic=True, precision="ieee", backend="auto",
+                       bias=None, mask=None):
+    """Gradients of :func:`attention` with respect to q, k and v (and ``bias``).
 
     Recomputes the probabilities block by block from ``lse`` (as returned by
     ``attention(..., return_lse=True)``); the ``(..., Lq, Lk)`` matrices are
@@ -144,7 +169,7 @@ def attention_backward(dout, q, k, v, out, lse, /, *, scale=None, causal=False, 
         The forward output.
     lse : array, shape (..., Lq)
         The forward log-sum-exp (float32 or float64).
-    scale, causal, window, enable_gqa
+    scale, causal, window, enable_gqa, bias, mask
         As passed to :func:`attention`.
     deterministic : bool, default True
         Require results that are bit-identical from run to run (same inputs,
@@ -162,6 +187,13 @@ def attention_backward(dout, q, k, v, out, lse, /, *, scale=None, causal=False, 
     dq, dk, dv : arrays
         Shapes and dtypes of q, k and v.  Broadcast batch dims and, with
         ``enable_gqa``, each group's query heads are summed back onto k and v.
+    dbias : array or tuple of arrays
+        Only when ``bias`` is given (a 4-tuple is returned then): the gradient
+        of each bias term, structured like ``bias`` (one array, or a tuple in
+        its order), each with its term's shape and dtype, summed over the
+        axes along which that term was broadcast.  Zero where a pair was
+        hidden (a False ``mask`` entry, a ``-inf`` bias, the window).  ``mask``
+        has no gradient.
 
     Raises
     ------
@@ -201,18 +233,18 @@ def attention_backward(dout, q, k, v, out, lse, /, *, scale=None, causal=False, 
     """
     return run_attention_backward(dout, q, k, v, out, lse, scale=scale, causal=causal, window=window,
                                   enable_gqa=enable_gqa, deterministic=deterministic, precision=precision,
-                                  backend=backend)
+                                  backend=backend, bias=bias, mask=mask)
 
 
 def run_attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, window=None, enable_gqa=False,
                            deterministic=True, precision="ieee", backend="auto",
-                           options: KernelOptions | None = None):
+                           options: KernelOptions | None = None, bias=None, mask=None):
     """:func:`attention_backward` with explicit dispatch ``options`` (see :func:`run_attention`)."""
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"`deterministic` must be a bool, got {type(deterministic).__name__}")
     problem, dout, out, lse = check_backward(
         dout, q, k, v, out, lse, scale=scale, causal=causal, window=window,
-        enable_gqa=enable_gqa, backend=backend,
+        enable_gqa=enable_gqa, backend=backend, bias=bias, mask=mask,
     )
     problem.precision = check_precision(precision, problem.dtype)
     return run_backward(problem, dout, out, lse, deterministic=bool(deterministic), options=options)

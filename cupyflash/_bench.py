@@ -91,7 +91,7 @@ REQUIRED_KEYS = ("schema", "gpu", "device", "date", "driver", "cuda", "cupy", "t
                  "scipy", "python", "cpu", "blas", "gemm", "notes", "flop_count", "rows")
 ROW_KEYS = ("impl", "kernel", "device", "pass", "dtype", "B", "H", "Lq", "Lk", "d", "causal",
             "flops", "ms", "ms_min", "repeats", "tflops", "vs_best_peer", "of_gemm",
-            "peak_bytes", "peak_method", "max_abs_diff", "error")
+            "peak_bytes", "peak_method", "max_abs_diff", "error", "scores")
 
 SCHEMA = 1
 PEER_NOTE = ("PyTorch's is_causal is aligned to the top-left corner and cupyflash's to the "
@@ -124,6 +124,7 @@ class Case:
     head_dim: int
     causal: bool = False
     backward: bool = False
+    scores: str = ""        # "bias": a (1, H, Lq, Lk) bias; "mask": a (B, 1, 1, Lk) key mask
 
     @property
     def flops(self) -> float:
@@ -158,12 +159,12 @@ def flop_count(batch, heads, seqlen_q, seqlen_k, head_dim, *, causal=False,
 
 
 def cases(*, dtypes, batch, heads, seqlens, head_dims, seqlen_k=None, causal=(False,),
-          backward=False) -> list[Case]:
+          backward=False, scores=("",)) -> list[Case]:
     """The Cartesian product of the options, forward cases then backward ones."""
     passes = (False, True) if backward else (False,)
-    return [Case(dt, b, h, lq, seqlen_k or lq, d, c, bw)
-            for bw, dt, b, h, d, c, lq in itertools.product(passes, dtypes, batch, heads, head_dims,
-                                                              causal, seqlens)]
+    return [Case(dt, b, h, lq, seqlen_k or lq, d, c, bw, sc)
+            for bw, dt, b, h, d, c, sc, lq in itertools.product(passes, dtypes, batch, heads, head_dims,
+                                                                  causal, scores, seqlens)]
 
 
 # ---- devices, dtypes, inputs ---------------------------------------------------------------------
@@ -219,6 +220,24 @@ def random_inputs(case: Case, xp=np, seed: int = 0):
     arrays = [rng.standard_normal(shape, dtype=np.float32).astype(dtype, copy=False)
               for shape in (shape_q, shape_kv, shape_kv, shape_q)]
     return arrays if xp is np else [xp.asarray(a) for a in arrays]
+
+
+def score_operands(case: Case, xp=np, seed: int = 0) -> dict:
+    """The keywords of the case's score operand: ``bias`` (1, H, Lq, Lk) in the case's dtype
+    (a per-head pair bias, standard normal), ``mask`` (B, 1, 1, Lk) bool (key padding: each
+    batch entry's last eighth of the keys hidden), or none."""
+    if not case.scores:
+        return {}
+    rng = np.random.default_rng([seed, 1])
+    if case.scores == "bias":
+        bias = rng.standard_normal((1, case.heads, case.seqlen_q, case.seqlen_k), dtype=np.float32)
+        value = bias.astype(_dtype(case.dtype), copy=False)
+    elif case.scores == "mask":
+        value = np.ones((case.batch, 1, 1, case.seqlen_k), dtype=bool)
+        value[..., case.seqlen_k - case.seqlen_k // 8:] = False
+    else:
+        raise ValueError(f"unknown score operand {case.scores!r}")
+    return {case.scores: value if xp is np else xp.asarray(value)}
 
 
 def _xp(device: str):
@@ -281,6 +300,11 @@ def _torch_available(device: str) -> bool:
 def implementations(device: str, case: Case) -> list[str]:
     """Names of the implementations that apply to ``case`` on ``device`` (cupyflash first)."""
     names = ["cupyflash"]
+    if case.scores:   # the other cupyflash rows are kernel variants, which take no score operand yet
+        names.append("numpy-naive" if device == "cpu" else "cupy-naive")
+        if _torch_available(device) and not case.causal:   # SDPA takes attn_mask or is_causal
+            names += _TORCH_CPU_IMPLS if device == "cpu" else _TORCH_GPU_IMPLS
+        return names
     # the backward with dQ by atomics (deterministic=False)
     if device == "gpu" and case.backward:
         names.append("cupyflash-atomic")
@@ -315,14 +339,15 @@ def prepare(impl: str, case: Case, inputs, device: str):
     """
     import cupyflash
 
-    q, k, v, dout = inputs
+    q, k, v, dout, *extra = inputs
+    scores = extra[0] if extra else {}
     causal = case.causal
     if impl == "cupyflash":
-        kernel = _cupyflash_kernel(case, q, k, v) if device == "gpu" else None
+        kernel = _cupyflash_kernel(case, q, k, v) if device == "gpu" and not scores else None
         if not case.backward:
-            return (lambda: cupyflash.attention(q, k, v, causal=causal)), kernel
-        out, lse = cupyflash.attention(q, k, v, causal=causal, return_lse=True)
-        return (lambda: cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal),
+            return (lambda: cupyflash.attention(q, k, v, causal=causal, **scores)), kernel
+        out, lse = cupyflash.attention(q, k, v, causal=causal, return_lse=True, **scores)
+        return (lambda: cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal, **scores),
                 kernel)
     if impl == "cupyflash-atomic":
         out, lse = cupyflash.attention(q, k, v, causal=causal, return_lse=True)
@@ -361,8 +386,8 @@ def prepare(impl: str, case: Case, inputs, device: str):
 
         if case.backward:
             return (lambda: reference.naive_attention_backward(dout, q, k, v, causal=causal,
-                                                               oracle=False)), None
-        return (lambda: reference.naive_attention(q, k, v, causal=causal, oracle=False)), None
+                                                               oracle=False, **scores)), None
+        return (lambda: reference.naive_attention(q, k, v, causal=causal, oracle=False, **scores)), None
     if impl.startswith("torch-"):
         return _prepare_torch(impl, case, inputs), None
     raise ValueError(f"unknown implementation {impl!r}")
@@ -426,7 +451,11 @@ def _prepare_torch(impl: str, case: Case, inputs):
     import torch
     import torch.nn.functional as F
 
-    tq, tk, tv, tdout = (_to_torch(x) for x in inputs)
+    tq, tk, tv, tdout = (_to_torch(x) for x in inputs[:4])
+    # bias: attn_mask added to the scores, with its gradient in the backward; mask: a bool
+    # attn_mask (True = may attend, as cupyflash's)
+    operand = next(iter(inputs[4].values())) if len(inputs) > 4 and inputs[4] else None
+    attn_mask = None if operand is None else _to_torch(operand)
     if impl == "torch-sdpa":
         backend = contextlib.nullcontext
     else:
@@ -442,12 +471,16 @@ def _prepare_torch(impl: str, case: Case, inputs):
     def forward(q, k, v):
         with backend(), warnings.catch_warnings():
             warnings.simplefilter("ignore")   # "X unavailable because ..." also comes as an error
-            return F.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, attn_mask=mask)
 
+    mask = attn_mask
     if not case.backward:
         return lambda: forward(tq, tk, tv)
     leaves = [t.detach().requires_grad_(True) for t in (tq, tk, tv)]
-    out = forward(*leaves)
+    if case.scores == "bias":
+        mask = attn_mask.detach().requires_grad_(True)
+        leaves.append(mask)
+    out = forward(*leaves[:3])
     return lambda: torch.autograd.grad(out, leaves, tdout, retain_graph=True)
 
 
@@ -602,8 +635,9 @@ def _torch_cpu_child() -> None:
     torch.set_num_threads(spec["threads"])
     case = Case(**spec["case"])
     tiny = dataclasses.replace(case, batch=1, heads=1, seqlen_q=16, seqlen_k=16)
-    _prepare_torch(spec["impl"], tiny, random_inputs(tiny))()
-    fn = _prepare_torch(spec["impl"], case, random_inputs(case, seed=spec["seed"]))
+    _prepare_torch(spec["impl"], tiny, [*random_inputs(tiny), score_operands(tiny)])()
+    fn = _prepare_torch(spec["impl"], case, [*random_inputs(case, seed=spec["seed"]),
+                                             score_operands(case, seed=spec["seed"])])
     if not _reset_peak_rss():
         raise RuntimeError("cannot reset the peak resident set (/proc/self/clear_refs)")
     before = _proc_status_bytes("VmRSS")
@@ -706,7 +740,7 @@ def run_case(case: Case, device: str, *, impls=None, exclude=(), repeat: int, wa
     """One row per implementation of ``case`` (see :func:`bench` for the row keys and
     the hooks)."""
     xp = _xp(device)
-    inputs = random_inputs(case, xp, seed)
+    inputs = [*random_inputs(case, xp, seed), score_operands(case, xp, seed)]
     names = [n for n in implementations(device, case)
              if (impls is None or _selected(n, impls)) and n not in exclude]
     score_bytes = (case.batch * case.heads * case.seqlen_q * case.seqlen_k
@@ -755,7 +789,8 @@ def blank_row(case: Case, impl: str, device: str) -> dict:
     row = dict.fromkeys(ROW_KEYS)
     row.update({"impl": impl, "device": device, "pass": case.pass_name, "dtype": case.dtype,
                 "B": case.batch, "H": case.heads, "Lq": case.seqlen_q, "Lk": case.seqlen_k,
-                "d": case.head_dim, "causal": case.causal, "flops": case.flops})
+                "d": case.head_dim, "causal": case.causal, "flops": case.flops,
+                "scores": case.scores or None})
     return row
 
 
@@ -1081,7 +1116,7 @@ def markdown(doc: dict) -> str:
                       f"{r['vs_best_peer']:.2f}x" if r["vs_best_peer"] else "",
                       f"{100 * r['of_gemm']:.0f}%" if r["of_gemm"] else ""]
         peak = f"{r['peak_bytes'] / 2**20:.1f}" if r["peak_bytes"] is not None else ""
-        cells = [r["pass"], r["dtype"], str(r["B"]), str(r["H"]), str(r["Lq"]), str(r["Lk"]),
+        cells = [r["pass"] + (f" + {r['scores']}" if r.get("scores") else ""), r["dtype"], str(r["B"]), str(r["H"]), str(r["Lq"]), str(r["Lk"]),
                  str(r["d"]), "yes" if r["causal"] else "no", impl] + timing + \
                 [peak, r["peak_method"] or ""]
         lines.append("| " + " | ".join(cells) + " |")
@@ -1153,6 +1188,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--causal", nargs="?", const="yes", default="no", choices=("no", "yes", "both"),
                    help="causal mask (bottom-right aligned); 'both' runs each case twice")
     p.add_argument("--backward", action="store_true", help="also time the backward pass")
+    p.add_argument("--scores", type=_names(("none", "bias", "mask")), default=["none"],
+                   help="score operands, comma-separated: 'bias' adds a (1, H, Lq, Lk) bias in the "
+                        "case's dtype, 'mask' a (B, 1, 1, Lk) key-padding mask (PyTorch's peers get "
+                        "them as attn_mask; not with --causal); default none")
     p.add_argument("--impls", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
                    help="only these implementations, e.g. 'cupyflash,numpy-naive' or 'torch-*'")
     p.add_argument("--repeat", type=int, help="timed runs per case (default 30 GPU, 5 CPU)")
@@ -1189,7 +1228,7 @@ def main_bench(argv=None) -> int:
         batch=args.batch or [2 if gpu else 1], heads=args.heads or [16 if gpu else 1],
         seqlens=args.seqlen, head_dims=args.head_dim, seqlen_k=args.seqlen_k,
         causal={"no": (False,), "yes": (True,), "both": (False, True)}[args.causal],
-        backward=args.backward)
+        backward=args.backward, scores=tuple("" if s == "none" else s for s in args.scores))
     # progress on stderr, so that stdout is the table alone
     print(f"bench: {len(case_list)} case(s) on the {'GPU' if gpu else 'CPU'}", file=sys.stderr,
           flush=True)

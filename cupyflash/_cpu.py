@@ -191,6 +191,59 @@ def _split_heads(problem: Problem, arrays_q, arrays_kv):
     return qs, kvs
 
 
+def _scores_view(problem: Problem, x):
+    """A bias term or the mask (broadcastable to ``batch_shape + (Lq, Lk)``) viewed with
+    q's split axes: lifted to the full number of dims, and under GQA its head axis (of
+    size Hq or 1) split into (kv_heads, group) or (1, 1).  A view, never a copy."""
+    ndim = len(problem.batch_shape) + 2
+    x = x.reshape((1,) * (ndim - x.ndim) + x.shape)
+    g = problem.gqa_ratio
+    if g > 1:
+        h = x.shape[-3]
+        x = x.reshape(x.shape[:-3] + ((h // g, g) if h != 1 else (1, 1)) + x.shape[-2:])
+    return x
+
+
+def _block_of(x, i0, i1, j0, j1):
+    """Rows [i0, i1) x keys [j0, j1) of a scores-shaped operand, whose query or key axis
+    may have size 1 (broadcast): that axis's one entry then serves every row or key."""
+    rows = slice(0, 1) if x.shape[-2] == 1 else slice(i0, i1)
+    keys = slice(0, 1) if x.shape[-1] == 1 else slice(j0, j1)
+    return x[..., rows, keys]
+
+
+class _ScoreTerms:
+    """The bias terms and the boolean mask of one batch index, for the score blocks.
+
+    DESIGN 3b's order: the scaled scores, plus each bias term in order (read in
+    the accumulator type), then the window and the mask.  Each operand keeps its
+    size-1 (broadcast) axes: a block of it is a view that NumPy broadcasts.
+    """
+
+    def __init__(self, bias, mask, acc_t):
+        self.bias = bias            # arrays (*vec, Lq, Lk) (size-1 axes where broadcast)
+        self.mask = mask            # bool array or None
+        self.acc_t = acc_t
+
+    def __bool__(self):
+        return bool(self.bias) or self.mask is not None
+
+    def add_bias(self, s, i0, i1, j0, j1):
+        for b in self.bias:
+            s += _block_of(b, i0, i1, j0, j1).astype(self.acc_t, copy=False)
+
+    def hidden(self, i0, i1, j0, j1):
+        """Where the mask hides a pair of the block (None: no mask)."""
+        return None if self.mask is None else ~_block_of(self.mask, i0, i1, j0, j1)
+
+    def sees_none(self, i0, i1, j0, j1) -> bool:
+        """Whether the mask hides the whole block (then it is skipped)."""
+        return self.mask is not None and not _block_of(self.mask, i0, i1, j0, j1).any()
+
+
+_NO_TERMS = _ScoreTerms((), None, None)
+
+
 def _lse_view(problem: Problem, lse):
     """lse (..., Lq) viewed like an out array without its last axis."""
     g = problem.gqa_ratio
@@ -229,9 +282,10 @@ def _with_ones(vf):
 _LAZY_LIMIT = 2.0**32
 
 
-def _scores(qf, kf, j0, j1, i0, i1, kind, rows, out, mask_args):
-    """The (already scaled) scores of key block [j0, j1) as a ``rows + (j1 - j0,)`` array,
-    -inf where masked; into ``out`` when given (a full block)."""
+def _scores(qf, kf, j0, j1, i0, i1, kind, rows, out, mask_args, terms):
+    """The scores of key block [j0, j1) as a ``rows + (j1 - j0,)`` array: the (already
+    scaled) products plus the bias terms, -inf where the window or the mask hides a pair;
+    into ``out`` when given (a full block)."""
     kt = np.swapaxes(kf[..., j0:j1, :], -1, -2)
     if out is not None:
         s = np.matmul(qf, kt, out=out)
@@ -239,12 +293,17 @@ def _scores(qf, kf, j0, j1, i0, i1, kind, rows, out, mask_args):
         s = np.matmul(qf, kt)
         if s.shape[:-1] != rows:
             s = np.broadcast_to(s, rows + (j1 - j0,)).copy()
+    if terms:
+        terms.add_bias(s, i0, i1, j0, j1)
+        hidden = terms.hidden(i0, i1, j0, j1)
+        if hidden is not None:
+            np.copyto(s, -np.inf, where=hidden)
     if kind == "partial":
         np.copyto(s, -np.inf, where=_hidden(i0, i1, j0, j1, *mask_args))
     return s
 
 
-def _query_block(qf, kf, vf_ones, dv, i0, i1, vec_shape, bc, mask_args, acc_t):
+def _query_block(qf, kf, vf_ones, dv, i0, i1, vec_shape, bc, mask_args, acc_t, terms=_NO_TERMS):
     """Online softmax over the key blocks for query rows [i0, i1).
 
     ``qf`` holds the already scaled rows, ``vf_ones`` the ``dv`` value columns
@@ -272,10 +331,10 @@ def _query_block(qf, kf, vf_ones, dv, i0, i1, vec_shape, bc, mask_args, acc_t):
     for j0 in range(first, stop, bc):
         j1 = min(j0 + bc, stop)
         kind = block_bounds(i0, i1, j0, j1, *mask_args)
-        if kind == "empty":
+        if kind == "empty" or terms.sees_none(i0, i1, j0, j1):
             continue
         out = s_full if direct and j1 - j0 == bc else None
-        s = _scores(qf, kf, j0, j1, i0, i1, kind, rows, out, mask_args)
+        s = _scores(qf, kf, j0, j1, i0, i1, kind, rows, out, mask_args, terms)
         if not np.isneginf(m).any():
             # Every row has a finite running max: exponentiate against it and skip
             # this block's max pass.  Kept unless a row's new weights sum past
@@ -288,7 +347,7 @@ def _query_block(qf, kf, vf_ones, dv, i0, i1, vec_shape, bc, mask_args, acc_t):
                 l += pv_block[..., dv]
                 acc += pv_block[..., :dv]
                 continue
-            s = _scores(qf, kf, j0, j1, i0, i1, kind, rows, out, mask_args)
+            s = _scores(qf, kf, j0, j1, i0, i1, kind, rows, out, mask_args, terms)
         m_new = np.maximum(m, s.max(axis=-1))
         m_safe = np.where(np.isneginf(m_new), 0, m_new)       # rows with no key yet
         s -= m_safe[..., None]
@@ -313,6 +372,8 @@ def forward(problem: Problem, out, lse) -> None:
     lq, lk = problem.seqlen_q, problem.seqlen_k
     mask_args = (lk - lq, problem.window_left, problem.window_right)
     (q, o), (k, v) = _split_heads(problem, [problem.q, out], [problem.k, problem.v])
+    bias5 = [_scores_view(problem, b) for b in problem.bias]
+    mask5 = None if problem.mask is None else _scores_view(problem, problem.mask)
     lse5 = _lse_view(problem, lse) if lse is not None else None
     batch5 = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     n_vec = _vector_dims(problem, batch5)
@@ -328,14 +389,17 @@ def forward(problem: Problem, out, lse) -> None:
         for idx in np.ndindex(*_loop_shape(batch5, n_vec)):
             kf = _index_into(k, idx).astype(acc_t, copy=False)
             vf_ones = _with_ones(_index_into(v, idx).astype(acc_t, copy=False))
+            terms = _ScoreTerms([_index_into(b, idx) for b in bias5],
+                                None if mask5 is None else _index_into(mask5, idx), acc_t)
             for i0 in range(0, lq, bq):
-                yield idx, kf, vf_ones, i0, min(i0 + bq, lq)
+                yield idx, kf, vf_ones, terms, i0, min(i0 + bq, lq)
 
     def run(task):
-        idx, kf, vf_ones, i0, i1 = task
+        idx, kf, vf_ones, terms, i0, i1 = task
         qf = _index_into(q, idx)[..., i0:i1, :].astype(acc_t)
         qf *= scale                                             # scale folded into q once
-        rows, rows_lse = _query_block(qf, kf, vf_ones, dv, i0, i1, vec_shape, bc, mask_args, acc_t)
+        rows, rows_lse = _query_block(qf, kf, vf_ones, dv, i0, i1, vec_shape, bc, mask_args, acc_t,
+                                      terms)
         o[idx][..., i0:i1, :] = rows                            # each task its own rows
         if lse5 is not None:
             lse5[idx][..., i0:i1] = rows_lse
@@ -377,7 +441,15 @@ class _BackwardBuffers:
 
 
 def backward(problem: Problem, dout, out, lse):
-    """Return (dq, dk, dv) with the shapes and dtypes of q, k, v."""
+    """Return (dq, dk, dv) with the shapes and dtypes of q, k, v; with a bias, also dbias
+    (an array, or a tuple like the caller's ``bias``).
+
+    dbias is dS summed over each term's broadcast axes: within a task over the
+    vectorised axes (one NumPy reduction), and over the looped batch indices in
+    task order -- by the calling thread, unless the term is broadcast along no
+    looped axis, when each task writes its own key block's columns in place.
+    Either way the order is fixed, whatever the number of threads.
+    """
     acc_t = problem.accum_dtype
     lq, lk = problem.seqlen_q, problem.seqlen_k
     offset, left, right = lk - lq, problem.window_left, problem.window_right
@@ -389,6 +461,15 @@ def backward(problem: Problem, dout, out, lse):
     vec_shape = batch5[len(batch5) - n_vec:]
     masked = problem.window_left is not None or problem.window_right is not None
     bq, bc = _block_sizes(int(np.prod(vec_shape)), lq, lk, masked, _band(problem))
+    bias5 = [_scores_view(problem, b) for b in problem.bias]
+    mask5 = None if problem.mask is None else _scores_view(problem, problem.mask)
+    loop_shape = _loop_shape(batch5, n_vec)
+    # dbias in the accumulator type, with each term's (split) shape.  A term broadcast
+    # along no looped axis and not along the keys is added to by the tasks in place: each
+    # task owns its key block's columns (its query blocks add to them one after another)
+    dbias = [np.zeros(b.shape, dtype=acc_t) for b in bias5]
+    in_place = [all(b.shape[a] != 1 or n == 1 for a, n in enumerate(loop_shape))
+                and (b.shape[-1] != 1 or lk <= 1) for b in bias5]
 
     def tasks():
         # per batch index, in the calling thread: the scaled q, the operands in the
@@ -402,38 +483,58 @@ def backward(problem: Problem, dout, out, lse):
             lse_i = _index_into(lse5, idx).astype(acc_t, copy=False)
             lse_i = np.where(np.isneginf(lse_i), np.inf, lse_i)   # rows with no key: p = 0
             ops = (qf, _index_into(k, idx).astype(acc_t, copy=False),
-                   _index_into(v, idx).astype(acc_t, copy=False), dof, delta, lse_i)
+                   _index_into(v, idx).astype(acc_t, copy=False), dof, delta, lse_i,
+                   _ScoreTerms([_index_into(b, idx) for b in bias5],
+                               None if mask5 is None else _index_into(mask5, idx), acc_t))
             for j0 in range(0, lk, bc):
                 yield idx, ops, j0, min(j0 + bc, lk)
 
     def run(task):
-        idx, (qf, kf, vf, dof, delta, lse_i), j0, j1 = task
+        idx, (qf, kf, vf, dof, delta, lse_i, terms), j0, j1 = task
         kj, vj = kf[..., j0:j1, :], vf[..., j0:j1, :]
         kjt, vjt = np.swapaxes(kj, -1, -2), np.swapaxes(vj, -1, -2)
         blocks = [(i0, min(i0 + bq, lq)) for i0 in range(0, lq, bq)]
         kinds = [block_bounds(i0, i1, j0, j1, offset, left, right) for i0, i1 in blocks]
-        live = [(i0, i1, kind) for (i0, i1), kind in zip(blocks, kinds) if kind != "empty"]
+        live = [(i0, i1, kind) for (i0, i1), kind in zip(blocks, kinds)
+                if kind != "empty" and not terms.sees_none(i0, i1, j0, j1)]
         if not live:
-            return idx, j0, j1, None, None, 0, None
+            return idx, j0, j1, None, None, 0, None, None
         rows0, rows1 = live[0][0], live[-1][1]           # the query rows this key block meets
         bufs = _BackwardBuffers(acc_t, vec_shape)
         dk_j = np.zeros(vec_shape + kj.shape[-2:], dtype=acc_t)
         dv_j = np.zeros(vec_shape + vj.shape[-2:], dtype=acc_t)
         dq_part = np.zeros(vec_shape + (rows1 - rows0, qf.shape[-1]), dtype=acc_t)
+        # dbias of the terms summed by the calling thread: this task's rows x keys
+        db_parts = [None if direct else np.zeros(
+                        b.shape[:-2] + (1 if b.shape[-2] == 1 else rows1 - rows0, 1 if b.shape[-1] == 1 else j1 - j0),
+                        dtype=acc_t)
+                    for b, direct in zip(terms.bias, in_place)]
         for i0, i1, kind in live:
             qi, doi = qf[..., i0:i1, :], dof[..., i0:i1, :]
             p = bufs.matmul("s", qi, kjt)                       # scaled scores
+            if terms:
+                terms.add_bias(p, i0, i1, j0, j1)
             p -= lse_i[..., i0:i1, None]
             np.exp(p, out=p)
+            # hidden pairs -> P = 0 by a select: a NaN or inf bias there never reaches a gradient
             if kind == "partial":
-                p *= _visible(i0, i1, j0, j1, offset, left, right)
+                np.copyto(p, 0, where=_hidden(i0, i1, j0, j1, offset, left, right))
+            hidden = terms.hidden(i0, i1, j0, j1)
+            if hidden is not None:
+                np.copyto(p, 0, where=hidden)
             dv_j += bufs.matmul("kv", np.swapaxes(p, -1, -2), doi)
             ds = bufs.matmul("dp", doi, vjt)
             ds -= delta[..., i0:i1, None]
             ds *= p                                             # dS = P o (dP - D)
+            for t, b in enumerate(terms.bias):                  # dbias = dS over b's broadcast axes
+                part = _sum_to(ds, _block_of(b, i0, i1, j0, j1).shape)
+                if in_place[t]:
+                    _block_of(_index_into(dbias[t], idx), i0, i1, j0, j1)[...] += part
+                else:
+                    _block_of(db_parts[t], i0 - rows0, i1 - rows0, 0, j1 - j0)[...] += part
             dk_j += bufs.matmul("kv", np.swapaxes(ds, -1, -2), qi)
             dq_part[..., i0 - rows0:i1 - rows0, :] += bufs.matmul("q", ds, kj)
-        return idx, j0, j1, dk_j, dv_j, rows0, dq_part
+        return idx, j0, j1, dk_j, dv_j, rows0, dq_part, db_parts
 
     dq = np.zeros(q.shape, dtype=acc_t)
     dk = np.zeros(k.shape, dtype=acc_t)
@@ -451,7 +552,7 @@ def backward(problem: Problem, dout, out, lse):
     with blas:
         # results come in task order: the partial dQs are summed in the same order
         # whatever the number of threads
-        for idx, j0, j1, dk_j, dv_j, rows0, dq_part in _threads.ordered_map(
+        for idx, j0, j1, dk_j, dv_j, rows0, dq_part, db_parts in _threads.ordered_map(
                 run, tasks(), workers):
             if grads is None or grads[0] != idx:
                 if grads is not None:
@@ -464,13 +565,20 @@ def backward(problem: Problem, dout, out, lse):
             grads[2][..., j0:j1, :] = dk_j
             grads[3][..., j0:j1, :] = dv_j
             grads[1][..., rows0:rows0 + dq_part.shape[-2], :] += dq_part
+            for t, part in enumerate(db_parts):
+                if part is not None:
+                    _block_of(_index_into(dbias[t], idx), rows0, rows0 + part.shape[-2], j0, j1)[...] += part
         if grads is not None:
             finish_index()
 
     def finish(grad, like):
         return grad.reshape(like.shape).astype(like.dtype, copy=False)
 
-    return finish(dq, problem.q), finish(dk, problem.k), finish(dv, problem.v)
+    grads = finish(dq, problem.q), finish(dk, problem.k), finish(dv, problem.v)
+    if not problem.bias:
+        return grads
+    terms = tuple(finish(db, b) for db, b in zip(dbias, problem.bias))
+    return grads + (terms if problem.bias_is_tuple else terms[0],)
 
 
 def _accumulate(total, idx, part):

@@ -69,9 +69,19 @@ def _allocate(problem: Problem, out, return_lse: bool):
     return out, lse
 
 
+def _kernels_take(problem: Problem) -> None:
+    """Raise before any work when the problem asks the kernels for what no family takes yet."""
+    if problem.backend != "numpy" and (problem.bias or problem.mask is not None):
+        what = " and ".join(n for n, on in (("`bias`", problem.bias), ("`mask`", problem.mask is not None)) if on)
+        raise NotImplementedError(
+            f"{what}: no CUDA kernel family takes them yet, so the {problem.backend!r} backend cannot run "
+            f"this call; the NumPy backend can (NumPy arrays: numpy arrays in, or .get() CuPy ones)")
+
+
 def run_forward(problem: Problem, out, return_lse: bool, options: KernelOptions | None = None):
     """(out[, lse]) of a checked problem; ``options`` steers kernel dispatch (None: read
     from the environment now)."""
+    _kernels_take(problem)
     out, lse = _allocate(problem, out, return_lse)
     if out.size == 0 and (lse is None or lse.size == 0):
         return (out, lse) if return_lse else out
@@ -98,6 +108,7 @@ def run_backward(problem: Problem, dout, out, lse, *, deterministic: bool = True
     kernels add dq with atomics when it is False (:func:`cupyflash._run.backward`).
     ``options`` steers kernel dispatch (None: read from the environment now).
     """
+    _kernels_take(problem)
     if problem.backend == "numpy":
         return _cpu.backward(problem, dout, out, lse)
     return _run_backward_kernels(problem, dout, out, lse, deterministic,

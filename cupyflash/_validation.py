@@ -52,6 +52,13 @@ class Problem:
     head_dim_v: int
     backend: str
     precision: str = "ieee"  # float32 only: "tf32"/"tf32x3" allow the TF32 tensor cores
+    bias: tuple = ()         # the additive bias terms, each broadcastable to scores_shape
+    bias_is_tuple: bool = False   # the caller passed a tuple (dbias is then a tuple too)
+    mask: object = None      # bool, broadcastable to scores_shape; True = may attend
+
+    @property
+    def scores_shape(self) -> tuple:
+        return self.batch_shape + (self.seqlen_q, self.seqlen_k)
 
     @property
     def out_shape(self) -> tuple:
@@ -198,11 +205,72 @@ def _gqa_hint(q, k, v) -> str:
     return ""
 
 
-def check_forward(q, k, v, *, scale, causal, window, enable_gqa, backend, extra=()) -> Problem:
+MAX_BIAS_TERMS = 4
+
+
+def _check_scores_operand(x, name: str, kind: str, device, target: tuple, batch_shape: tuple):
+    """A bias term or the mask: the call's kind of array (CUDA arrays of another library
+    taken zero-copy on the CuPy path), on q's device, broadcastable to ``target``."""
+    found = array_kind(x, name)
+    if found == "cuda-foreign" and kind == "cupy":
+        x, found = _to_cupy(x), "cupy"
+    if found != kind:
+        expected = "NumPy" if kind == "numpy" else "CuPy"
+        raise TypeError(f"`{name}` must be a {expected} array like q, k and v; got "
+                        f"{'a CUDA array' if found != 'numpy' else 'a NumPy array'}")
+    if kind == "cupy" and int(x.device.id) != device:
+        raise ValueError(f"`{name}` must be on q's device {device}; got device {int(x.device.id)}")
+    shape = tuple(x.shape)
+    if len(shape) > len(target) or any(n not in (1, t) for n, t in zip(shape[::-1], target[::-1])):
+        raise ValueError(
+            f"`{name}` of shape {shape} does not broadcast to the scores' shape {target} "
+            f"(the output's batch shape {batch_shape} + (Lq, Lk)); each axis must be 1 or the "
+            f"scores' size, and it may have fewer axes (they are aligned on the right)")
+    return x
+
+
+def _check_bias_and_mask(bias, mask, *, kind, device, batch_shape, seqlen_q, seqlen_k):
+    """(bias terms, whether bias was a tuple, mask): checked, nothing converted."""
+    target = batch_shape + (seqlen_q, seqlen_k)
+    terms, is_tuple = (), False
+    if bias is not None:
+        if isinstance(bias, tuple):
+            is_tuple = True
+            if not 1 <= len(bias) <= MAX_BIAS_TERMS:
+                raise ValueError(f"`bias` as a tuple must hold 1 to {MAX_BIAS_TERMS} arrays; got {len(bias)}")
+            named = [(f"bias[{i}]", b) for i, b in enumerate(bias)]
+        elif isinstance(bias, list):
+            raise TypeError("`bias` must be an array or a tuple of arrays; got a list "
+                            "(pass tuple(bias) for several terms, or numpy.asarray(bias) for one)")
+        else:
+            named = [("bias", bias)]
+        checked = []
+        for name, b in named:
+            b = _check_scores_operand(b, name, kind, device, target, batch_shape)
+            dtype = np.dtype(b.dtype)
+            if dtype_name(dtype) not in _FLOAT_KINDS:
+                hint = " (a boolean mask goes in `mask=`)" if dtype == np.bool_ else ""
+                raise TypeError(f"`{name}` must have dtype {SUPPORTED_DTYPES}; got {dtype.name}{hint}")
+            checked.append(b)
+        terms = tuple(checked)
+    if mask is not None:
+        mask = _check_scores_operand(mask, "mask", kind, device, target, batch_shape)
+        if np.dtype(mask.dtype) != np.bool_:
+            dtype = np.dtype(mask.dtype)
+            hint = (" (an additive mask of 0 and -inf goes in `bias=`)" if dtype.kind == "f"
+                    else "; convert it, e.g. mask.astype(bool)")
+            raise TypeError(f"`mask` must have dtype bool (True = may attend); got {dtype.name}{hint}")
+    return terms, is_tuple, mask
+
+
+def check_forward(q, k, v, *, scale, causal, window, enable_gqa, backend, extra=(),
+                  bias=None, mask=None) -> Problem:
     """Check the arguments shared by the forward and backward calls.
 
     ``extra`` lists further ``(name, array)`` pairs (dout, out, lse) that must be
     of the same array kind as q, k, v; their shapes are checked by the caller.
+    ``bias`` and ``mask`` are checked against the scores' shape
+    ``batch_shape + (Lq, Lk)``.
     """
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"`backend` must be one of {', '.join(map(repr, BACKENDS))}; got {backend!r}")
@@ -294,11 +362,15 @@ def check_forward(q, k, v, *, scale, causal, window, enable_gqa, backend, extra=
 
     left, right = _check_window(window, causal)
     scale = _check_scale(scale, head_dim)
+    terms, is_tuple, mask = _check_bias_and_mask(
+        bias, mask, kind=kind, device=int(q.device.id) if kind == "cupy" else None,
+        batch_shape=batch_shape, seqlen_q=q.shape[-2], seqlen_k=k.shape[-2])
     return Problem(
         q=q, k=k, v=v, kind=kind, dtype=dtype, scale=scale,
         window_left=left, window_right=right, gqa_ratio=gqa_ratio,
         batch_shape=batch_shape, seqlen_q=q.shape[-2], seqlen_k=k.shape[-2],
         head_dim=head_dim, head_dim_v=head_dim_v, backend=resolved,
+        bias=terms, bias_is_tuple=is_tuple, mask=mask,
     ), converted[3:]
 
 
@@ -333,11 +405,12 @@ def check_output(out, name: str, shape: tuple, dtype: np.dtype, kind: str, input
         raise ValueError(f"`{name}` must not overlap the input arrays")
 
 
-def check_backward(dout, q, k, v, out, lse, *, scale, causal, window, enable_gqa, backend):
+def check_backward(dout, q, k, v, out, lse, *, scale, causal, window, enable_gqa, backend,
+                   bias=None, mask=None):
     """Check ``attention_backward``'s arguments; returns the Problem and (dout, out, lse)."""
     problem, (dout, out, lse) = check_forward(
         q, k, v, scale=scale, causal=causal, window=window, enable_gqa=enable_gqa,
-        backend=backend, extra=(("dout", dout), ("out", out), ("lse", lse)),
+        backend=backend, extra=(("dout", dout), ("out", out), ("lse", lse)), bias=bias, mask=mask,
     )
     for name, x in (("dout", dout), ("out", out)):
         if tuple(x.shape) != problem.out_shape:

@@ -46,9 +46,11 @@ class _Oracle(typing.NamedTuple):
     k: np.ndarray        # float64, (*batch, Lk, d): each query head's own kv head
     v: np.ndarray        # float64, (*batch, Lk, dv)
     scale: float
-    visible: np.ndarray | None  # bool (Lq, Lk): query i may attend to key j; None: every key
+    visible: np.ndarray | None  # bool (Lq, Lk), or (*batch, Lq, Lk) with a mask: query i may
+                                 # attend to key j; None: every key
     kv_head: np.ndarray | None   # under GQA, the kv head (axis -3 of k, v) of each query head
     kv_heads: int                # under GQA, how many kv heads there are
+    bias: tuple = ()             # the bias terms, each broadcast to (*batch, Lq, Lk)
 
 
 def _bounds(causal, window):
@@ -103,10 +105,19 @@ def _array_module(x):
     return np
 
 
-def _oracle(q, k, v, scale, causal, window, enable_gqa, xp=np, dtype=np.float64, masks=True):
+def _bias_terms(bias):
+    """``bias`` (None, one array, or a tuple of arrays) as a tuple of its terms."""
+    if bias is None:
+        return ()
+    return tuple(bias) if isinstance(bias, (tuple, list)) else (bias,)
+
+
+def _oracle(q, k, v, scale, causal, window, enable_gqa, xp=np, dtype=np.float64, masks=True,
+            bias=None, mask=None):
     """The arguments read as the oracle reads them: q, k, v as ``dtype`` arrays of ``xp``
-    broadcast to one batch shape, and the mask (None for ``masks=False`` when nothing is
-    masked)."""
+    broadcast to one batch shape, the bias terms as ``dtype`` arrays broadcast to
+    ``batch + (Lq, Lk)``, and the mask: the window's and the boolean ``mask``'s together
+    (None for ``masks=False`` when nothing is masked)."""
     q, k, v = (xp.asarray(x).astype(dtype, copy=False) for x in (q, k, v))
     if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
         raise ValueError(f"shapes do not fit: q {q.shape}, k {k.shape}, v {v.shape}")
@@ -124,22 +135,34 @@ def _oracle(q, k, v, scale, causal, window, enable_gqa, xp=np, dtype=np.float64,
     else:
         batch = _common_shape(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     q, k, v = (xp.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v))
+    scores_shape = batch + (q.shape[-2], k.shape[-2])
+    terms = tuple(xp.broadcast_to(xp.asarray(b).astype(dtype, copy=False), scores_shape)
+                  for b in _bias_terms(bias))
     visible = None
-    if masks or _bounds(causal, window) != (None, None):
+    if masks or _bounds(causal, window) != (None, None) or mask is not None:
         visible = _visible(q.shape[-2], k.shape[-2], causal, window, xp)
-    return _Oracle(q, k, v, scale, visible, kv_head, hkv)
+    if mask is not None:
+        visible = visible & xp.broadcast_to(xp.asarray(mask, dtype=bool), scores_shape)
+    return _Oracle(q, k, v, scale, visible, kv_head, hkv, terms)
 
 
-def _probabilities(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=False):
-    """The oracle's float64 scaled scores, probabilities and lse (all L x L) and its
-    :class:`_Oracle` reading of the arguments; for the tests' error bounds too."""
-    o = _oracle(q, k, v, scale, causal, window, enable_gqa)
-    s = np.where(o.visible, np.matmul(o.q, np.swapaxes(o.k, -1, -2)) * o.scale, -np.inf)
+def _probabilities(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=False,
+                   bias=None, mask=None):
+    """The oracle's float64 scores (scaled, biased, masked), probabilities and lse (all
+    L x L) and its :class:`_Oracle` reading of the arguments; for the tests' error bounds
+    too."""
+    o = _oracle(q, k, v, scale, causal, window, enable_gqa, bias=bias, mask=mask)
+    s = np.matmul(o.q, np.swapaxes(o.k, -1, -2)) * o.scale
+    for term in o.bias:                 # DESIGN 3b: scale, then the bias terms, then the masks
+        s = s + term
+    s = np.where(o.visible, s, -np.inf)
     with np.errstate(divide="ignore", invalid="ignore"):
         lse = scipy.special.logsumexp(s, axis=-1)
         # softmax reduces with max(), which has no identity on an empty key axis (Lk = 0)
         p = scipy.special.softmax(s, axis=-1) if s.shape[-1] else np.zeros_like(s)
-    p = np.nan_to_num(p, nan=0.0)       # rows with no admissible key: all -inf -> NaN -> 0
+    # rows with no admissible key (all -inf: masked, or a -inf bias) -> 0, not NaN; a NaN
+    # score (NaN in q, k or a bias) keeps its row NaN
+    p = np.where(np.all(np.isneginf(s), axis=-1, keepdims=True), 0.0, p)
     return s, p, lse, o
 
 
@@ -159,7 +182,7 @@ def _reduce_to(grad, like, kv_head=None, kv_heads=0):
 
 
 def naive_attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=False,
-                    return_lse=False, oracle=True):
+                    return_lse=False, oracle=True, bias=None, mask=None):
     """Attention computed the obvious way, in float64: the oracle.
 
     Forms the full ``(..., Lq, Lk)`` score matrix, so it needs O(Lq·Lk)
@@ -170,7 +193,7 @@ def naive_attention(q, k, v, /, *, scale=None, causal=False, window=None, enable
 
     Parameters
     ----------
-    q, k, v, scale, causal, window, enable_gqa, return_lse
+    q, k, v, scale, causal, window, enable_gqa, return_lse, bias, mask
         As in :func:`cupyflash.attention`.
     oracle : bool, default True
         False: not the oracle but naive attention as a user would write it --
@@ -204,11 +227,11 @@ def naive_attention(q, k, v, /, *, scale=None, causal=False, window=None, enable
     """
     _check_oracle(oracle)
     if not oracle:
-        p, lse, o = _as_written(q, k, v, scale, causal, window, enable_gqa)
+        p, lse, o = _as_written(q, k, v, scale, causal, window, enable_gqa, bias, mask)
         out = _array_module(p).matmul(p, o.v).astype(_dtype_of(q), copy=False)
         return (out, lse) if return_lse else out
     _, p, lse, o = _probabilities(q, k, v, scale=scale, causal=causal, window=window,
-                                  enable_gqa=enable_gqa)
+                                  enable_gqa=enable_gqa, bias=bias, mask=mask)
     out = np.matmul(p, o.v)
     return (out, lse) if return_lse else out
 
@@ -222,16 +245,21 @@ def _dtype_of(x):
     return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
 
 
-def _as_written(q, k, v, scale, causal, window, enable_gqa):
+def _as_written(q, k, v, scale, causal, window, enable_gqa, bias=None, mask=None):
     """Naive attention as a user would write it (``oracle=False``): the probabilities
     (softmax in place on the scaled, masked scores), the lse, both in the accumulator
     type of q's dtype, and the operands, read as the oracle reads them."""
     xp = _array_module(q)
     acc = accumulator_dtype(_dtype_of(q))
-    o = _oracle(q, k, v, scale, causal, window, enable_gqa, xp=xp, dtype=acc, masks=False)
+    o = _oracle(q, k, v, scale, causal, window, enable_gqa, xp=xp, dtype=acc, masks=False,
+                bias=bias, mask=mask)
     s = xp.matmul(o.q, o.k.swapaxes(-1, -2))
     s *= acc.type(o.scale)
-    if o.visible is not None:   # the mask is the peer's own: negated in place
+    for term in o.bias:
+        s += term
+    if mask is not None:        # a broadcast view of the caller's mask: negate a copy
+        xp.copyto(s, -xp.inf, where=xp.logical_not(o.visible))
+    elif o.visible is not None:   # the mask is the peer's own: negated in place
         xp.copyto(s, -xp.inf, where=xp.logical_not(o.visible, out=o.visible))
     if s.shape[-1]:
         top = s.max(axis=-1, keepdims=True)
@@ -248,18 +276,19 @@ def _as_written(q, k, v, scale, causal, window, enable_gqa):
 
 
 def naive_attention_backward(dout, q, k, v, /, *, scale=None, causal=False, window=None,
-                             enable_gqa=False, oracle=True):
-    """Gradients of :func:`naive_attention` in float64: ``(dq, dk, dv)``.
+                             enable_gqa=False, oracle=True, bias=None, mask=None):
+    """Gradients of :func:`naive_attention` in float64: ``(dq, dk, dv)``, and
+    ``dbias`` with ``bias``.
 
     dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dO ∘ O)), dQ = scale·dS K,
-    dK = scale·dSᵀ Q; broadcast and grouped heads are summed back to the
-    shapes of k and v.
+    dK = scale·dSᵀ Q, dbias = dS; broadcast and grouped heads are summed back to
+    the shapes of k and v, and dS over each bias term's broadcast axes.
 
     Parameters
     ----------
     dout : numpy.ndarray, shape (..., Lq, dv)
         Gradient of the loss with respect to the attention output.
-    q, k, v, scale, causal, window, enable_gqa
+    q, k, v, scale, causal, window, enable_gqa, bias, mask
         As in :func:`cupyflash.attention`.
     oracle : bool, default True
         False: the backward as a user would write it, the peer of
@@ -273,6 +302,10 @@ def naive_attention_backward(dout, q, k, v, /, *, scale=None, causal=False, wind
     dq, dk, dv : numpy.ndarray
         float64, with the shapes of q, k and v (``oracle=False``: q's dtype and
         array type).
+    dbias : numpy.ndarray or tuple
+        Only with ``bias``: like ``bias`` (one array, or a tuple in its order),
+        each term's gradient with that term's shape (float64; ``oracle=False``:
+        the accumulator type).
 
     Examples
     --------
@@ -292,9 +325,9 @@ def naive_attention_backward(dout, q, k, v, /, *, scale=None, causal=False, wind
     """
     _check_oracle(oracle)
     if not oracle:
-        return _as_written_backward(dout, q, k, v, scale, causal, window, enable_gqa)
+        return _as_written_backward(dout, q, k, v, scale, causal, window, enable_gqa, bias, mask)
     _, p, _, o = _probabilities(q, k, v, scale=scale, causal=causal, window=window,
-                                enable_gqa=enable_gqa)
+                                enable_gqa=enable_gqa, bias=bias, mask=mask)
     do = np.broadcast_to(np.asarray(dout).astype(np.float64), p.shape[:-1] + (o.v.shape[-1],))
     out = np.matmul(p, o.v)
     dv = np.matmul(np.swapaxes(p, -1, -2), do)
@@ -302,25 +335,34 @@ def naive_attention_backward(dout, q, k, v, /, *, scale=None, causal=False, wind
     ds = p * (dp - np.sum(do * out, axis=-1, keepdims=True))
     dq = np.matmul(ds, o.k) * o.scale
     dk = np.matmul(np.swapaxes(ds, -1, -2), o.q) * o.scale
-    return (_reduce_to(dq, np.shape(q)), _reduce_to(dk, np.shape(k), o.kv_head, o.kv_heads),
-            _reduce_to(dv, np.shape(v), o.kv_head, o.kv_heads))
+    grads = (_reduce_to(dq, np.shape(q)), _reduce_to(dk, np.shape(k), o.kv_head, o.kv_heads),
+             _reduce_to(dv, np.shape(v), o.kv_head, o.kv_heads))
+    return grads if bias is None else grads + (_bias_gradient(ds, bias),)
 
 
-def _as_written_backward(dout, q, k, v, scale, causal, window, enable_gqa):
-    p, _, o = _as_written(q, k, v, scale, causal, window, enable_gqa)
+def _bias_gradient(ds, bias):
+    """dS summed onto each bias term's shape, structured like ``bias``."""
+    terms = tuple(_reduce_to(ds, np.shape(b)).reshape(np.shape(b)) for b in _bias_terms(bias))
+    return terms if isinstance(bias, (tuple, list)) else terms[0]
+
+
+def _as_written_backward(dout, q, k, v, scale, causal, window, enable_gqa, bias=None, mask=None):
+    p, _, o = _as_written(q, k, v, scale, causal, window, enable_gqa, bias, mask)
     xp, acc = _array_module(p), p.dtype
     do = xp.broadcast_to(xp.asarray(dout).astype(acc, copy=False), p.shape[:-1] + (o.v.shape[-1],))
     dv = xp.matmul(p.swapaxes(-1, -2), do)
     ds = xp.matmul(do, o.v.swapaxes(-1, -2))                # dP, then in place dS
     ds -= (p * ds).sum(axis=-1, keepdims=True)             # rowsum(P ∘ dP) = rowsum(dO ∘ O)
     ds *= p
+    dbias = None if bias is None else _bias_gradient(ds, bias)
     ds *= acc.type(o.scale)
     dq = xp.matmul(ds, o.k)
     dk = xp.matmul(ds.swapaxes(-1, -2), o.q)
     dtype = _dtype_of(q)
-    return (_reduce_to(dq, np.shape(q)).astype(dtype, copy=False),
-            _reduce_to(dk, np.shape(k), o.kv_head, o.kv_heads).astype(dtype, copy=False),
-            _reduce_to(dv, np.shape(v), o.kv_head, o.kv_heads).astype(dtype, copy=False))
+    grads = (_reduce_to(dq, np.shape(q)).astype(dtype, copy=False),
+             _reduce_to(dk, np.shape(k), o.kv_head, o.kv_heads).astype(dtype, copy=False),
+             _reduce_to(dv, np.shape(v), o.kv_head, o.kv_heads).astype(dtype, copy=False))
+    return grads if dbias is None else grads + (dbias,)
 
 
 def _window_mask(problem):
