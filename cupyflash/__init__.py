@@ -4,13 +4,15 @@
 >>> out = cupyflash.attention(q, k, v)      # doctest: +SKIP
 """
 
-from ._api import attention, attention_backward
+from ._api import attention, attention_backward, attention_varlen, attention_varlen_backward
+from ._kvcache import append_kv
 from ._merge import merge_attention
 from . import reference
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_backward", "merge_attention", "precompile", "reference", "__version__"]
+__all__ = ["append_kv", "attention", "attention_backward", "attention_varlen", "attention_varlen_backward",
+           "merge_attention", "precompile", "reference", "__version__"]
 
 
 def precompile(*, dtypes=None, head_dims=None, families=None, device=None):

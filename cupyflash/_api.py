@@ -8,11 +8,13 @@ from ._dispatch import run_backward, run_forward
 from ._options import KernelOptions
 from ._validation import check_backward, check_forward, check_output, check_precision
 
-__all__ = ["attention", "attention_backward", "run_attention", "run_attention_backward"]
+__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "run_attention",
+           "run_attention_backward"]
 
 
 def attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=False,
-              return_lse=False, out=None, precision="ieee", backend="auto", bias=None, mask=None):
+              return_lse=False, out=None, precision="ieee", backend="auto", bias=None, mask=None,
+              q_lengths=None, kv_lengths=None, block_table=None):
     """Exact scaled dot-product attention, ``softmax(q kᵀ · scale) v``, without the score matrix.
 
     Computes FlashAttention-style: the ``(..., Lq, Lk)`` scores and
@@ -77,6 +79,26 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=F
         True where a query may attend to a key (PyTorch's convention),
         broadcastable like ``bias``; combined with ``causal``/``window`` by
         AND.  So far the NumPy backend only.
+    q_lengths, kv_lengths : int or int array, optional
+        Per-sequence lengths of a padded batch: int32/int64, broadcastable to
+        the batch dims before the head axis (``(B,)`` for ``(B, H, L, d)``
+        inputs; an int for 3-D inputs), in ``[0, Lq]`` and ``[0, Lk]``.
+        Query rows ``i >= q_len`` give zeros and lse ``-inf``; keys
+        ``j >= kv_len`` are invisible; what the padding holds (even NaN)
+        never reaches a result.  ``causal`` and ``window`` align to each
+        sequence's own lengths: query ``i`` sits at key ``i + kv_len - q_len``.
+        On CuPy arrays they are copied to the host once (a few bytes); the
+        kernel backends launch once per sequence, on its own rows and keys.
+    block_table : int32 or int64 array, shape (B, max_pages), optional
+        k and v are then a paged KV cache, ``(num_pages, Hkv, page_size, d)``
+        and ``(num_pages, Hkv, page_size, dv)``, and q is ``(B, Hq, Lq, d)``:
+        sequence ``b``'s key ``j`` is slot ``j % page_size`` of page
+        ``block_table[b, j // page_size]``.  Any page size; pages in any
+        order, shared or not.  Needs ``kv_lengths``; takes ``q_lengths``,
+        ``causal`` (each sequence's queries are its last ``Lq`` positions),
+        ``window``, ``enable_gqa``, ``scale``, ``return_lse`` and ``out``,
+        not ``bias`` or ``mask``.  See :func:`append_kv`.  So far the NumPy
+        backend only.
 
     Returns
     -------
@@ -132,16 +154,28 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=F
     """
     return run_attention(q, k, v, scale=scale, causal=causal, window=window, enable_gqa=enable_gqa,
                          return_lse=return_lse, out=out, precision=precision, backend=backend,
-                         bias=bias, mask=mask)
+                         bias=bias, mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths,
+                         block_table=block_table)
 
 
 def run_attention(q, k, v, *, scale=None, causal=False, window=None, enable_gqa=False, return_lse=False,
                   out=None, precision="ieee", backend="auto", options: KernelOptions | None = None,
-                  bias=None, mask=None):
+                  bias=None, mask=None, q_lengths=None, kv_lengths=None, block_table=None):
     """:func:`attention` with explicit dispatch ``options`` (tests and benchmarks; None: read
     ``CUPYFLASH_WGMMA`` / ``CUPYFLASH_DMMA`` from the environment, as :func:`attention` does)."""
+    if block_table is not None:
+        from ._kvcache import run_paged
+
+        for name, given in (("bias", bias), ("mask", mask)):
+            if given is not None:
+                raise ValueError(f"`{name}` does not combine with `block_table` (a paged cache has no dense "
+                                 f"(Lq, Lk) layout to broadcast it to)")
+        return run_paged(q, k, v, block_table=block_table, kv_lengths=kv_lengths, q_lengths=q_lengths, scale=scale,
+                         causal=causal, window=window, enable_gqa=enable_gqa, return_lse=return_lse, out=out,
+                         backend=backend, precision=precision)
     problem, _ = check_forward(q, k, v, scale=scale, causal=causal, window=window,
-                               enable_gqa=enable_gqa, backend=backend, bias=bias, mask=mask)
+                               enable_gqa=enable_gqa, backend=backend, bias=bias, mask=mask,
+                               q_lengths=q_lengths, kv_lengths=kv_lengths)
     problem.precision = check_precision(precision, problem.dtype)
     if out is not None:
         check_output(out, "out", problem.out_shape, problem.dtype, problem.kind,
@@ -152,7 +186,7 @@ def run_attention(q, k, v, *, scale=None, causal=False, window=None, enable_gqa=
 
 def attention_backward(dout, q, k, v, out, lse, /, *, scale=None, causal=False, window=None,
                        enable_gqa=False, deterministic=True, precision="ieee", backend="auto",
-                       bias=None, mask=None):
+                       bias=None, mask=None, q_lengths=None, kv_lengths=None):
     """Gradients of :func:`attention` with respect to q, k and v (and ``bias``).
 
     Recomputes the probabilities block by block from ``lse`` (as returned by
@@ -169,8 +203,10 @@ def attention_backward(dout, q, k, v, out, lse, /, *, scale=None, causal=False, 
         The forward output.
     lse : array, shape (..., Lq)
         The forward log-sum-exp (float32 or float64).
-    scale, causal, window, enable_gqa, bias, mask
-        As passed to :func:`attention`.
+    scale, causal, window, enable_gqa, bias, mask, q_lengths, kv_lengths
+        As passed to :func:`attention`.  With lengths, the padded query rows
+        get zero dq, the padded keys zero dk and dv, and nothing the padding of
+        dout, out or lse holds is read.
     deterministic : bool, default True
         Require results that are bit-identical from run to run (same inputs,
         same device).  ``False`` allows an algorithm whose summation order may
@@ -233,18 +269,93 @@ def attention_backward(dout, q, k, v, out, lse, /, *, scale=None, causal=False, 
     """
     return run_attention_backward(dout, q, k, v, out, lse, scale=scale, causal=causal, window=window,
                                   enable_gqa=enable_gqa, deterministic=deterministic, precision=precision,
-                                  backend=backend, bias=bias, mask=mask)
+                                  backend=backend, bias=bias, mask=mask, q_lengths=q_lengths,
+                                  kv_lengths=kv_lengths)
 
 
 def run_attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, window=None, enable_gqa=False,
                            deterministic=True, precision="ieee", backend="auto",
-                           options: KernelOptions | None = None, bias=None, mask=None):
+                           options: KernelOptions | None = None, bias=None, mask=None,
+                           q_lengths=None, kv_lengths=None):
     """:func:`attention_backward` with explicit dispatch ``options`` (see :func:`run_attention`)."""
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"`deterministic` must be a bool, got {type(deterministic).__name__}")
     problem, dout, out, lse = check_backward(
         dout, q, k, v, out, lse, scale=scale, causal=causal, window=window,
         enable_gqa=enable_gqa, backend=backend, bias=bias, mask=mask,
+        q_lengths=q_lengths, kv_lengths=kv_lengths,
     )
     problem.precision = check_precision(precision, problem.dtype)
     return run_backward(problem, dout, out, lse, deterministic=bool(deterministic), options=options)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, /, *, scale=None, causal=False, window=None,
+                     enable_gqa=False, return_lse=False, out=None, backend="auto"):
+    """:func:`attention` over a batch of packed sequences of different lengths.
+
+    Sequence ``s`` is rows ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]`` of q and rows
+    ``cu_seqlens_k[s]:cu_seqlens_k[s + 1]`` of k and v; each attends to its own keys
+    only, as :func:`attention` would on those slices, and nothing is padded.
+
+    Parameters
+    ----------
+    q : array, shape (Hq, total_q, d)
+        The queries of every sequence, one after the other along axis 1 (heads
+        first, as everywhere in cupyflash; FlashAttention's ``(total, H, d)``
+        data passes without a copy as ``x.transpose(1, 0, 2)``).
+    k, v : array, shape (Hkv, total_k, d) and (Hkv, total_k, dv)
+    cu_seqlens_q, cu_seqlens_k : int32 or int64 array, shape (nseq + 1,)
+        The sequences' offsets: from 0, non-decreasing, ending at total_q
+        (total_k).  Empty sequences are allowed.  On CuPy arrays they are
+        copied to the host once (a few bytes).
+    scale, causal, window, enable_gqa, return_lse, out, backend
+        As for :func:`attention`; ``causal`` and ``window`` align to each
+        sequence's own lengths (query ``i`` of a sequence sits at its key
+        ``i + len_k - len_q``).
+
+    Returns
+    -------
+    out : array, shape (Hq, total_q, dv)
+    lse : array, shape (Hq, total_q), only if ``return_lse``
+        A query of a sequence without keys gives zeros and ``-inf``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cupyflash
+    >>> rng = np.random.default_rng(0)
+    >>> cu = np.array([0, 3, 3, 8])                   # sequences of 3, 0 and 5 rows
+    >>> q, k, v = rng.standard_normal((3, 2, 8, 4))   # (heads, total, d) each
+    >>> out = cupyflash.attention_varlen(q, k, v, cu, cu, causal=True)
+    >>> bool(np.allclose(out[:, 3:8], cupyflash.attention(q[:, 3:8], k[:, 3:8], v[:, 3:8], causal=True)))
+    True
+    """
+    from ._varlen import run_varlen
+
+    return run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal, window=window,
+                      enable_gqa=enable_gqa, return_lse=return_lse, out=out, backend=backend)
+
+
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, /, *, scale=None, causal=False,
+                              window=None, enable_gqa=False, deterministic=True, backend="auto"):
+    """Gradients of :func:`attention_varlen`: ``(dq, dk, dv)`` with the shapes and
+    dtypes of q, k and v, each sequence's from its own rows (as
+    :func:`attention_backward` on the slices); ``lse`` as returned by
+    ``attention_varlen(..., return_lse=True)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cupyflash
+    >>> rng = np.random.default_rng(0)
+    >>> cu = np.array([0, 3, 8])
+    >>> q, k, v = rng.standard_normal((3, 2, 8, 4))
+    >>> out, lse = cupyflash.attention_varlen(q, k, v, cu, cu, return_lse=True)
+    >>> dq, dk, dv = cupyflash.attention_varlen_backward(np.ones_like(out), q, k, v, out, lse, cu, cu)
+    >>> dq.shape, dk.shape, dv.shape
+    ((2, 8, 4), (2, 8, 4), (2, 8, 4))
+    """
+    from ._varlen import run_varlen_backward
+
+    return run_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal,
+                               window=window, enable_gqa=enable_gqa, deterministic=deterministic, backend=backend)

@@ -105,14 +105,17 @@ def _band(problem: Problem) -> int | None:
     return problem.window_left + problem.window_right + 1
 
 
-def _workers(problem: Problem) -> tuple[int, object]:
-    """Threads for this call and the context to run it in.
+def _workers(problem: Problem, single_thread: bool = False) -> tuple[int, object]:
+    """Threads for this call and the context to run it in (``single_thread``: the calling
+    thread alone, BLAS as it is -- a caller that runs several problems on the workers).
 
     A problem too small to repay the pool runs in the calling thread with BLAS
     as the caller set it (BLAS does not split products this small anyway); a
     larger one runs its tasks with BLAS held to one thread, whatever the
     number of workers, so that its results do not depend on that number.
     """
+    if single_thread:
+        return 1, contextlib.nullcontext()
     n_batch = int(np.prod(problem.batch_shape, dtype=np.int64))
     work = n_batch * problem.seqlen_q * problem.seqlen_k * (problem.head_dim + problem.head_dim_v)
     n = _threads.num_threads()      # reads (and checks) CUPYFLASH_NUM_THREADS every call
@@ -244,6 +247,15 @@ class _ScoreTerms:
 _NO_TERMS = _ScoreTerms((), None, None)
 
 
+def _lengths_of(problem: Problem, idx) -> tuple[int, int]:
+    """(q_len, kv_len) of the sequence of batch index ``idx`` (the looped dims, which start
+    with the sequence dims: lengths are per sequence, never per head)."""
+    seq = idx[:len(problem.sequence_shape)]
+    q_len = problem.seqlen_q if problem.q_lengths is None else int(problem.q_lengths[seq])
+    kv_len = problem.seqlen_k if problem.kv_lengths is None else int(problem.kv_lengths[seq])
+    return q_len, kv_len
+
+
 def _lse_view(problem: Problem, lse):
     """lse (..., Lq) viewed like an out array without its last axis."""
     g = problem.gqa_ratio
@@ -366,11 +378,11 @@ def _query_block(qf, kf, vf_ones, dv, i0, i1, vec_shape, bc, mask_args, acc_t, t
     return acc, lse
 
 
-def forward(problem: Problem, out, lse) -> None:
+def forward(problem: Problem, out, lse, single_thread: bool = False) -> None:
     """Fill ``out`` (..., Lq, dv) and, if given, ``lse`` (..., Lq) in place."""
     acc_t = problem.accum_dtype
     lq, lk = problem.seqlen_q, problem.seqlen_k
-    mask_args = (lk - lq, problem.window_left, problem.window_right)
+    left, right = problem.window_left, problem.window_right
     (q, o), (k, v) = _split_heads(problem, [problem.q, out], [problem.k, problem.v])
     bias5 = [_scores_view(problem, b) for b in problem.bias]
     mask5 = None if problem.mask is None else _scores_view(problem, problem.mask)
@@ -385,17 +397,28 @@ def forward(problem: Problem, out, lse) -> None:
 
     def tasks():
         # k and v in the accumulator type (v with its ones column) once per batch index,
-        # here in the calling thread, shared by that index's query-block tasks
+        # here in the calling thread, shared by that index's query-block tasks.  With
+        # lengths, only the sequence's own rows and keys are read (the padding, whatever it
+        # holds, never is), its padded rows are written here, and the window is aligned to
+        # its own lengths.
         for idx in np.ndindex(*_loop_shape(batch5, n_vec)):
-            kf = _index_into(k, idx).astype(acc_t, copy=False)
-            vf_ones = _with_ones(_index_into(v, idx).astype(acc_t, copy=False))
+            q_len, kv_len = _lengths_of(problem, idx)
+            if q_len < lq:
+                o[idx][..., q_len:, :] = 0
+                if lse5 is not None:
+                    lse5[idx][..., q_len:] = -np.inf
+            if q_len == 0:
+                continue
+            kf = _index_into(k, idx)[..., :kv_len, :].astype(acc_t, copy=False)
+            vf_ones = _with_ones(_index_into(v, idx)[..., :kv_len, :].astype(acc_t, copy=False))
             terms = _ScoreTerms([_index_into(b, idx) for b in bias5],
                                 None if mask5 is None else _index_into(mask5, idx), acc_t)
-            for i0 in range(0, lq, bq):
-                yield idx, kf, vf_ones, terms, i0, min(i0 + bq, lq)
+            mask_args = (kv_len - q_len, left, right)
+            for i0 in range(0, q_len, bq):
+                yield idx, kf, vf_ones, terms, mask_args, i0, min(i0 + bq, q_len)
 
     def run(task):
-        idx, kf, vf_ones, terms, i0, i1 = task
+        idx, kf, vf_ones, terms, mask_args, i0, i1 = task
         qf = _index_into(q, idx)[..., i0:i1, :].astype(acc_t)
         qf *= scale                                             # scale folded into q once
         rows, rows_lse = _query_block(qf, kf, vf_ones, dv, i0, i1, vec_shape, bc, mask_args, acc_t,
@@ -404,7 +427,7 @@ def forward(problem: Problem, out, lse) -> None:
         if lse5 is not None:
             lse5[idx][..., i0:i1] = rows_lse
 
-    workers, blas = _workers(problem)
+    workers, blas = _workers(problem, single_thread)
     with blas:
         for _ in _threads.ordered_map(run, tasks(), workers):
             pass
@@ -440,7 +463,7 @@ class _BackwardBuffers:
         return np.matmul(a, b, out=buf)
 
 
-def backward(problem: Problem, dout, out, lse):
+def backward(problem: Problem, dout, out, lse, single_thread: bool = False):
     """Return (dq, dk, dv) with the shapes and dtypes of q, k, v; with a bias, also dbias
     (an array, or a tuple like the caller's ``bias``).
 
@@ -452,7 +475,7 @@ def backward(problem: Problem, dout, out, lse):
     """
     acc_t = problem.accum_dtype
     lq, lk = problem.seqlen_q, problem.seqlen_k
-    offset, left, right = lk - lq, problem.window_left, problem.window_right
+    left, right = problem.window_left, problem.window_right
     scale = acc_t.type(problem.scale)
     (q, do, o), (k, v) = _split_heads(problem, [problem.q, dout, out], [problem.k, problem.v])
     lse5 = _lse_view(problem, lse)
@@ -473,27 +496,34 @@ def backward(problem: Problem, dout, out, lse):
 
     def tasks():
         # per batch index, in the calling thread: the scaled q, the operands in the
-        # accumulator type, D and lse, shared by that index's key-block tasks
+        # accumulator type, D and lse, shared by that index's key-block tasks.  With
+        # lengths, only the sequence's own rows (of q, dout, out, lse) and keys are read.
         for idx in np.ndindex(*_loop_shape(batch5, n_vec)):
-            qf = _index_into(q, idx).astype(acc_t)
+            q_len, kv_len = _lengths_of(problem, idx)
+            if q_len == 0 or kv_len == 0:
+                continue                                        # zero gradients
+            qf = _index_into(q, idx)[..., :q_len, :].astype(acc_t)
             qf *= scale      # dK = scale dS^T Q = dS^T (scale Q), and S = (scale Q) K^T
-            dof = _index_into(do, idx).astype(acc_t, copy=False)
+            dof = _index_into(do, idx)[..., :q_len, :].astype(acc_t, copy=False)
             # D_i = rowsum(dO_i * O_i): the softmax Jacobian's correction term.
-            delta = np.einsum("...d,...d->...", dof, _index_into(o, idx).astype(acc_t, copy=False))
-            lse_i = _index_into(lse5, idx).astype(acc_t, copy=False)
+            delta = np.einsum("...d,...d->...", dof,
+                              _index_into(o, idx)[..., :q_len, :].astype(acc_t, copy=False))
+            lse_i = _index_into(lse5, idx)[..., :q_len].astype(acc_t, copy=False)
             lse_i = np.where(np.isneginf(lse_i), np.inf, lse_i)   # rows with no key: p = 0
-            ops = (qf, _index_into(k, idx).astype(acc_t, copy=False),
-                   _index_into(v, idx).astype(acc_t, copy=False), dof, delta, lse_i,
+            ops = (qf, _index_into(k, idx)[..., :kv_len, :].astype(acc_t, copy=False),
+                   _index_into(v, idx)[..., :kv_len, :].astype(acc_t, copy=False), dof, delta, lse_i,
                    _ScoreTerms([_index_into(b, idx) for b in bias5],
-                               None if mask5 is None else _index_into(mask5, idx), acc_t))
-            for j0 in range(0, lk, bc):
-                yield idx, ops, j0, min(j0 + bc, lk)
+                               None if mask5 is None else _index_into(mask5, idx), acc_t),
+                   kv_len - q_len)
+            for j0 in range(0, kv_len, bc):
+                yield idx, ops, j0, min(j0 + bc, kv_len)
 
     def run(task):
-        idx, (qf, kf, vf, dof, delta, lse_i, terms), j0, j1 = task
+        idx, (qf, kf, vf, dof, delta, lse_i, terms, offset), j0, j1 = task
+        q_len = qf.shape[-2]
         kj, vj = kf[..., j0:j1, :], vf[..., j0:j1, :]
         kjt, vjt = np.swapaxes(kj, -1, -2), np.swapaxes(vj, -1, -2)
-        blocks = [(i0, min(i0 + bq, lq)) for i0 in range(0, lq, bq)]
+        blocks = [(i0, min(i0 + bq, q_len)) for i0 in range(0, q_len, bq)]
         kinds = [block_bounds(i0, i1, j0, j1, offset, left, right) for i0, i1 in blocks]
         live = [(i0, i1, kind) for (i0, i1), kind in zip(blocks, kinds)
                 if kind != "empty" and not terms.sees_none(i0, i1, j0, j1)]
@@ -548,7 +578,7 @@ def backward(problem: Problem, dout, out, lse):
         _accumulate(dk, idx, dk_i)
         _accumulate(dv, idx, dv_i)
 
-    workers, blas = _workers(problem)
+    workers, blas = _workers(problem, single_thread)
     with blas:
         # results come in task order: the partial dQs are summed in the same order
         # whatever the number of threads
@@ -557,9 +587,10 @@ def backward(problem: Problem, dout, out, lse):
             if grads is None or grads[0] != idx:
                 if grads is not None:
                     finish_index()
-                grads = (idx, np.zeros(vec_shape + (lq, q.shape[-1]), dtype=acc_t),
-                         np.zeros(vec_shape + (lk, k.shape[-1]), dtype=acc_t),
-                         np.zeros(vec_shape + (lk, v.shape[-1]), dtype=acc_t))
+                q_len, kv_len = _lengths_of(problem, idx)      # the rows a sequence has
+                grads = (idx, np.zeros(vec_shape + (q_len, q.shape[-1]), dtype=acc_t),
+                         np.zeros(vec_shape + (kv_len, k.shape[-1]), dtype=acc_t),
+                         np.zeros(vec_shape + (kv_len, v.shape[-1]), dtype=acc_t))
             if dk_j is None:
                 continue
             grads[2][..., j0:j1, :] = dk_j
@@ -582,7 +613,8 @@ def backward(problem: Problem, dout, out, lse):
 
 
 def _accumulate(total, idx, part):
-    """total[idx] += part, summing part over the axes where total is broadcast."""
+    """total[idx] += part, summing part over the axes where total is broadcast; part may
+    cover the first rows only (a sequence's own, under lengths)."""
     target_idx = tuple(0 if total.shape[a] == 1 else i for a, i in enumerate(idx))
-    target = total[target_idx]
+    target = total[target_idx][..., :part.shape[-2], :]
     target += _sum_to(part, target.shape)

@@ -69,10 +69,14 @@ def _allocate(problem: Problem, out, return_lse: bool):
     return out, lse
 
 
-def _kernels_take(problem: Problem) -> None:
-    """Raise before any work when the problem asks the kernels for what no family takes yet."""
-    if problem.backend != "numpy" and (problem.bias or problem.mask is not None):
-        what = " and ".join(n for n, on in (("`bias`", problem.bias), ("`mask`", problem.mask is not None)) if on)
+def _kernels_take(problem: Problem, backward: bool = False) -> None:
+    """Raise before any work when the problem asks the kernels for score features
+    (:data:`cupyflash._families.FEATURES`) that no family of the direction takes."""
+    from ._families import BACKWARD, FORWARD, taking
+
+    asked = {n for n, on in (("bias", problem.bias), ("mask", problem.mask is not None)) if on}
+    if problem.backend != "numpy" and asked and not taking(BACKWARD if backward else FORWARD, asked):
+        what = ", ".join(f"`{n}`" for n in sorted(asked))
         raise NotImplementedError(
             f"{what}: no CUDA kernel family takes them yet, so the {problem.backend!r} backend cannot run "
             f"this call; the NumPy backend can (NumPy arrays: numpy arrays in, or .get() CuPy ones)")
@@ -87,10 +91,50 @@ def run_forward(problem: Problem, out, return_lse: bool, options: KernelOptions 
         return (out, lse) if return_lse else out
     if problem.backend == "numpy":
         _cpu.forward(problem, out, lse)
+    elif _has_lengths(problem):
+        options = KernelOptions.from_environment() if options is None else options
+        for seq, sub in _sequences(problem):
+            q_len = sub.seqlen_q
+            out[seq][..., q_len:, :] = 0
+            if lse is not None:
+                lse[seq][..., q_len:] = -np.inf
+            if q_len and sub.seqlen_k:
+                _run_kernel(sub, out[seq][..., :q_len, :], None if lse is None else lse[seq][..., :q_len],
+                            sram_size=None, options=options)
+            elif q_len:                                      # no keys: zeros, -inf
+                out[seq][..., :q_len, :] = 0
+                if lse is not None:
+                    lse[seq][..., :q_len] = -np.inf
     else:
         _run_kernel(problem, out, lse, sram_size=None,
                     options=KernelOptions.from_environment() if options is None else options)
     return (out, lse) if return_lse else out
+
+
+def _has_lengths(problem: Problem) -> bool:
+    return problem.q_lengths is not None or problem.kv_lengths is not None
+
+
+def _sequences(problem: Problem):
+    """``(seq, sub)`` per sequence of a padded batch with lengths: ``seq`` its index in the
+    sequence dims (the batch dims before the head axis), ``sub`` the plain problem of its
+    own rows and keys (broadcast views, no copies) -- what the kernels run, one launch per
+    sequence, until a family takes lengths itself."""
+    import dataclasses
+
+    xp = _xp(problem.kind)
+    batch = problem.batch_shape
+    g = problem.gqa_ratio
+    kv_batch = batch[:-1] + (batch[-1] // g,) if g > 1 else batch
+    q = _broadcast_to(xp, problem.q, batch + problem.q.shape[-2:])
+    k = _broadcast_to(xp, problem.k, kv_batch + problem.k.shape[-2:])
+    v = _broadcast_to(xp, problem.v, kv_batch + problem.v.shape[-2:])
+    for seq in np.ndindex(*problem.sequence_shape):
+        q_len = problem.seqlen_q if problem.q_lengths is None else int(problem.q_lengths[seq])
+        kv_len = problem.seqlen_k if problem.kv_lengths is None else int(problem.kv_lengths[seq])
+        yield seq, dataclasses.replace(
+            problem, q=q[seq][..., :q_len, :], k=k[seq][..., :kv_len, :], v=v[seq][..., :kv_len, :],
+            batch_shape=batch[len(seq):], seqlen_q=q_len, seqlen_k=kv_len, q_lengths=None, kv_lengths=None)
 
 
 def run_forward_v1(problem: Problem, sram_size: int, return_lse: bool):
@@ -108,11 +152,37 @@ def run_backward(problem: Problem, dout, out, lse, *, deterministic: bool = True
     kernels add dq with atomics when it is False (:func:`cupyflash._run.backward`).
     ``options`` steers kernel dispatch (None: read from the environment now).
     """
-    _kernels_take(problem)
+    _kernels_take(problem, backward=True)
     if problem.backend == "numpy":
         return _cpu.backward(problem, dout, out, lse)
-    return _run_backward_kernels(problem, dout, out, lse, deterministic,
-                                 KernelOptions.from_environment() if options is None else options)
+    options = KernelOptions.from_environment() if options is None else options
+    if _has_lengths(problem):
+        return _run_backward_per_sequence(problem, dout, out, lse, deterministic, options)
+    return _run_backward_kernels(problem, dout, out, lse, deterministic, options)
+
+
+def _run_backward_per_sequence(problem: Problem, dout, out, lse, deterministic: bool, options):
+    """The kernels' backward of a padded batch, one sequence at a time (its own rows of
+    dout, out and lse; its own keys): gradients of the full broadcast shapes in the
+    accumulator type, zero in the padding, then summed onto q, k and v as the plain
+    backward does."""
+    xp = _xp(problem.kind)
+    batch = problem.batch_shape
+    g = problem.gqa_ratio
+    kv_batch = batch[:-1] + (batch[-1] // g,) if g > 1 else batch
+    acc = problem.accum_dtype
+    grads = (xp.zeros(batch + problem.q.shape[-2:], dtype=acc), xp.zeros(kv_batch + problem.k.shape[-2:], dtype=acc),
+             xp.zeros(kv_batch + problem.v.shape[-2:], dtype=acc))
+    for seq, sub in _sequences(problem):
+        q_len, kv_len = sub.seqlen_q, sub.seqlen_k
+        if not (q_len and kv_len):
+            continue
+        parts = _run_backward_kernels(sub, dout[seq][..., :q_len, :], out[seq][..., :q_len, :],
+                                      lse[seq][..., :q_len], deterministic, options, finish=False)
+        for grad, part, rows in zip(grads, parts, (q_len, kv_len, kv_len)):
+            grad[seq][..., :rows, :] = part
+    return tuple(_sum_to_shape(grad, x.shape).astype(problem.dtype, copy=False)
+                 for grad, x in zip(grads, (problem.q, problem.k, problem.v)))
 
 
 # ---- (B, H, L, d) views for the kernels ------------------------------------------
@@ -224,7 +294,7 @@ def _sum_to_shape(x, shape):
     return (x.sum(axis=axes) if axes else x).reshape(shape)
 
 
-def _run_backward_kernels(problem: Problem, dout, out, lse, deterministic: bool, options):
+def _run_backward_kernels(problem: Problem, dout, out, lse, deterministic: bool, options, finish: bool = True):
     from . import _run
 
     xp = _xp(problem.kind)
@@ -251,5 +321,7 @@ def _run_backward_kernels(problem: Problem, dout, out, lse, deterministic: bool,
                       window_left=problem.window_left, window_right=problem.window_right,
                       gqa_ratio=g, deterministic=deterministic, executor=executor, options=options,
                       precision=problem.precision)
+    if not finish:      # the full broadcast shapes, in the accumulator type
+        return dq, dk, dv
     return tuple(_sum_to_shape(grad, x.shape).astype(problem.dtype, copy=False)
                  for grad, x in ((dq, problem.q), (dk, problem.k), (dv, problem.v)))

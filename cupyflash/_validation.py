@@ -55,6 +55,13 @@ class Problem:
     bias: tuple = ()         # the additive bias terms, each broadcastable to scores_shape
     bias_is_tuple: bool = False   # the caller passed a tuple (dbias is then a tuple too)
     mask: object = None      # bool, broadcastable to scores_shape; True = may attend
+    q_lengths: object = None   # int64 NumPy array of shape sequence_shape (host copy), or None
+    kv_lengths: object = None
+
+    @property
+    def sequence_shape(self) -> tuple:
+        """The batch dims before the head axis: one length per sequence, whatever the heads."""
+        return self.batch_shape[:-1]
 
     @property
     def scores_shape(self) -> tuple:
@@ -263,8 +270,44 @@ def _check_bias_and_mask(bias, mask, *, kind, device, batch_shape, seqlen_q, seq
     return terms, is_tuple, mask
 
 
+def _check_lengths(lengths, name: str, *, kind: str, shape: tuple, limit: int):
+    """Per-sequence lengths: an integer (int32/int64 array of the call's kind, or a Python
+    int) broadcastable to ``shape`` with values in [0, limit]; returned as a host int64
+    array of exactly ``shape`` (a broadcast view), or None."""
+    if lengths is None:
+        return None
+    if isinstance(lengths, numbers.Integral) and not isinstance(lengths, (bool, np.bool_)):
+        host = np.asarray(int(lengths), dtype=np.int64)
+    else:
+        found = array_kind(lengths, name) if not isinstance(lengths, (bool, np.bool_)) else "bool"
+        if found == "bool":
+            raise TypeError(f"`{name}` must be an integer or an int32/int64 array; got a bool")
+        if found == "cuda-foreign" and kind == "cupy":
+            lengths, found = _to_cupy(lengths), "cupy"
+        if found != kind:
+            expected = "NumPy" if kind == "numpy" else "CuPy"
+            raise TypeError(f"`{name}` must be a {expected} array like q, k and v (or a Python int)")
+        dtype = np.dtype(lengths.dtype)
+        if dtype not in (np.dtype(np.int32), np.dtype(np.int64)):
+            hint = "; convert it, e.g. lengths.astype(numpy.int64)" if dtype.kind in "iuf" else ""
+            raise TypeError(f"`{name}` must have dtype int32 or int64; got {dtype.name}{hint}")
+        # one small device-to-host copy on the CuPy path: the lengths steer the host's work
+        host = np.asarray(lengths.get() if kind == "cupy" else lengths, dtype=np.int64)
+    if host.ndim > len(shape) or any(n not in (1, t) for n, t in zip(host.shape[::-1], shape[::-1])):
+        raise ValueError(
+            f"`{name}` of shape {host.shape} does not broadcast to the sequences' shape {shape} "
+            f"(the batch dims before the head axis: one length per sequence, not per head)")
+    host = np.broadcast_to(host, shape)
+    bad = np.argwhere((host < 0) | (host > limit))
+    if bad.size:
+        index = tuple(int(i) for i in bad[0])
+        raise ValueError(f"`{name}` must lie in [0, {limit}]; got {int(host[index])} at batch index "
+                         f"{index if len(index) != 1 else index[0]}")
+    return host
+
+
 def check_forward(q, k, v, *, scale, causal, window, enable_gqa, backend, extra=(),
-                  bias=None, mask=None) -> Problem:
+                  bias=None, mask=None, q_lengths=None, kv_lengths=None) -> Problem:
     """Check the arguments shared by the forward and backward calls.
 
     ``extra`` lists further ``(name, array)`` pairs (dout, out, lse) that must be
@@ -365,12 +408,15 @@ def check_forward(q, k, v, *, scale, causal, window, enable_gqa, backend, extra=
     terms, is_tuple, mask = _check_bias_and_mask(
         bias, mask, kind=kind, device=int(q.device.id) if kind == "cupy" else None,
         batch_shape=batch_shape, seqlen_q=q.shape[-2], seqlen_k=k.shape[-2])
+    sequences = batch_shape[:-1]
+    q_lengths = _check_lengths(q_lengths, "q_lengths", kind=kind, shape=sequences, limit=q.shape[-2])
+    kv_lengths = _check_lengths(kv_lengths, "kv_lengths", kind=kind, shape=sequences, limit=k.shape[-2])
     return Problem(
         q=q, k=k, v=v, kind=kind, dtype=dtype, scale=scale,
         window_left=left, window_right=right, gqa_ratio=gqa_ratio,
         batch_shape=batch_shape, seqlen_q=q.shape[-2], seqlen_k=k.shape[-2],
         head_dim=head_dim, head_dim_v=head_dim_v, backend=resolved,
-        bias=terms, bias_is_tuple=is_tuple, mask=mask,
+        bias=terms, bias_is_tuple=is_tuple, mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths,
     ), converted[3:]
 
 
@@ -406,11 +452,12 @@ def check_output(out, name: str, shape: tuple, dtype: np.dtype, kind: str, input
 
 
 def check_backward(dout, q, k, v, out, lse, *, scale, causal, window, enable_gqa, backend,
-                   bias=None, mask=None):
+                   bias=None, mask=None, q_lengths=None, kv_lengths=None):
     """Check ``attention_backward``'s arguments; returns the Problem and (dout, out, lse)."""
     problem, (dout, out, lse) = check_forward(
         q, k, v, scale=scale, causal=causal, window=window, enable_gqa=enable_gqa,
         backend=backend, extra=(("dout", dout), ("out", out), ("lse", lse)), bias=bias, mask=mask,
+        q_lengths=q_lengths, kv_lengths=kv_lengths,
     )
     for name, x in (("dout", dout), ("out", out)):
         if tuple(x.shape) != problem.out_shape:

@@ -112,8 +112,37 @@ def _bias_terms(bias):
     return tuple(bias) if isinstance(bias, (tuple, list)) else (bias,)
 
 
+def _within(batch, n, lengths, xp=np):
+    """Bool (*batch, n): position < its sequence's length (the lengths broadcast to the batch
+    dims before the head axis; None: every position)."""
+    if lengths is None:
+        return xp.ones(tuple(batch) + (n,), dtype=bool)
+    seq = tuple(batch[:-1]) if batch else ()
+    per_seq = xp.broadcast_to(xp.asarray(lengths), seq)
+    if batch:
+        per_seq = per_seq[..., None]                 # the head axis
+    return xp.broadcast_to(xp.arange(n) < per_seq[..., None], tuple(batch) + (n,))
+
+
+def _visible_lengths(batch, lq, lk, causal, window, q_lengths, kv_lengths, xp=np):
+    """``_visible`` per sequence, (*batch, Lq, Lk): query i < q_len sees key j < kv_len in
+    its window, the diagonal at i + kv_len - q_len."""
+    rows, keys = _within(batch, lq, q_lengths, xp), _within(batch, lk, kv_lengths, xp)
+    ql = rows.sum(axis=-1)[..., None, None]
+    kl = keys.sum(axis=-1)[..., None, None]
+    left, right = _bounds(causal, window)
+    i = xp.arange(lq)[:, None]
+    j = xp.arange(lk)[None, :]
+    ok = rows[..., :, None] & keys[..., None, :]
+    if left is not None:
+        ok = ok & (j >= i + (kl - ql) - left)
+    if right is not None:
+        ok = ok & (j <= i + (kl - ql) + right)
+    return ok
+
+
 def _oracle(q, k, v, scale, causal, window, enable_gqa, xp=np, dtype=np.float64, masks=True,
-            bias=None, mask=None):
+            bias=None, mask=None, q_lengths=None, kv_lengths=None):
     """The arguments read as the oracle reads them: q, k, v as ``dtype`` arrays of ``xp``
     broadcast to one batch shape, the bias terms as ``dtype`` arrays broadcast to
     ``batch + (Lq, Lk)``, and the mask: the window's and the boolean ``mask``'s together
@@ -139,7 +168,13 @@ def _oracle(q, k, v, scale, causal, window, enable_gqa, xp=np, dtype=np.float64,
     terms = tuple(xp.broadcast_to(xp.asarray(b).astype(dtype, copy=False), scores_shape)
                   for b in _bias_terms(bias))
     visible = None
-    if masks or _bounds(causal, window) != (None, None) or mask is not None:
+    if q_lengths is not None or kv_lengths is not None:
+        visible = _visible_lengths(batch, q.shape[-2], k.shape[-2], causal, window, q_lengths, kv_lengths, xp)
+        # what the padding holds must reach nothing: the oracle reads zeros there
+        q = xp.where(_within(batch, q.shape[-2], q_lengths, xp)[..., None], q, 0)
+        keys = _within(batch, k.shape[-2], kv_lengths, xp)[..., None]
+        k, v = xp.where(keys, k, 0), xp.where(keys, v, 0)
+    elif masks or _bounds(causal, window) != (None, None) or mask is not None:
         visible = _visible(q.shape[-2], k.shape[-2], causal, window, xp)
     if mask is not None:
         visible = visible & xp.broadcast_to(xp.asarray(mask, dtype=bool), scores_shape)
@@ -147,11 +182,12 @@ def _oracle(q, k, v, scale, causal, window, enable_gqa, xp=np, dtype=np.float64,
 
 
 def _probabilities(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=False,
-                   bias=None, mask=None):
+                   bias=None, mask=None, q_lengths=None, kv_lengths=None):
     """The oracle's float64 scores (scaled, biased, masked), probabilities and lse (all
     L x L) and its :class:`_Oracle` reading of the arguments; for the tests' error bounds
     too."""
-    o = _oracle(q, k, v, scale, causal, window, enable_gqa, bias=bias, mask=mask)
+    o = _oracle(q, k, v, scale, causal, window, enable_gqa, bias=bias, mask=mask, q_lengths=q_lengths,
+                kv_lengths=kv_lengths)
     s = np.matmul(o.q, np.swapaxes(o.k, -1, -2)) * o.scale
     for term in o.bias:                 # DESIGN 3b: scale, then the bias terms, then the masks
         s = s + term
@@ -182,7 +218,8 @@ def _reduce_to(grad, like, kv_head=None, kv_heads=0):
 
 
 def naive_attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=False,
-                    return_lse=False, oracle=True, bias=None, mask=None):
+                    return_lse=False, oracle=True, bias=None, mask=None, q_lengths=None,
+                    kv_lengths=None):
     """Attention computed the obvious way, in float64: the oracle.
 
     Forms the full ``(..., Lq, Lk)`` score matrix, so it needs O(Lq·Lk)
@@ -193,8 +230,8 @@ def naive_attention(q, k, v, /, *, scale=None, causal=False, window=None, enable
 
     Parameters
     ----------
-    q, k, v, scale, causal, window, enable_gqa, return_lse, bias, mask
-        As in :func:`cupyflash.attention`.
+    q, k, v, scale, causal, window, enable_gqa, return_lse, bias, mask, q_lengths, kv_lengths
+        As in :func:`cupyflash.attention` (``q_lengths``/``kv_lengths``: the oracle only).
     oracle : bool, default True
         False: not the oracle but naive attention as a user would write it --
         with the arrays' own module (NumPy or CuPy), scores in the accumulator
@@ -226,12 +263,15 @@ def naive_attention(q, k, v, /, *, scale=None, causal=False, window=None, enable
            [0.5, 0.5]], dtype=float32)
     """
     _check_oracle(oracle)
+    if not oracle and (q_lengths is not None or kv_lengths is not None):
+        raise ValueError("q_lengths/kv_lengths: the oracle only (oracle=True)")
     if not oracle:
         p, lse, o = _as_written(q, k, v, scale, causal, window, enable_gqa, bias, mask)
         out = _array_module(p).matmul(p, o.v).astype(_dtype_of(q), copy=False)
         return (out, lse) if return_lse else out
     _, p, lse, o = _probabilities(q, k, v, scale=scale, causal=causal, window=window,
-                                  enable_gqa=enable_gqa, bias=bias, mask=mask)
+                                  enable_gqa=enable_gqa, bias=bias, mask=mask, q_lengths=q_lengths,
+                                  kv_lengths=kv_lengths)
     out = np.matmul(p, o.v)
     return (out, lse) if return_lse else out
 
@@ -276,7 +316,8 @@ def _as_written(q, k, v, scale, causal, window, enable_gqa, bias=None, mask=None
 
 
 def naive_attention_backward(dout, q, k, v, /, *, scale=None, causal=False, window=None,
-                             enable_gqa=False, oracle=True, bias=None, mask=None):
+                             enable_gqa=False, oracle=True, bias=None, mask=None, q_lengths=None,
+                             kv_lengths=None):
     """Gradients of :func:`naive_attention` in float64: ``(dq, dk, dv)``, and
     ``dbias`` with ``bias``.
 
@@ -288,8 +329,9 @@ def naive_attention_backward(dout, q, k, v, /, *, scale=None, causal=False, wind
     ----------
     dout : numpy.ndarray, shape (..., Lq, dv)
         Gradient of the loss with respect to the attention output.
-    q, k, v, scale, causal, window, enable_gqa, bias, mask
-        As in :func:`cupyflash.attention`.
+    q, k, v, scale, causal, window, enable_gqa, bias, mask, q_lengths, kv_lengths
+        As in :func:`cupyflash.attention` (``q_lengths``/``kv_lengths``: the oracle only;
+        dout's padded rows are read as zeros).
     oracle : bool, default True
         False: the backward as a user would write it, the peer of
         ``naive_attention(..., oracle=False)``: the probabilities recomputed in
@@ -324,11 +366,16 @@ def naive_attention_backward(dout, q, k, v, /, *, scale=None, causal=False, wind
            [0., 0.]])
     """
     _check_oracle(oracle)
+    if not oracle and (q_lengths is not None or kv_lengths is not None):
+        raise ValueError("q_lengths/kv_lengths: the oracle only (oracle=True)")
     if not oracle:
         return _as_written_backward(dout, q, k, v, scale, causal, window, enable_gqa, bias, mask)
     _, p, _, o = _probabilities(q, k, v, scale=scale, causal=causal, window=window,
-                                enable_gqa=enable_gqa, bias=bias, mask=mask)
+                                enable_gqa=enable_gqa, bias=bias, mask=mask, q_lengths=q_lengths,
+                                kv_lengths=kv_lengths)
     do = np.broadcast_to(np.asarray(dout).astype(np.float64), p.shape[:-1] + (o.v.shape[-1],))
+    if q_lengths is not None:
+        do = np.where(_within(p.shape[:-2], p.shape[-2], q_lengths)[..., None], do, 0)
     out = np.matmul(p, o.v)
     dv = np.matmul(np.swapaxes(p, -1, -2), do)
     dp = np.matmul(do, np.swapaxes(o.v, -1, -2))

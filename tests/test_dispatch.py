@@ -221,3 +221,23 @@ def test_no_module_keeps_a_dispatch_switch():
         module = importlib.import_module(name)
         switches = [a for a in vars(module) if a.endswith("_override") or a in ("wgmma_enabled", "dmma_enabled")]
         assert not switches, (name, switches)
+
+
+def test_a_family_serves_score_features_only_if_it_takes_them():
+    # the seam a kernel family's bias/mask support plugs into: select() never picks a
+    # family for a call asking for a feature it does not list in Family.takes
+    from cupyflash._families import FORWARD, FWD_MMA, FWD_SIMT, Call, select, taking
+    from cupyflash._options import KernelOptions
+
+    call = Call("float16", 64, 64, seqlen_q=256, seqlen_k=256, aligned=True, scale=0.125,
+                features=frozenset({"bias"}))
+    assert taking(FORWARD, {"bias"}) == ()
+    with pytest.raises(NotImplementedError, match="bias"):
+        select(FORWARD, call, 80, KernelOptions())
+    simt = FWD_SIMT.with_tiles()
+    simt.takes = frozenset({"bias", "mask"})
+    families = (FWD_MMA, simt)
+    assert taking(families, {"bias"}) == (simt,)
+    assert {r.family for r in select(families, call, 80, KernelOptions())} == {simt}     # fwd_mma skipped
+    plain = Call("float16", 64, 64, seqlen_q=256, seqlen_k=256, aligned=True, scale=0.125)
+    assert {r.family for r in select(families, plain, 80, KernelOptions())} == {FWD_MMA}

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 
-from ._family import COMBINE, DELTA, DKDV, DQ, FORWARD as FORWARD_ROLE, Call, Family, Instantiation, Sizes
+from ._family import COMBINE, DELTA, DKDV, DQ, FEATURES, FORWARD as FORWARD_ROLE, Call, Family, Instantiation, Sizes
 from .bwd_dmma import BWD_DMMA
 from .bwd_mma import BWD_GRAD_DK, BWD_GRAD_DQ_ATOMIC, BWD_GRAD_DV, BWD_MMA
 from .bwd_simt import BWD_SIMT
@@ -38,7 +38,8 @@ from .fwd_tf32 import FWD_TF32
 from .fwd_v1 import FWD_V1
 from .fwd_wgmma import FWD_WGMMA
 
-__all__ = ["Family", "Instantiation", "Call", "Sizes", "FORWARD", "BACKWARD", "FAMILIES", "select",
+__all__ = ["Family", "Instantiation", "Call", "Sizes", "FORWARD", "BACKWARD", "FAMILIES", "FEATURES", "select",
+           "taking",
            "catalogue", "by_name", "launchable", "family_named", "entry_family", "FORWARD_ROLE", "COMBINE",
            "DELTA", "DKDV", "DQ", "BWD_GRAD_DV", "BWD_GRAD_DK", "BWD_GRAD_DQ_ATOMIC",
            "FWD_SIMT", "FWD_V1", "FWD_COMBINE", "FWD_MMA", "FWD_WGMMA", "FWD_DMMA", "FWD_TF32",
@@ -67,9 +68,22 @@ def select(families: tuple, call: Call, arch: int, options) -> tuple[Instantiati
         A head dim above the largest bucket.
     """
     for family in options.resolve(families):
-        if family.applies(call, int(arch), options):
+        if call.features <= family.takes and family.applies(call, int(arch), options):
             return family.plan(call, int(arch), options)
+    if call.features:
+        raise NotImplementedError(f"no kernel family takes {', '.join(sorted(call.features))} yet")
     raise TypeError(f"no kernel family serves {call}")   # the SIMT families apply to every call
+
+
+def taking(families: tuple, features) -> tuple[Family, ...]:
+    """The ``families`` whose kernels take every one of ``features`` (what a call asking
+    for them can be dispatched to; none of them may be picked for it otherwise).
+
+    >>> from cupyflash._families import FORWARD, taking
+    >>> taking(FORWARD, {"bias"})
+    ()
+    """
+    return tuple(f for f in families if frozenset(features) <= f.takes)
 
 
 def catalogue(families: tuple = FAMILIES) -> tuple[Instantiation, ...]:

@@ -108,6 +108,14 @@ class Call:
     precision: str = "ieee"
     deterministic: bool = True
     split: bool = False
+    # The score features the call asks for beyond the window (DESIGN 3b): "bias",
+    # "mask", ...; a family serves the call only if it takes every one of them.
+    features: frozenset = frozenset()
+
+
+# The score features the API knows; a family lists those its kernels take in
+# Family.takes (none yet: the NumPy path computes them, see _dispatch).
+FEATURES = ("bias", "mask")
 
 
 @dataclass(frozen=True)
@@ -143,6 +151,9 @@ class Family:
     # listed here has no kernels for the archs not listed.
     arch_specific: dict | None = None
     split_kv: bool = False           # takes FwdParams::num_splits > 1
+    # The score features (Call.features, FEATURES) its kernels take: select() skips the
+    # family for a call asking for any other, so no family ever ignores one.
+    takes: frozenset = frozenset()
 
     def __repr__(self) -> str:
         return f"<family {self.name}>"

@@ -1,0 +1,168 @@
+"""Packed variable-length attention: :func:`attention_varlen` and its backward.
+
+Sequence ``s`` of a packed batch is rows ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]`` of
+q (heads first: ``(Hq, total_q, d)``) and rows ``cu_seqlens_k[s]:cu_seqlens_k[s + 1]``
+of k and v; each is attended on its own, as :func:`cupyflash.attention` would on
+the slices, and written into its own rows of the packed results.
+
+The NumPy path runs the sequences on the worker threads, longest first, each in
+one thread (results do not depend on the number of threads: every sequence is
+computed the same way whoever runs it), or, with fewer sequences than twice the
+workers, one after the other with the workers inside each.  The kernel backends
+launch the kernels once per non-empty sequence, one after the other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import numpy as np
+
+from . import _cpu, _threads
+from ._dispatch import _allocate, _kernels_take, _run_backward_kernels, _run_kernel
+from ._options import KernelOptions
+from ._validation import Problem, array_kind, check_forward, check_output
+
+__all__ = ["run_varlen", "run_varlen_backward", "check_cu_seqlens"]
+
+
+def check_cu_seqlens(cu, name: str, *, kind: str, total: int) -> np.ndarray:
+    """Offsets ``(nseq + 1,)``: int32/int64 of the call's kind, from 0, non-decreasing, to
+    ``total``; returned as a host int64 array (on CuPy one small device-to-host copy)."""
+    found = array_kind(cu, name)
+    if found == "cuda-foreign" and kind == "cupy":
+        import cupy
+
+        cu, found = cupy.asarray(cu), "cupy"
+    if found != kind:
+        expected = "NumPy" if kind == "numpy" else "CuPy"
+        raise TypeError(f"`{name}` must be a {expected} array like q, k and v")
+    dtype = np.dtype(cu.dtype)
+    if dtype not in (np.dtype(np.int32), np.dtype(np.int64)):
+        raise TypeError(f"`{name}` must have dtype int32 or int64; got {dtype.name}")
+    if cu.ndim != 1 or cu.shape[0] < 1:
+        raise ValueError(f"`{name}` must have shape (number of sequences + 1,); got {tuple(cu.shape)}")
+    host = np.asarray(cu.get() if kind == "cupy" else cu, dtype=np.int64)
+    if host[0] != 0:
+        raise ValueError(f"`{name}` must start at 0; got {int(host[0])}")
+    steps = np.diff(host)
+    if (steps < 0).any():
+        s = int(np.argmax(steps < 0))
+        raise ValueError(f"`{name}` must be non-decreasing; it falls from {int(host[s])} to "
+                         f"{int(host[s + 1])} at sequence {s}")
+    if host[-1] != total:
+        raise ValueError(f"`{name}` must end at the packed length {total} (axis -2); got {int(host[-1])}")
+    return host
+
+
+def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, window, enable_gqa, backend, extra=()):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if getattr(x, "ndim", None) != 3:
+            raise ValueError(f"`{name}` must be packed as (heads, total, d): 3 dimensions; got shape "
+                             f"{getattr(x, 'shape', None)} (FlashAttention's (total, heads, d) layout passes "
+                             f"as x.transpose(1, 0, 2), without a copy)")
+    problem, rest = check_forward(q, k, v, scale=scale, causal=causal, window=window, enable_gqa=enable_gqa,
+                                  backend=backend, extra=extra)
+    cq = check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", kind=problem.kind, total=problem.seqlen_q)
+    ck = check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", kind=problem.kind, total=problem.seqlen_k)
+    if cq.shape != ck.shape:
+        raise ValueError(f"`cu_seqlens_q` and `cu_seqlens_k` must describe as many sequences; got "
+                         f"{cq.shape[0] - 1} and {ck.shape[0] - 1}")
+    return problem, rest, cq, ck
+
+
+def _sequences(problem: Problem, cq, ck):
+    """(problem of sequence s on its slices, q rows, k rows), longest first (ties in order)."""
+    spans = [(slice(int(a), int(b)), slice(int(c), int(d))) for a, b, c, d in zip(cq[:-1], cq[1:], ck[:-1], ck[1:])]
+    order = sorted(range(len(spans)), key=lambda s: -(spans[s][0].stop - spans[s][0].start)
+                   * max(1, spans[s][1].stop - spans[s][1].start))
+    for s in order:
+        rows, keys = spans[s]
+        sub = dataclasses.replace(problem, q=problem.q[:, rows], k=problem.k[:, keys], v=problem.v[:, keys],
+                                  seqlen_q=rows.stop - rows.start, seqlen_k=keys.stop - keys.start)
+        yield sub, rows, keys
+
+
+def _fan_out(problem: Problem, n_sequences: int) -> int:
+    """Workers that run whole sequences (1: one sequence after the other, each with the
+    workers inside it)."""
+    workers = _threads.num_threads()
+    return workers if n_sequences >= 2 * workers > 2 else 1
+
+
+def run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, window, enable_gqa, return_lse, out,
+               backend, options: KernelOptions | None = None):
+    problem, _, cq, ck = _check(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal, window=window,
+                                enable_gqa=enable_gqa, backend=backend)
+    if out is not None:
+        check_output(out, "out", problem.out_shape, problem.dtype, problem.kind, (problem.q, problem.k, problem.v))
+    _kernels_take(problem)
+    out, lse = _allocate(problem, out, True)
+    sequences = list(_sequences(problem, cq, ck))
+    if problem.backend == "numpy":
+        fan = _fan_out(problem, len(sequences))
+
+        def run(item):
+            sub, rows, _ = item
+            _cpu.forward(sub, out[:, rows], lse[:, rows], single_thread=fan > 1)
+
+        with _threads.single_threaded_blas() if fan > 1 else contextlib.nullcontext():
+            for _ in _threads.ordered_map(run, sequences, fan):
+                pass
+    else:
+        options = KernelOptions.from_environment() if options is None else options
+        for sub, rows, _ in sequences:
+            if sub.seqlen_q == 0:
+                continue
+            if sub.seqlen_k == 0:
+                out[:, rows] = 0
+                lse[:, rows] = -np.inf
+                continue
+            _run_kernel(sub, out[:, rows], lse[:, rows], sram_size=None, options=options)
+    return (out, lse) if return_lse else out
+
+
+def run_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, scale, causal, window, enable_gqa,
+                        deterministic, backend, options: KernelOptions | None = None):
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"`deterministic` must be a bool, got {type(deterministic).__name__}")
+    problem, (dout, out, lse), cq, ck = _check(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal, window=window, enable_gqa=enable_gqa,
+        backend=backend, extra=(("dout", dout), ("out", out), ("lse", lse)))
+    for name, x in (("dout", dout), ("out", out)):
+        if tuple(x.shape) != problem.out_shape:
+            raise ValueError(f"`{name}` must have shape {problem.out_shape}; got {tuple(x.shape)}")
+        if np.dtype(x.dtype) != problem.dtype:
+            raise TypeError(f"`{name}` must have dtype {problem.dtype.name} like q; got {np.dtype(x.dtype).name}")
+    if tuple(lse.shape) != problem.lse_shape:
+        raise ValueError(f"`lse` must have shape {problem.lse_shape}; got {tuple(lse.shape)}")
+    if np.dtype(lse.dtype) not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise TypeError(f"`lse` must have dtype float32 or float64; got {np.dtype(lse.dtype).name}")
+    _kernels_take(problem, backward=True)
+    xp = np if problem.kind == "numpy" else __import__("cupy")
+    grads = tuple(xp.zeros(x.shape, dtype=x.dtype) for x in (problem.q, problem.k, problem.v))
+    sequences = [item for item in _sequences(problem, cq, ck) if item[0].seqlen_q and item[0].seqlen_k]
+
+    def store(item, result):
+        _, rows, keys = item
+        for grad, part, span in zip(grads, result, (rows, keys, keys)):
+            grad[:, span] = part
+
+    if problem.backend == "numpy":
+        fan = _fan_out(problem, len(sequences))
+
+        def run(item):
+            sub, rows, _ = item
+            return item, _cpu.backward(sub, dout[:, rows], out[:, rows], lse[:, rows], single_thread=fan > 1)
+
+        with _threads.single_threaded_blas() if fan > 1 else contextlib.nullcontext():
+            for item, result in _threads.ordered_map(run, sequences, fan):
+                store(item, result)
+    else:
+        options = KernelOptions.from_environment() if options is None else options
+        for item in sequences:
+            sub, rows, _ = item
+            store(item, _run_backward_kernels(sub, dout[:, rows], out[:, rows], lse[:, rows], bool(deterministic),
+                                              options))
+    return grads
