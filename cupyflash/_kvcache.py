@@ -19,7 +19,7 @@ import dataclasses
 import numpy as np
 
 from . import _cpu, _threads
-from ._validation import _check_lengths, array_kind, check_forward, check_output, check_precision
+from ._validation import _check_lengths, array_kind, check_forward, check_output, check_precision, host_integers
 
 __all__ = ["run_paged", "append_kv"]
 
@@ -36,17 +36,9 @@ def _check_table(block_table, *, kind: str, batch: int, num_pages: int, page_siz
                  name="block_table") -> np.ndarray:
     """The block table as a host int64 array, every page a sequence uses (its first
     ceil(length / page_size) entries) in [0, num_pages); entries past those are not read."""
-    found = array_kind(block_table, name)
-    if found != kind:
-        expected = "NumPy" if kind == "numpy" else "CuPy"
-        raise TypeError(f"`{name}` must be a {expected} array like the cache")
-    dtype = np.dtype(block_table.dtype)
-    if dtype not in (np.dtype(np.int32), np.dtype(np.int64)):
-        raise TypeError(f"`{name}` must have dtype int32 or int64; got {dtype.name}")
-    if block_table.ndim != 2 or block_table.shape[0] != batch:
-        raise ValueError(f"`{name}` must have shape (batch={batch}, max_pages); got {tuple(block_table.shape)}")
-    # on CuPy: one small device-to-host copy (the table steers the host's gathers)
-    table = np.asarray(block_table.get() if kind == "cupy" else block_table, dtype=np.int64)
+    table = host_integers(block_table, name, kind=kind)
+    if table.ndim != 2 or table.shape[0] != batch:
+        raise ValueError(f"`{name}` must have shape (batch={batch}, max_pages); got {tuple(table.shape)}")
     capacity = table.shape[1] * page_size
     for b, n in enumerate(np.asarray(lengths).reshape(-1).tolist()):
         if n > capacity:

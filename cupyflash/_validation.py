@@ -270,6 +270,24 @@ def _check_bias_and_mask(bias, mask, *, kind, device, batch_shape, seqlen_q, seq
     return terms, is_tuple, mask
 
 
+def host_integers(x, name: str, *, kind: str, what: str = "an int32/int64 array"):
+    """An int32/int64 array of the call's kind (CUDA arrays of another library taken on the
+    CuPy path) as a host int64 array: on CuPy one small device-to-host copy, for the
+    offsets, lengths and page tables that steer the host's work."""
+    found = array_kind(x, name)
+    if found == "cuda-foreign" and kind == "cupy":
+        x, found = _to_cupy(x), "cupy"
+    if found != kind:
+        expected = "NumPy" if kind == "numpy" else "CuPy"
+        raise TypeError(f"`{name}` must be {what} of {expected} like the other arrays; got a "
+                        f"{'NumPy' if found == 'numpy' else 'CUDA'} array")
+    dtype = np.dtype(x.dtype)
+    if dtype not in (np.dtype(np.int32), np.dtype(np.int64)):
+        hint = f"; convert it, e.g. {name}.astype(numpy.int64)" if dtype.kind in "iuf" else ""
+        raise TypeError(f"`{name}` must have dtype int32 or int64; got {dtype.name}{hint}")
+    return np.asarray(x.get() if kind == "cupy" else x, dtype=np.int64)
+
+
 def _check_lengths(lengths, name: str, *, kind: str, shape: tuple, limit: int):
     """Per-sequence lengths: an integer (int32/int64 array of the call's kind, or a Python
     int) broadcastable to ``shape`` with values in [0, limit]; returned as a host int64
@@ -279,20 +297,9 @@ def _check_lengths(lengths, name: str, *, kind: str, shape: tuple, limit: int):
     if isinstance(lengths, numbers.Integral) and not isinstance(lengths, (bool, np.bool_)):
         host = np.asarray(int(lengths), dtype=np.int64)
     else:
-        found = array_kind(lengths, name) if not isinstance(lengths, (bool, np.bool_)) else "bool"
-        if found == "bool":
+        if isinstance(lengths, (bool, np.bool_)):
             raise TypeError(f"`{name}` must be an integer or an int32/int64 array; got a bool")
-        if found == "cuda-foreign" and kind == "cupy":
-            lengths, found = _to_cupy(lengths), "cupy"
-        if found != kind:
-            expected = "NumPy" if kind == "numpy" else "CuPy"
-            raise TypeError(f"`{name}` must be a {expected} array like q, k and v (or a Python int)")
-        dtype = np.dtype(lengths.dtype)
-        if dtype not in (np.dtype(np.int32), np.dtype(np.int64)):
-            hint = "; convert it, e.g. lengths.astype(numpy.int64)" if dtype.kind in "iuf" else ""
-            raise TypeError(f"`{name}` must have dtype int32 or int64; got {dtype.name}{hint}")
-        # one small device-to-host copy on the CuPy path: the lengths steer the host's work
-        host = np.asarray(lengths.get() if kind == "cupy" else lengths, dtype=np.int64)
+        host = host_integers(lengths, name, kind=kind, what="a Python int or an int32/int64 array")
     if host.ndim > len(shape) or any(n not in (1, t) for n, t in zip(host.shape[::-1], shape[::-1])):
         raise ValueError(
             f"`{name}` of shape {host.shape} does not broadcast to the sequences' shape {shape} "
@@ -459,6 +466,12 @@ def check_backward(dout, q, k, v, out, lse, *, scale, causal, window, enable_gqa
         backend=backend, extra=(("dout", dout), ("out", out), ("lse", lse)), bias=bias, mask=mask,
         q_lengths=q_lengths, kv_lengths=kv_lengths,
     )
+    check_forward_results(problem, dout, out, lse)
+    return problem, dout, out, lse
+
+
+def check_forward_results(problem: Problem, dout, out, lse) -> None:
+    """dout, out and lse of a backward call against the problem's shapes and dtypes."""
     for name, x in (("dout", dout), ("out", out)):
         if tuple(x.shape) != problem.out_shape:
             raise ValueError(f"`{name}` must have shape {problem.out_shape}; got {tuple(x.shape)}")
@@ -468,4 +481,3 @@ def check_backward(dout, q, k, v, out, lse, *, scale, causal, window, enable_gqa
         raise ValueError(f"`lse` must have shape {problem.lse_shape}; got {tuple(lse.shape)}")
     if np.dtype(lse.dtype) not in (np.dtype(np.float32), np.dtype(np.float64)):
         raise TypeError(f"`lse` must have dtype float32 or float64; got {np.dtype(lse.dtype).name}")
-    return problem, dout, out, lse

@@ -22,7 +22,7 @@ import numpy as np
 from . import _cpu, _threads
 from ._dispatch import _allocate, _kernels_take, _run_backward_kernels, _run_kernel
 from ._options import KernelOptions
-from ._validation import Problem, array_kind, check_forward, check_output
+from ._validation import Problem, check_forward, check_forward_results, check_output, host_integers
 
 __all__ = ["run_varlen", "run_varlen_backward", "check_cu_seqlens"]
 
@@ -30,20 +30,9 @@ __all__ = ["run_varlen", "run_varlen_backward", "check_cu_seqlens"]
 def check_cu_seqlens(cu, name: str, *, kind: str, total: int) -> np.ndarray:
     """Offsets ``(nseq + 1,)``: int32/int64 of the call's kind, from 0, non-decreasing, to
     ``total``; returned as a host int64 array (on CuPy one small device-to-host copy)."""
-    found = array_kind(cu, name)
-    if found == "cuda-foreign" and kind == "cupy":
-        import cupy
-
-        cu, found = cupy.asarray(cu), "cupy"
-    if found != kind:
-        expected = "NumPy" if kind == "numpy" else "CuPy"
-        raise TypeError(f"`{name}` must be a {expected} array like q, k and v")
-    dtype = np.dtype(cu.dtype)
-    if dtype not in (np.dtype(np.int32), np.dtype(np.int64)):
-        raise TypeError(f"`{name}` must have dtype int32 or int64; got {dtype.name}")
-    if cu.ndim != 1 or cu.shape[0] < 1:
-        raise ValueError(f"`{name}` must have shape (number of sequences + 1,); got {tuple(cu.shape)}")
-    host = np.asarray(cu.get() if kind == "cupy" else cu, dtype=np.int64)
+    host = host_integers(cu, name, kind=kind)
+    if host.ndim != 1 or host.shape[0] < 1:
+        raise ValueError(f"`{name}` must have shape (number of sequences + 1,); got {tuple(host.shape)}")
     if host[0] != 0:
         raise ValueError(f"`{name}` must start at 0; got {int(host[0])}")
     steps = np.diff(host)
@@ -130,15 +119,7 @@ def run_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, 
     problem, (dout, out, lse), cq, ck = _check(
         q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal, window=window, enable_gqa=enable_gqa,
         backend=backend, extra=(("dout", dout), ("out", out), ("lse", lse)))
-    for name, x in (("dout", dout), ("out", out)):
-        if tuple(x.shape) != problem.out_shape:
-            raise ValueError(f"`{name}` must have shape {problem.out_shape}; got {tuple(x.shape)}")
-        if np.dtype(x.dtype) != problem.dtype:
-            raise TypeError(f"`{name}` must have dtype {problem.dtype.name} like q; got {np.dtype(x.dtype).name}")
-    if tuple(lse.shape) != problem.lse_shape:
-        raise ValueError(f"`lse` must have shape {problem.lse_shape}; got {tuple(lse.shape)}")
-    if np.dtype(lse.dtype) not in (np.dtype(np.float32), np.dtype(np.float64)):
-        raise TypeError(f"`lse` must have dtype float32 or float64; got {np.dtype(lse.dtype).name}")
+    check_forward_results(problem, dout, out, lse)
     _kernels_take(problem, backward=True)
     xp = np if problem.kind == "numpy" else __import__("cupy")
     grads = tuple(xp.zeros(x.shape, dtype=x.dtype) for x in (problem.q, problem.k, problem.v))

@@ -301,3 +301,13 @@ def forward_against_oracle(executor, q, k, v, *, window=(None, None), gqa_ratio=
         assert (np.isneginf(lse) == no_key).all()
         assert (out.astype(np.float64)[no_key] == 0).all()
     return spy, out
+
+
+def use_cpu_blocks(monkeypatch, *, key_block: int, score_elements: int, min_query_block: int) -> None:
+    """Make the CPU path's blocks small (for the rest of the test), so that small problems
+    take several query and key blocks."""
+    from cupyflash import _cpu
+
+    monkeypatch.setattr(_cpu, "_MAX_KEY_BLOCK", key_block)
+    monkeypatch.setattr(_cpu, "_SCORE_BLOCK_ELEMENTS", score_elements)
+    monkeypatch.setattr(_cpu, "_MIN_QUERY_BLOCK", min_query_block)

@@ -16,10 +16,9 @@ import numpy as np
 import pytest
 
 import cupyflash
-from cupyflash import _cpu
 from cupyflash.reference import _probabilities, _reduce_to, naive_attention, naive_attention_backward
 
-from _util import (DTYPES, DTYPE_IDS, TOLERANCE, assert_close, assert_grad_close, assert_lse_close,
+from _util import (use_cpu_blocks, DTYPES, DTYPE_IDS, TOLERANCE, assert_close, assert_grad_close, assert_lse_close,
                    random_array, random_qkv)
 
 
@@ -43,14 +42,13 @@ BIAS_SHAPES = {
 MASK_SHAPES = {"11qk": (1, 1, LQ, LK), "b11k": (B, 1, 1, LK), "1hqk": (1, H, LQ, LK), "bhqk": (B, H, LQ, LK)}
 
 # small CPU blocks, so that these sizes take several query and key blocks
-SMALL_BLOCKS = dict(_MAX_KEY_BLOCK=16, _SCORE_BLOCK_ELEMENTS=3 * 16 * 16, _MIN_QUERY_BLOCK=8)
+SMALL_BLOCKS = dict(key_block=16, score_elements=3 * 16 * 16, min_query_block=8)
 
 
 @pytest.fixture(params=["default-blocks", "small-blocks"])
 def blocks(request, monkeypatch):
     if request.param == "small-blocks":
-        for name, value in SMALL_BLOCKS.items():
-            monkeypatch.setattr(_cpu, name, value)
+        use_cpu_blocks(monkeypatch, **SMALL_BLOCKS)
     return request.param
 
 

@@ -17,10 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cupyflash
-from cupyflash import _cpu
 from cupyflash.reference import naive_attention, naive_attention_backward
 
-from _util import DTYPES, DTYPE_IDS, assert_close, assert_grad_close, assert_lse_close, random_array
+from _util import use_cpu_blocks, DTYPES, DTYPE_IDS, assert_close, assert_grad_close, assert_lse_close, random_array
 
 
 def _rng(*key):
@@ -29,14 +28,13 @@ def _rng(*key):
 
 # small CPU blocks, so that the lengths below fall on, beside and inside block edges
 TILE = 16
-SMALL_BLOCKS = dict(_MAX_KEY_BLOCK=TILE, _SCORE_BLOCK_ELEMENTS=2 * TILE * TILE, _MIN_QUERY_BLOCK=TILE)
+SMALL_BLOCKS = dict(key_block=TILE, score_elements=2 * TILE * TILE, min_query_block=TILE)
 
 
 @pytest.fixture(params=["default-blocks", "small-blocks"])
 def blocks(request, monkeypatch):
     if request.param == "small-blocks":
-        for name, value in SMALL_BLOCKS.items():
-            monkeypatch.setattr(_cpu, name, value)
+        use_cpu_blocks(monkeypatch, **SMALL_BLOCKS)
     return request.param
 
 
