@@ -215,16 +215,23 @@ def _gqa_hint(q, k, v) -> str:
 MAX_BIAS_TERMS = 4
 
 
-def _check_scores_operand(x, name: str, kind: str, device, target: tuple, batch_shape: tuple):
-    """A bias term or the mask: the call's kind of array (CUDA arrays of another library
-    taken zero-copy on the CuPy path), on q's device, broadcastable to ``target``."""
+def _of_kind(x, name: str, kind: str, what: str = "an array"):
+    """``x`` as the call's kind of array (a CUDA array of another library taken zero-copy
+    on the CuPy path), or a TypeError naming it."""
     found = array_kind(x, name)
     if found == "cuda-foreign" and kind == "cupy":
-        x, found = _to_cupy(x), "cupy"
+        return _to_cupy(x)
     if found != kind:
         expected = "NumPy" if kind == "numpy" else "CuPy"
-        raise TypeError(f"`{name}` must be a {expected} array like q, k and v; got "
-                        f"{'a CUDA array' if found != 'numpy' else 'a NumPy array'}")
+        raise TypeError(f"`{name}` must be {what} of {expected} like q, k and v; got a "
+                        f"{'NumPy' if found == 'numpy' else 'CUDA'} array")
+    return x
+
+
+def _check_scores_operand(x, name: str, kind: str, device, target: tuple, batch_shape: tuple):
+    """A bias term or the mask: the call's kind of array, on q's device, broadcastable to
+    ``target``."""
+    x = _of_kind(x, name, kind)
     if kind == "cupy" and int(x.device.id) != device:
         raise ValueError(f"`{name}` must be on q's device {device}; got device {int(x.device.id)}")
     shape = tuple(x.shape)
@@ -274,13 +281,7 @@ def host_integers(x, name: str, *, kind: str, what: str = "an int32/int64 array"
     """An int32/int64 array of the call's kind (CUDA arrays of another library taken on the
     CuPy path) as a host int64 array: on CuPy one small device-to-host copy, for the
     offsets, lengths and page tables that steer the host's work."""
-    found = array_kind(x, name)
-    if found == "cuda-foreign" and kind == "cupy":
-        x, found = _to_cupy(x), "cupy"
-    if found != kind:
-        expected = "NumPy" if kind == "numpy" else "CuPy"
-        raise TypeError(f"`{name}` must be {what} of {expected} like the other arrays; got a "
-                        f"{'NumPy' if found == 'numpy' else 'CUDA'} array")
+    x = _of_kind(x, name, kind, what)
     dtype = np.dtype(x.dtype)
     if dtype not in (np.dtype(np.int32), np.dtype(np.int64)):
         hint = f"; convert it, e.g. {name}.astype(numpy.int64)" if dtype.kind in "iuf" else ""
