@@ -204,8 +204,10 @@ def test_greedy_decode_with_a_cache_equals_recomputing(backend):
     logits = model.logits(tokens, caches, lengths, backend)                # prefill
     lengths = lengths + prompt
     sequence = tokens
-    for _ in range(steps):
-        np.testing.assert_allclose(logits, model.logits(sequence, backend=backend), rtol=1e-12, atol=1e-12)
+    check_every = 1 if backend == "numpy" else 8       # the emulator's full recomputations cost the most
+    for step in range(steps):
+        if step % check_every == 0 or step == steps - 1:
+            np.testing.assert_allclose(logits, model.logits(sequence, backend=backend), rtol=1e-12, atol=1e-12)
         nxt = logits.argmax(axis=-1)[:, None]
         sequence = np.concatenate([sequence, nxt], axis=1)
         logits = model.logits(nxt, caches, lengths, backend)
