@@ -250,10 +250,19 @@ _NO_TERMS = _ScoreTerms((), None, None)
 def _lengths_of(problem: Problem, idx) -> tuple[int, int]:
     """(q_len, kv_len) of the sequence of batch index ``idx`` (the looped dims, which start
     with the sequence dims: lengths are per sequence, never per head)."""
-    seq = idx[:len(problem.sequence_shape)]
-    q_len = problem.seqlen_q if problem.q_lengths is None else int(problem.q_lengths[seq])
-    kv_len = problem.seqlen_k if problem.kv_lengths is None else int(problem.kv_lengths[seq])
-    return q_len, kv_len
+    return problem.lengths_of(idx[:len(problem.sequence_shape)])
+
+
+def map_whole(fn, items):
+    """``fn(item, single_thread)`` for each of ``items`` (whole problems: the sequences of a
+    packed or paged batch), results in the items' order.  With at least twice as many
+    items as workers, each runs whole in one worker (BLAS held to one thread, and
+    ``single_thread`` True); otherwise one after the other, each with the workers inside.
+    Either way each item is computed as it would be alone."""
+    workers = _threads.num_threads()
+    fan = workers if len(items) >= 2 * workers > 2 else 1
+    with _threads.single_threaded_blas() if fan > 1 else contextlib.nullcontext():
+        yield from _threads.ordered_map(lambda item: fn(item, fan > 1), items, fan)
 
 
 def _lse_view(problem: Problem, lse):

@@ -94,17 +94,13 @@ def run_forward(problem: Problem, out, return_lse: bool, options: KernelOptions 
     elif _has_lengths(problem):
         options = KernelOptions.from_environment() if options is None else options
         for seq, sub in _sequences(problem):
-            q_len = sub.seqlen_q
-            out[seq][..., q_len:, :] = 0
+            computed = sub.seqlen_q if sub.seqlen_k else 0      # rows with no key: zeros, -inf
+            out[seq][..., computed:, :] = 0
             if lse is not None:
-                lse[seq][..., q_len:] = -np.inf
-            if q_len and sub.seqlen_k:
-                _run_kernel(sub, out[seq][..., :q_len, :], None if lse is None else lse[seq][..., :q_len],
+                lse[seq][..., computed:] = -np.inf
+            if computed:
+                _run_kernel(sub, out[seq][..., :computed, :], None if lse is None else lse[seq][..., :computed],
                             sram_size=None, options=options)
-            elif q_len:                                      # no keys: zeros, -inf
-                out[seq][..., :q_len, :] = 0
-                if lse is not None:
-                    lse[seq][..., :q_len] = -np.inf
     else:
         _run_kernel(problem, out, lse, sram_size=None,
                     options=KernelOptions.from_environment() if options is None else options)
@@ -120,21 +116,19 @@ def _sequences(problem: Problem):
     sequence dims (the batch dims before the head axis), ``sub`` the plain problem of its
     own rows and keys (broadcast views, no copies) -- what the kernels run, one launch per
     sequence, until a family takes lengths itself."""
-    import dataclasses
-
-    xp = _xp(problem.kind)
-    batch = problem.batch_shape
-    g = problem.gqa_ratio
-    kv_batch = batch[:-1] + (batch[-1] // g,) if g > 1 else batch
-    q = _broadcast_to(xp, problem.q, batch + problem.q.shape[-2:])
-    k = _broadcast_to(xp, problem.k, kv_batch + problem.k.shape[-2:])
-    v = _broadcast_to(xp, problem.v, kv_batch + problem.v.shape[-2:])
+    q, k, v = _full_views(problem)
     for seq in np.ndindex(*problem.sequence_shape):
-        q_len = problem.seqlen_q if problem.q_lengths is None else int(problem.q_lengths[seq])
-        kv_len = problem.seqlen_k if problem.kv_lengths is None else int(problem.kv_lengths[seq])
-        yield seq, dataclasses.replace(
-            problem, q=q[seq][..., :q_len, :], k=k[seq][..., :kv_len, :], v=v[seq][..., :kv_len, :],
-            batch_shape=batch[len(seq):], seqlen_q=q_len, seqlen_k=kv_len, q_lengths=None, kv_lengths=None)
+        q_len, kv_len = problem.lengths_of(seq)
+        yield seq, problem.on(q[seq][..., :q_len, :], k[seq][..., :kv_len, :], v[seq][..., :kv_len, :],
+                              batch_shape=problem.batch_shape[len(seq):])
+
+
+def _full_views(problem: Problem, prepare=lambda x: x):
+    """q, k, v (each ``prepare``d) broadcast to the full batch shapes, q's and the kv heads'."""
+    xp = _xp(problem.kind)
+    return (_broadcast_to(xp, prepare(problem.q), problem.batch_shape + problem.q.shape[-2:]),
+            _broadcast_to(xp, prepare(problem.k), problem.kv_batch_shape + problem.k.shape[-2:]),
+            _broadcast_to(xp, prepare(problem.v), problem.kv_batch_shape + problem.v.shape[-2:]))
 
 
 def run_forward_v1(problem: Problem, sram_size: int, return_lse: bool):
@@ -167,12 +161,8 @@ def _run_backward_per_sequence(problem: Problem, dout, out, lse, deterministic: 
     accumulator type, zero in the padding, then summed onto q, k and v as the plain
     backward does."""
     xp = _xp(problem.kind)
-    batch = problem.batch_shape
-    g = problem.gqa_ratio
-    kv_batch = batch[:-1] + (batch[-1] // g,) if g > 1 else batch
     acc = problem.accum_dtype
-    grads = (xp.zeros(batch + problem.q.shape[-2:], dtype=acc), xp.zeros(kv_batch + problem.k.shape[-2:], dtype=acc),
-             xp.zeros(kv_batch + problem.v.shape[-2:], dtype=acc))
+    grads = tuple(xp.zeros(x.shape, dtype=acc) for x in _full_views(problem))
     for seq, sub in _sequences(problem):
         q_len, kv_len = sub.seqlen_q, sub.seqlen_k
         if not (q_len and kv_len):
@@ -266,12 +256,7 @@ def _run_kernel(problem: Problem, out, lse, *, sram_size, options):
 
     xp = _xp(problem.kind)
     g = problem.gqa_ratio
-    batch = problem.batch_shape
-    kv_batch = batch[:-1] + (batch[-1] // g,) if g > 1 else batch
-
-    q = _broadcast_to(xp, _kernel_copy(problem.q), batch + problem.q.shape[-2:])
-    k = _broadcast_to(xp, _kernel_copy(problem.k), kv_batch + problem.k.shape[-2:])
-    v = _broadcast_to(xp, _kernel_copy(problem.v), kv_batch + problem.v.shape[-2:])
+    q, k, v = _full_views(problem, _kernel_copy)
     target = out if _kernel_ready(out) else xp.empty(out.shape, dtype=out.dtype)
     executor = executor_for(problem.backend)
     for qv, kv, vv, ov, lv in _kernel_views(problem, [q, k, v, target, lse]):
@@ -299,13 +284,8 @@ def _run_backward_kernels(problem: Problem, dout, out, lse, deterministic: bool,
 
     xp = _xp(problem.kind)
     g = problem.gqa_ratio
-    batch = problem.batch_shape
-    kv_batch = batch[:-1] + (batch[-1] // g,) if g > 1 else batch
     acc = problem.accum_dtype
-
-    q = _broadcast_to(xp, _kernel_copy(problem.q), batch + problem.q.shape[-2:])
-    k = _broadcast_to(xp, _kernel_copy(problem.k), kv_batch + problem.k.shape[-2:])
-    v = _broadcast_to(xp, _kernel_copy(problem.v), kv_batch + problem.v.shape[-2:])
+    q, k, v = _full_views(problem, _kernel_copy)
     out, dout = _kernel_copy(out), _kernel_copy(dout)
     lse = lse if lse.dtype == acc and _aligned(lse) else lse.astype(acc, order="C")   # any strides
     # Gradients of the full broadcast shapes in the accumulator type: every

@@ -13,12 +13,9 @@ backends refuse a block table before any work.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-
 import numpy as np
 
-from . import _cpu, _threads
+from . import _cpu
 from ._validation import _check_lengths, array_kind, check_forward, check_output, check_precision, host_integers
 
 __all__ = ["run_paged", "append_kv"]
@@ -101,25 +98,21 @@ def run_paged(q, k_cache, v_cache, *, block_table, kv_lengths, q_lengths, scale,
     q_lens = (np.full(batch, problem.seqlen_q) if problem.q_lengths is None
               else np.broadcast_to(problem.q_lengths, (batch,)))
 
-    def run(b):
+    def run(b, single_thread):
         q_len, kv_len = int(q_lens[b]), int(lengths[b])
         out[b, :, q_len:] = 0
         lse[b, :, q_len:] = -np.inf
         if q_len == 0:
             return
         pages = table[b, :-(-kv_len // page_size)]
-        sub = dataclasses.replace(problem, q=problem.q[b, :, :q_len], k=_gather(k_cache, pages, kv_len),
-                                  v=_gather(v_cache, pages, kv_len), batch_shape=problem.batch_shape[1:],
-                                  seqlen_q=q_len, seqlen_k=kv_len, q_lengths=None, kv_lengths=None)
-        _cpu.forward(sub, out[b, :, :q_len], lse[b, :, :q_len], single_thread=fan > 1)
+        sub = problem.on(problem.q[b, :, :q_len], _gather(k_cache, pages, kv_len), _gather(v_cache, pages, kv_len),
+                         batch_shape=problem.batch_shape[1:])
+        _cpu.forward(sub, out[b, :, :q_len], lse[b, :, :q_len], single_thread=single_thread)
 
-    workers = _threads.num_threads()
-    fan = workers if batch >= 2 * workers > 2 else 1
     # longest first, so that no worker is left with the longest sequence at the end
     order = sorted(range(batch), key=lambda b: -int(lengths[b]) * max(1, int(q_lens[b])))
-    with _threads.single_threaded_blas() if fan > 1 else contextlib.nullcontext():
-        for _ in _threads.ordered_map(run, order, fan):
-            pass
+    for _ in _cpu.map_whole(run, order):
+        pass
     return (out, lse) if return_lse else out
 
 

@@ -9,6 +9,7 @@ every backend uses.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
@@ -62,6 +63,26 @@ class Problem:
     def sequence_shape(self) -> tuple:
         """The batch dims before the head axis: one length per sequence, whatever the heads."""
         return self.batch_shape[:-1]
+
+    @property
+    def kv_batch_shape(self) -> tuple:
+        """batch_shape with the key/value head count on axis -3 (under GQA, Hq / group)."""
+        if self.gqa_ratio > 1:
+            return self.batch_shape[:-1] + (self.batch_shape[-1] // self.gqa_ratio,)
+        return self.batch_shape
+
+    def lengths_of(self, seq: tuple) -> tuple[int, int]:
+        """(q_len, kv_len) of the sequence at index ``seq`` of the sequence dims."""
+        q_len = self.seqlen_q if self.q_lengths is None else int(self.q_lengths[seq])
+        kv_len = self.seqlen_k if self.kv_lengths is None else int(self.kv_lengths[seq])
+        return q_len, kv_len
+
+    def on(self, q, k, v, batch_shape: tuple | None = None) -> "Problem":
+        """This problem on other arrays (one sequence's own rows and keys, checked with the
+        whole): their lengths, no per-sequence lengths, ``batch_shape`` if it changes."""
+        return dataclasses.replace(self, q=q, k=k, v=v, seqlen_q=q.shape[-2], seqlen_k=k.shape[-2],
+                                   batch_shape=self.batch_shape if batch_shape is None else batch_shape,
+                                   q_lengths=None, kv_lengths=None)
 
     @property
     def scores_shape(self) -> tuple:

@@ -14,12 +14,9 @@ launch the kernels once per non-empty sequence, one after the other.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-
 import numpy as np
 
-from . import _cpu, _threads
+from . import _cpu
 from ._dispatch import _allocate, _kernels_take, _run_backward_kernels, _run_kernel
 from ._options import KernelOptions
 from ._validation import Problem, check_forward, check_forward_results, check_output, host_integers
@@ -68,16 +65,7 @@ def _sequences(problem: Problem, cq, ck):
                    * max(1, spans[s][1].stop - spans[s][1].start))
     for s in order:
         rows, keys = spans[s]
-        sub = dataclasses.replace(problem, q=problem.q[:, rows], k=problem.k[:, keys], v=problem.v[:, keys],
-                                  seqlen_q=rows.stop - rows.start, seqlen_k=keys.stop - keys.start)
-        yield sub, rows, keys
-
-
-def _fan_out(problem: Problem, n_sequences: int) -> int:
-    """Workers that run whole sequences (1: one sequence after the other, each with the
-    workers inside it)."""
-    workers = _threads.num_threads()
-    return workers if n_sequences >= 2 * workers > 2 else 1
+        yield problem.on(problem.q[:, rows], problem.k[:, keys], problem.v[:, keys]), rows, keys
 
 
 def run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, window, enable_gqa, return_lse, out,
@@ -90,15 +78,12 @@ def run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, window, en
     out, lse = _allocate(problem, out, True)
     sequences = list(_sequences(problem, cq, ck))
     if problem.backend == "numpy":
-        fan = _fan_out(problem, len(sequences))
-
-        def run(item):
+        def run(item, single_thread):
             sub, rows, _ = item
-            _cpu.forward(sub, out[:, rows], lse[:, rows], single_thread=fan > 1)
+            _cpu.forward(sub, out[:, rows], lse[:, rows], single_thread=single_thread)
 
-        with _threads.single_threaded_blas() if fan > 1 else contextlib.nullcontext():
-            for _ in _threads.ordered_map(run, sequences, fan):
-                pass
+        for _ in _cpu.map_whole(run, sequences):
+            pass
     else:
         options = KernelOptions.from_environment() if options is None else options
         for sub, rows, _ in sequences:
@@ -131,15 +116,12 @@ def run_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, 
             grad[:, span] = part
 
     if problem.backend == "numpy":
-        fan = _fan_out(problem, len(sequences))
-
-        def run(item):
+        def run(item, single_thread):
             sub, rows, _ = item
-            return item, _cpu.backward(sub, dout[:, rows], out[:, rows], lse[:, rows], single_thread=fan > 1)
+            return item, _cpu.backward(sub, dout[:, rows], out[:, rows], lse[:, rows], single_thread=single_thread)
 
-        with _threads.single_threaded_blas() if fan > 1 else contextlib.nullcontext():
-            for item, result in _threads.ordered_map(run, sequences, fan):
-                store(item, result)
+        for item, result in _cpu.map_whole(run, sequences):
+            store(item, result)
     else:
         options = KernelOptions.from_environment() if options is None else options
         for item in sequences:
