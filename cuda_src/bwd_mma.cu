@@ -273,6 +273,8 @@ bwd_mma_dkdv_kernel(const BwdParams params) {
                 float dp[Tr::kRows][Tr::kSCols];
                 mma_own_stream<Tr>(dp, sV, sdO, row0);                         // dP^T = V dO^T
                 score_gradient<Tr>(dp, s, delta_of);                           // dS^T
+                bias_gradient<float>(dp, M16n8Fragment{}, params,
+                                     ScoreTile{tile.batch, head, m0, block.n0, row0, kBlockN});
                 mma_accumulate<Tr>(dk, dp, sQ);                                // dK += dS^T Q
                 if constexpr (Tr::kAtomicDq) {
                     T* sdS = reinterpret_cast<T*>(dynamic_smem() + Tr::kDsOffset);

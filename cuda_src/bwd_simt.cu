@@ -457,6 +457,7 @@ bwd_simt_dkdv_kernel(const BwdParams params) {
         dot_rows<Tr, LayoutV>(dp, sV, sdO, me, dv);                    // dP^T = V dO^T
         accumulate_rows<Tr, LayoutV>(dv_acc, s, sS, sdO, me);           // dV += P^T dO
         score_gradient<false, Tr>(dp, s, delta);                        // dS^T
+        bias_gradient<Acc>(dp, me, params, ScoreTile{tile.batch, head, m0, block.n0, 0, kBlockN});
         accumulate_rows<Tr, Layout>(dk, dp, sS, sQ, me);                // dK += dS^T Q
         if constexpr (kAtomicDq) {
             __syncthreads();  // every row group's dS^T in the scratch tile

@@ -146,6 +146,7 @@ __device__ __forceinline__ void bwd_dkdv_loop(const BwdParams& params) {
         Tr::row_products(dp, sV, sdO, row0);  // dP^T = V dO^T
         Tr::accumulate(dv, s, sdO);           // dV += P^T dO
         score_gradient<Tr>(dp, s, [&](int, int c) { return delta[c]; });  // dS^T
+        bias_gradient<Out>(dp, typename Tr::Fragment{}, params, ScoreTile{tile.batch, head, m0, block.n0, row0, kOwn});
         Tr::accumulate(dk, dp, sQ);           // dK += dS^T Q
         head = next_head;
         m_block = next_m_block;

@@ -285,6 +285,8 @@ bwd_wgmma_dkdv_kernel(const BwdParams params) {
             if constexpr (kDK) {
                 if constexpr (kDV) wgmma_wait<1>(dp); else wgmma_wait<0>(dp);  // dP^T (dV still in flight)
                 score_gradient<Tr>(dp, s, delta_of);       // dS^T
+                bias_gradient<float>(dp, Wgmma64Fragment{}, params,
+                                     ScoreTile{tile.batch, head, m0, block.n0, row0, kBlockN});
                 pack_a<Tr, T>(ds, dp);
                 if constexpr (kAtomicDq) store_accumulators<typename Tr::DsTile>(sdS, dp, row0);  // rounded as ds
                 wgmma_accumulate<Tr>(dk, ds, sQ);          // dK += dS^T Q

@@ -40,18 +40,21 @@ __device__ __forceinline__ int fragment_row(int r) { return 16 * (r >> 1) + 8 * 
 
 // mma.sync m16n8 accumulators (mma_tile.cuh's register tiles).
 struct M16n8Fragment {
+    static constexpr int kRowLanes = 4;  // the lanes holding one row: (g, t) for t = 0..3
     __device__ static __forceinline__ int row(int r) { return fragment_row(r); }
     __device__ static __forceinline__ int col(int c) { return fragment_col(c); }
 };
 
 // A warp's share of a wgmma m64nN accumulator: d[r][c], r = 0, 1 (wgmma.cuh).
 struct Wgmma64Fragment {
+    static constexpr int kRowLanes = 4;
     __device__ static __forceinline__ int row(int r) { return 8 * r + (lane_id() >> 2); }
     __device__ static __forceinline__ int col(int c) { return fragment_col(c); }
 };
 
 // mma.sync m8n8k4 .f64 accumulators: row g of m8 tile r (dmma_tile.cuh).
 struct M8n8Fragment {
+    static constexpr int kRowLanes = 4;
     __device__ static __forceinline__ int row(int r) { return 8 * r + (lane_id() >> 2); }
     __device__ static __forceinline__ int col(int c) { return fragment_col(c); }
 };
@@ -62,6 +65,7 @@ struct M8n8Fragment {
 // chunks of a row (of the outputs and gradients) among themselves.
 template <int kRowGroups, int kLanesPerRow>
 struct SimtRowsFragment {
+    static constexpr int kRowLanes = kLanesPerRow;  // consecutive lanes, one row
     int row_group, lane_in_group;
 
     __device__ SimtRowsFragment()

@@ -173,6 +173,7 @@ struct DmmaFwdLoop : Tr {
     using Thread = WarpRows<Tr::kWarpRows>;
     using Mover = RowTileMover<Tr>;
     using Rule = WindowRule<false>;
+    static constexpr Units kUnits = Units::kLog2;
     using Softmax = OnlineSoftmax<double, Tr::kMTiles, 4>;
     using Scores = double[Tr::kMTiles][Tr::kSCols];
     using Output = double[Tr::kMTiles][Tr::kOCols];

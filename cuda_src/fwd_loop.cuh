@@ -11,6 +11,7 @@
 //   Thread                    this thread's place in the CTA (constructed once)
 //   first_row(me)             its first query row in the block
 //   fragment(me)              its accumulators' coordinate trait (fragment.cuh)
+//   kUnits                    how scores(...) leaves them (score.cuh's Units)
 //   Mover, Rule, Softmax      fwd_tiles.cuh's tile mover, the mask's Rule and the
 //                             online softmax (OnlineSoftmax<Acc, kStatRows, lanes>)
 //   Scores, Output, kStatRows the score and output accumulator arrays, and the
@@ -59,10 +60,10 @@ __device__ __forceinline__ void fwd_tile_loop(const FwdParams& params) {
         typename Tr::Scores s;
         tiles.keys(n_block);
         Tr::scores(s, tiles, me, d, scale_log2);
-        score_epilogue<typename Tr::Rule>(s, Tr::fragment(me), mask, params,
-                                          ScoreTile{tile.batch, tile.head, block.m0 + Tr::first_row(me), n0, 0,
-                                                    kBlockN},
-                                          block.needs_mask(mask, n0, kBlockN));
+        score_epilogue<typename Tr::Rule, true, Tr::kUnits>(
+            s, Tr::fragment(me), mask, params,
+            ScoreTile{tile.batch, tile.head, block.m0 + Tr::first_row(me), n0, 0, kBlockN},
+            block.needs_mask(mask, n0, kBlockN));
         Tr::update(softmax, s, o, scale_log2);
         tiles.values(n_block);
         Tr::accumulate(o, s, tiles, me);

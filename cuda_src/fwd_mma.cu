@@ -131,7 +131,7 @@ fwd_mma_kernel(const FwdParams params) {
     const int m_block = static_cast<int>(tile.m_block);
     const HeadSlice<T, float> in(params, batch, head);  // q, k, v (out and lse: after the loop)
     T* const sQ = reinterpret_cast<T*>(dynamic_smem());  // Q, later the output staging
-    const float scale_log2 = static_cast<float>(params.scale_log2);
+    const float scale_log2 = softmax_scale_log2<float>(params);  // 1 where a bias's epilogue scales
     const int row0 = warp_id() * Tr::kWarpRows;  // the warp's first row in the Q tile
 
     const WindowMask mask(params);
@@ -147,10 +147,11 @@ fwd_mma_kernel(const FwdParams params) {
         float s[Tr::kRows][Tr::kSCols];
         kv.await_keys(n_block);
         mma_qk<Tr>(s, sQ, kv.keys(), row0);
-        score_epilogue<BlockRule>(s, M16n8Fragment{}, mask, params,
-                                  ScoreTile{batch, head, static_cast<int64_t>(m_block) * kBlockM + row0,
-                                            static_cast<int64_t>(n_block) * kBlockN, 0, kBlockN},
-                                  unmasked.needs_mask(n_block));
+        score_epilogue<BlockRule, true, Units::kRaw>(
+            s, M16n8Fragment{}, mask, params,
+            ScoreTile{batch, head, static_cast<int64_t>(m_block) * kBlockM + row0,
+                      static_cast<int64_t>(n_block) * kBlockN, 0, kBlockN},
+            unmasked.needs_mask(n_block));
         softmax.template update_unscaled<Tr::kLazyRescale>(s, o, scale_log2);
         uint32_t p[Tr::kKeySteps][Tr::kMTiles][4];
         scores_to_a<Tr, T>(p, s);

@@ -194,6 +194,7 @@ struct SimtFwdLoop : Tr {
     using Thread = SimtThread<Tr>;
     using Mover = RowTileMover<Tr>;
     using Rule = WindowRule<false>;
+    static constexpr Units kUnits = Units::kLog2;
     using Softmax = OnlineSoftmax<Acc, Tr::kRowsPerThread, Tr::kLanesPerRow>;
     using Scores = Acc[Tr::kRowsPerThread][Tr::kKeysPerThread];
     using Output = Acc[Tr::kRowsPerThread][Tr::kChunksPerThreadV][Tr::kVec];

@@ -152,6 +152,7 @@ struct Tf32FwdLoop : Tr {
     using Thread = WarpRows<Tr::kWarpRows>;
     using Mover = Tf32TileMover<Tr>;
     using Rule = BlockRule;
+    static constexpr Units kUnits = Units::kRaw;
     using Softmax = OnlineSoftmax<float, Tr::kRows, 4>;
     using Scores = float[Tr::kRows][Tr::kSCols];
     using Output = float[Tr::kRows][Tr::kOCols];
@@ -165,7 +166,7 @@ struct Tf32FwdLoop : Tr {
                  Tr::kUnrollQK>(s, t.sQ, t.sK, me.row0);
     }
     __device__ static void update(Softmax& softmax, Scores& s, Output& o, float scale_log2) {
-        softmax.template update_unscaled<false>(s, o, scale_log2);
+        softmax.template update_unscaled<false>(s, o, Terms::kBias ? 1.0f : scale_log2);
     }
     template <class Tiles>
     __device__ static void accumulate(Output& o, const Scores& s, const Tiles& t, const Thread&) {

@@ -130,7 +130,7 @@ fwd_wgmma_kernel(const FwdParams params) {
     char* smem = dynamic_smem();
     smem += (1024 - (smem_addr(smem) & 1023)) & 1023;  // 128-byte swizzle atoms are 1024-byte aligned
     T* const sQ = reinterpret_cast<T*>(smem);  // Q, later the output staging
-    const float scale_log2 = static_cast<float>(params.scale_log2);
+    const float scale_log2 = softmax_scale_log2<float>(params);  // 1 where a bias's epilogue scales
     const int row0 = warp_id() * Tr::kWarpRows;  // the warp's first row in the Q tile
     const int wg_row0 = (warp_id() >> 2) * 64;   // its warpgroup's
 
@@ -169,10 +169,11 @@ fwd_wgmma_kernel(const FwdParams params) {
     };
     // The mask and the softmax of block n's scores; o's rescale factors returned.
     const auto softmax_block = [&](float (&s)[Tr::kRows][Tr::kSCols], float (&rescale)[Tr::kRows], int n_block) {
-        score_epilogue<BlockRule>(s, Wgmma64Fragment{}, mask, params,
-                                  ScoreTile{batch, head, static_cast<int64_t>(m_block) * Tr::kBlockM + row0,
-                                            static_cast<int64_t>(n_block) * kBlockN, 0, kBlockN},
-                                  unmasked.needs_mask(n_block));
+        score_epilogue<BlockRule, true, Units::kRaw>(
+            s, Wgmma64Fragment{}, mask, params,
+            ScoreTile{batch, head, static_cast<int64_t>(m_block) * Tr::kBlockM + row0,
+                      static_cast<int64_t>(n_block) * kBlockN, 0, kBlockN},
+            unmasked.needs_mask(n_block));
 #pragma unroll
         for (int r = 0; r < Tr::kRows; ++r) rescale[r] = 1.0f;
         softmax.template update_unscaled<Tr::kLazyRescale>(s, rescale, scale_log2);

@@ -69,10 +69,25 @@ struct FwdParams {
 
     // softmax(scale * q k^T); scale_log2 = scale * log2(e) for exp2.
     double scale, scale_log2;
+
+    // Score terms (score.cuh's ScoreTerms; read only by a module compiled with
+    // them, null otherwise): up to kMaxBias additive biases (bias[t] of the
+    // element type its ScoreTerms names) and a bool mask (one byte, nonzero =
+    // may attend), each read as a (B, Hq, Lq, Lk) view: element (b, h, i, j)
+    // of bias t at bias[t] + b * bias_strides[t][0] + h * bias_strides[t][1]
+    // + i * bias_strides[t][2] + j * bias_strides[t][3], in elements, 0 along
+    // broadcast axes (the mask likewise with mask_strides).
+    const void* bias[4];
+    int64_t bias_strides[4][4];
+    const void* mask;
+    int64_t mask_strides[4];
 };
 
+// Most additive bias terms one call takes (FwdParams::bias).
+constexpr int kMaxBias = 4;
+
 // The layout _params.py mirrors (tests compare every offset with the dtype's).
-static_assert(sizeof(FwdParams) == 37 * 8, "FwdParams: every field is 8 bytes, no padding");
+static_assert(sizeof(FwdParams) == 62 * 8, "FwdParams: every field is 8 bytes, no padding");
 // NVRTC 13.0 has no __builtin_offsetof (13.5 has): the offsets are asserted in
 // host builds (the emulator's g++), the size everywhere.
 #if !defined(__CUDACC_RTC__)
@@ -80,6 +95,8 @@ static_assert(__builtin_offsetof(FwdParams, q_batch_stride) == 8 * 8, "FwdParams
 static_assert(__builtin_offsetof(FwdParams, batch) == 23 * 8, "FwdParams layout");
 static_assert(__builtin_offsetof(FwdParams, window_left) == 30 * 8, "FwdParams layout");
 static_assert(__builtin_offsetof(FwdParams, scale) == 35 * 8, "FwdParams layout");
+static_assert(__builtin_offsetof(FwdParams, bias) == 37 * 8, "FwdParams layout");
+static_assert(__builtin_offsetof(FwdParams, mask) == 57 * 8, "FwdParams layout");
 #endif
 
 }  // namespace cf

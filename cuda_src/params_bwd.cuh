@@ -41,10 +41,17 @@ struct BwdParams {
     int64_t dk_batch_stride, dk_head_stride, dk_row_stride;
     int64_t dv_batch_stride, dv_head_stride, dv_row_stride;
     int64_t delta_batch_stride, delta_head_stride, delta_row_stride;
+
+    // The bias gradients (a module compiled with bias terms; null otherwise):
+    // dbias[t], of the accumulator type, read and written as (B, Hq, Lq, Lk)
+    // views like FwdParams::bias[t] (dbias_strides[t]; 0 along the axes bias t
+    // is broadcast along, whose entries then receive the sum).
+    void* dbias[4];
+    int64_t dbias_strides[4][4];
 };
 
 // The layout _params_bwd.py mirrors (tests compare every offset with the dtype's).
-static_assert(sizeof(BwdParams) == sizeof(FwdParams) + 20 * 8,
+static_assert(sizeof(BwdParams) == sizeof(FwdParams) + 40 * 8,
               "BwdParams: every field is 8 bytes, no padding");
 #if !defined(__CUDACC_RTC__)  // no __builtin_offsetof in NVRTC 13.0 (see params.cuh)
 static_assert(__builtin_offsetof(BwdParams, dout) == sizeof(FwdParams), "BwdParams layout");

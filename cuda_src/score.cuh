@@ -30,18 +30,29 @@
 //   every backward                   q.k; P = exp2(q.k * scale_log2 - lse_log2)
 //                                    is computed here
 //
-// How a later feature plugs in (DESIGN.md section 3b's order: scale, softcap,
-// bias and ALiBi, score_mod, then the masks):
-//   * bias / ALiBi / softcap / score_mod: transform s in the three epilogues
-//     before the mask, indexing by tile.batch, tile.head and the element's
-//     global (query, key) = (tile.q0 + q, tile.k0 + tile.key0 + k), q and k
-//     as hide_pairs computes them; in the raw (q.k) families multiply by the
-//     scale first and hand the softmax (and P's exp2) a scale of 1 -- the
-//     epilogue then owns the scale; and apply it whatever `partial` says
-//     (every block needs it).  The backward's dS = P (dP - delta) gains the
-//     transform's derivative in score_gradient.
-//   * boolean mask / mask_mod: one more condition per element in hide_pairs
-//     (and score_element), and `partial` forced true while a mask is given.
+// Score terms (DESIGN.md section 3b's order: scale, softcap, bias and ALiBi,
+// score_mod, then the masks).  A module compiled with CF_SCORE_TERMS defined
+// as a ScoreTerms<kMask, Bias...> (cupyflash/_terms.py writes it into the
+// source's prelude) reads the additive biases and the bool mask of
+// FwdParams; without it Terms is ScoreTerms<false> and none of this code
+// exists.  Both epilogues apply them, on every block whatever `partial` says
+// (term_pass), element (i, j) = (tile.q0 + q, tile.k0 + tile.key0 + k) with q
+// and k as hide_pairs computes them:
+//   forward   s -> s + log2(e) sum(bias), and -inf where the mask is False;
+//             in the raw (q.k) families the epilogue applies the scale first,
+//             s -> s * scale_log2 + log2(e) sum(bias), and those kernels hand
+//             the softmax a scale of 1 (softmax_scale_log2);
+//   backward  P = exp2(s * scale_log2 + log2(e) sum(bias) - lse_log2), 0 where
+//             the mask is False; dS = P (dP - delta) is the bias's gradient
+//             (bias_gradient adds it up).
+// Elements past Lq or Lk (a tile's padding) read no term: bias 0, mask True
+// (the window rule hides their keys, their rows are never stored).
+//
+// How a later feature plugs in:
+//   * ALiBi / softcap / score_mod: more of term_pass's transform, before the
+//     mask; the backward's dS gains the transform's derivative in
+//     score_gradient.
+//   * mask_mod: one more condition next to the mask's.
 //   * per-sequence lengths: Rule's seqlen_q / seqlen_k (and WindowMask's
 //     diagonal) taken per tile.batch instead of from the params.
 #pragma once
@@ -49,7 +60,9 @@
 #include "fragment.cuh"
 #include "mask.cuh"
 #include "params.cuh"
+#include "params_bwd.cuh"
 #include "softmax.cuh"
+#include "tile_io.cuh"
 
 namespace cf {
 
@@ -64,6 +77,129 @@ struct ScoreTile {
     int64_t q0, k0;
     int key0, keys;
 };
+
+// ---- score terms ------------------------------------------------------------------------------
+
+// The terms a module reads: the mask (kMask) and one additive bias per type in
+// Bias (the element type of FwdParams::bias[t], any of the four dtypes; read
+// in the accumulator type and summed in order, bias 0 first).
+template <bool kMask_, typename... Bias>
+struct ScoreTerms {
+    static constexpr bool kMask = kMask_;
+    static constexpr int kBiases = static_cast<int>(sizeof...(Bias));
+    static constexpr bool kBias = kBiases > 0;
+    static constexpr bool kAny = kMask || kBias;
+    static_assert(kBiases <= kMaxBias, "at most kMaxBias bias terms");
+};
+
+#ifndef CF_SCORE_TERMS
+#define CF_SCORE_TERMS ScoreTerms<false>
+#endif
+using Terms = CF_SCORE_TERMS;
+
+// How the scores arrive in the forward's epilogue (the table above): kLog2
+// already times scale * log2(e), kRaw as q.k.
+enum class Units { kLog2, kRaw };
+
+// The scale a forward kernel's softmax multiplies raw scores by: scale *
+// log2(e), or 1 where the epilogue has applied it (a module with a bias).
+template <typename Acc>
+__device__ __forceinline__ Acc softmax_scale_log2(const FwdParams& p) {
+    return Terms::kBias ? Acc(1) : static_cast<Acc>(p.scale_log2);
+}
+
+// One term's view within a score tile: element (q0 + a, k0 + key0 + b) --
+// a, b the offsets within the tile, below 2^16 -- at base[a * row + b * key].
+// The host keeps |row| + |key| below 2^23 elements for every term
+// (cupyflash/_terms.py, TILE_STRIDE_LIMIT), so every in-tile offset fits 32
+// bits: one 64-bit address per term and tile, 32-bit arithmetic per element.
+// base may point past the view where the tile does (its elements are then
+// never read: term_pass tests each element against Lq and Lk first).
+template <typename E>
+struct TermTile {
+    const E* base;
+    int row, key;
+
+    __device__ __forceinline__ TermTile(const void* ptr, const int64_t (&st)[4], const ScoreTile& t)
+        : base(static_cast<const E*>(ptr) + t.batch * st[0] + t.head * st[1] + t.q0 * st[2] +
+               (t.k0 + t.key0) * st[3]),
+          row(static_cast<int>(st[2])),
+          key(static_cast<int>(st[3])) {}
+
+    __device__ __forceinline__ const E& at(int a, int b) const { return base[a * row + b * key]; }
+};
+
+// The bias terms of a tile, bias 0 first: sum(a, b) is their sum at (a, b) in
+// the accumulator type, added in order.
+template <typename Acc, int kTerm, typename... Bias>
+struct BiasTiles {
+    __device__ __forceinline__ BiasTiles(const FwdParams&, const ScoreTile&) {}
+    __device__ __forceinline__ Acc add(int, int, Acc sum) const { return sum; }
+};
+template <typename Acc, int kTerm, typename B, typename... Rest>
+struct BiasTiles<Acc, kTerm, B, Rest...> {
+    TermTile<B> tile;
+    BiasTiles<Acc, kTerm + 1, Rest...> rest;
+
+    __device__ __forceinline__ BiasTiles(const FwdParams& p, const ScoreTile& t)
+        : tile(p.bias[kTerm], p.bias_strides[kTerm], t), rest(p, t) {}
+    __device__ __forceinline__ Acc add(int a, int b, Acc sum) const {
+        return rest.add(a, b, sum + static_cast<Acc>(to_acc(tile.at(a, b))));
+    }
+    __device__ __forceinline__ Acc sum(int a, int b) const {
+        return rest.add(a, b, static_cast<Acc>(to_acc(tile.at(a, b))));
+    }
+};
+
+// The terms of one tile: the biases' sum times log2(e) and the mask's verdict
+// at in-tile offsets (a, b).
+template <typename Acc, class Terms_> struct TermTiles;
+template <typename Acc, bool kMask, typename... Bias>
+struct TermTiles<Acc, ScoreTerms<kMask, Bias...>> {
+    BiasTiles<Acc, 0, Bias...> bias;
+    TermTile<uint8_t> mask;
+
+    __device__ __forceinline__ TermTiles(const FwdParams& p, const ScoreTile& t)
+        : bias(p, t), mask(p.mask, p.mask_strides, t) {}
+
+    __device__ __forceinline__ Acc bias_log2(int a, int b) const {
+        constexpr double kLog2e = 1.44269504088896340736;
+        if constexpr (sizeof...(Bias) == 0) {
+            return Acc(0);
+        } else {
+            return bias.sum(a, b) * Acc(kLog2e);
+        }
+    }
+    __device__ __forceinline__ bool admits(int a, int b) const {
+        if constexpr (kMask) {
+            return mask.at(a, b) != 0;
+        } else {
+            return true;
+        }
+    }
+};
+
+// For each element [r][c] of a fragment: f(r, c, bias, admitted) with its
+// terms -- log2(e) sum(bias) and the mask's verdict -- at query i and key j
+// (kQueryRows: i from the row, j from the column; else the transpose).
+// Elements past Lq or Lk read nothing and get bias 0 and admitted true.
+template <bool kQueryRows, typename Acc, int R, int C, class Frag, class F>
+__device__ __forceinline__ void term_pass(const Frag& frag, const FwdParams& p, const ScoreTile& tile, const F& f) {
+    const TermTiles<Acc, Terms> terms(p, tile);
+    // rows and keys of the problem from the tile's corner on (clamped: tiles are < 2^16)
+    const int queries_left = static_cast<int>(min64(p.seqlen_q - tile.q0, 1 << 16));
+    const int keys_left = static_cast<int>(min64(max64(p.seqlen_k - tile.k0 - tile.key0, 0), 1 << 16));
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+            const int a = kQueryRows ? frag.row(r) : frag.col(c);  // query offset
+            const int b = kQueryRows ? frag.col(c) : frag.row(r);  // key offset
+            const bool inside = a < queries_left && b < keys_left;
+            f(r, c, inside ? terms.bias_log2(a, b) : Acc(0), !inside || terms.admits(a, b));
+        }
+    }
+}
 
 // A Rule's range(q, lo, hi): the keys query q may see, relative to the key
 // block: key k is admissible iff lo <= k < hi (lo >= hi: none).  With
@@ -188,11 +324,20 @@ __device__ __forceinline__ void hide_pairs(Acc (&x)[R][C], const Frag& frag, con
     }
 }
 
-// The forward's epilogue: scores of keys a query may not see (window, causal,
-// beyond Lk) -> -inf.
-template <class Rule, bool kQueryRows = true, class Frag, typename Acc, int R, int C>
+// The forward's epilogue: the score terms (biases added, -inf where the mask
+// is False; kUnits: how the scores arrive), then scores of keys a query may
+// not see (window, causal, beyond Lk) -> -inf.
+template <class Rule, bool kQueryRows = true, Units kUnits = Units::kLog2, class Frag, typename Acc, int R, int C>
 __device__ __forceinline__ void score_epilogue(Acc (&s)[R][C], const Frag& frag, const WindowMask& mask,
                                                const FwdParams& p, const ScoreTile& tile, bool partial) {
+    if constexpr (Terms::kAny) {
+        const Acc scale_log2 = static_cast<Acc>(p.scale_log2);
+        term_pass<kQueryRows, Acc, R, C>(frag, p, tile, [&](int r, int c, Acc bias, bool admitted) {
+            Acc x = s[r][c];
+            if constexpr (Terms::kBias) x = kUnits == Units::kRaw ? fma(x, scale_log2, bias) : x + bias;
+            s[r][c] = admitted ? x : neg_inf<Acc>();
+        });
+    }
     if (partial) hide_pairs<kQueryRows>(s, frag, Rule(mask, p, tile), tile.key0, neg_inf<Acc>());
 }
 
@@ -203,8 +348,9 @@ __device__ __forceinline__ Acc probability(Acc s, Acc scale_log2, Acc lse_log2) 
 }
 
 // The backward's epilogue: s -> P = exp2(s * scale_log2 - lse_log2(r, c))
-// (ex2.approx in float, exp2 in double), then P of pairs that are not
-// admissible (window, causal, past Lq or Lk) -> 0.  `partial` is a callable,
+// (ex2.approx in float, exp2 in double; with the biases' log2(e) sum(bias)
+// inside the exponent, and 0 where the mask is False), then P of pairs that
+// are not admissible (window, causal, past Lq or Lk) -> 0.  `partial` is a callable,
 // asked after the exponentials: evaluated before them, the block test's 64-bit
 // arithmetic stayed live across them (bwd_dmma's dQ kernel: 164 -> 182 registers).
 template <class Rule, bool kQueryRows, Walk kWalk = Walk::kByQuery, class Frag, typename Acc, int R, int C,
@@ -213,11 +359,81 @@ __device__ __forceinline__ void probability_epilogue(Acc (&s)[R][C], const Frag&
                                                      const FwdParams& p, const ScoreTile& tile,
                                                      const Partial& partial, const Stat& lse_log2,
                                                      Acc scale_log2) {
+    if constexpr (Terms::kAny) {
+        term_pass<kQueryRows, Acc, R, C>(frag, p, tile, [&](int r, int c, Acc bias, bool admitted) {
+            const Acc x = exp2_acc((s[r][c] * scale_log2 + bias) - lse_log2(r, c));
+            s[r][c] = admitted ? x : Acc(0);
+        });
+    } else {
 #pragma unroll
-    for (int r = 0; r < R; ++r)
+        for (int r = 0; r < R; ++r)
 #pragma unroll
-        for (int c = 0; c < C; ++c) s[r][c] = probability(s[r][c], scale_log2, lse_log2(r, c));
+            for (int c = 0; c < C; ++c) s[r][c] = probability(s[r][c], scale_log2, lse_log2(r, c));
+    }
     if (partial()) hide_pairs<kQueryRows, kWalk>(s, frag, Rule(mask, p, tile), tile.key0, Acc(0));
+}
+
+// The bias gradients: dbias[t] += dS for every bias term t, at the element
+// (query i, key j) of each dS[r][c] inside the problem, in a dK/dV kernel
+// (rows are keys: i from the column, j from the row).  The caller makes each
+// launch's writes disjoint between CTAs (cupyflash/_dispatch.py: one launch
+// per batch entry or kv head along which a term is broadcast, and no
+// gradient of a term broadcast along the keys: it is exactly 0) and zeroes
+// dbias first; within a CTA one thread adds a given element (every head of a
+// GQA group and every query block in turn, so the sums run in a fixed order:
+// bit-identical run to run), except where term t is broadcast along the
+// queries (dbias_strides[t][2] == 0): there the Frag::kRowLanes lanes holding
+// a key's queries sum theirs first (shuffles) and the first of them adds.
+template <int kTerm, typename Out, class Frag, typename Acc, int R, int C>
+__device__ __forceinline__ void add_bias_gradient(const Acc (&ds)[R][C], const Frag& frag, const BwdParams& params,
+                                                  const ScoreTile& tile) {
+    const FwdParams& p = params.fwd;
+    if (params.dbias[kTerm] == nullptr) return;  // no gradient asked (a term constant along the keys)
+    const TermTile<Out> db(params.dbias[kTerm], params.dbias_strides[kTerm], tile);
+    Out* const base = const_cast<Out*>(db.base);
+    const int queries_left = static_cast<int>(min64(p.seqlen_q - tile.q0, 1 << 16));
+    const int keys_left = static_cast<int>(min64(max64(p.seqlen_k - tile.k0 - tile.key0, 0), 1 << 16));
+    if (db.row == 0) {  // broadcast along the queries: one sum per key
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            Acc sum = Acc(0);
+#pragma unroll
+            for (int c = 0; c < C; ++c)
+                if (frag.col(c) < queries_left) sum += ds[r][c];
+            sum = group_sum<Frag::kRowLanes>(sum);
+            const int b = frag.row(r);
+            if (b < keys_left && (lane_id() & (Frag::kRowLanes - 1)) == 0) base[b * db.key] += static_cast<Out>(sum);
+        }
+    } else {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const int b = frag.row(r);
+#pragma unroll
+            for (int c = 0; c < C; ++c) {
+                const int a = frag.col(c);
+                if (a < queries_left && b < keys_left) base[a * db.row + b * db.key] += static_cast<Out>(ds[r][c]);
+            }
+        }
+    }
+}
+
+template <int kTerm, int kTerms, typename Out, class Frag, typename Acc, int R, int C>
+__device__ __forceinline__ void add_bias_gradients(const Acc (&ds)[R][C], const Frag& frag, const BwdParams& params,
+                                                   const ScoreTile& tile) {
+    if constexpr (kTerm < kTerms) {
+        add_bias_gradient<kTerm, Out>(ds, frag, params, tile);
+        add_bias_gradients<kTerm + 1, kTerms, Out>(ds, frag, params, tile);
+    }
+}
+
+// dS^T of a dK/dV kernel's tile (rows keys) -> the bias gradients (nothing
+// without biases), of the call's accumulator type Out (dbias's: float for
+// float32 inputs that bwd_dmma computes in double).  `tile` as its
+// probability_epilogue's.
+template <typename Out, class Frag, typename Acc, int R, int C>
+__device__ __forceinline__ void bias_gradient(const Acc (&ds)[R][C], const Frag& frag, const BwdParams& params,
+                                              const ScoreTile& tile) {
+    if constexpr (Terms::kBias) add_bias_gradients<0, Terms::kBiases, Out>(ds, frag, params, tile);
 }
 
 // fwd_v1's form (its threads walk a shared score tile element by element):
@@ -226,6 +442,7 @@ __device__ __forceinline__ void probability_epilogue(Acc (&s)[R][C], const Frag&
 template <class Rule, class Product>
 __device__ __forceinline__ auto score_element(const ElementFragment& e, const WindowMask& mask, const FwdParams& p,
                                               const ScoreTile& tile, const Product& product) -> decltype(product()) {
+    static_assert(sizeof(Rule) > 0 && !Terms::kAny, "fwd_v1 takes no score terms");  // (checked per instantiation)
     const Rule rule(mask, p, tile);
     int lo = 0, hi = 0;
     if (!Rule::kBoundsQueries || !rule.gone(e.row(0))) rule.range(e.row(0), lo, hi);

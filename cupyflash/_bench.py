@@ -300,7 +300,7 @@ def _torch_available(device: str) -> bool:
 def implementations(device: str, case: Case) -> list[str]:
     """Names of the implementations that apply to ``case`` on ``device`` (cupyflash first)."""
     names = ["cupyflash"]
-    if case.scores:   # the other cupyflash rows are kernel variants, which take no score operand yet
+    if case.scores:   # the other cupyflash rows (kernel variants) are timed without score operands
         names.append("numpy-naive" if device == "cpu" else "cupy-naive")
         if _torch_available(device) and not case.causal:   # SDPA takes attn_mask or is_causal
             names += _TORCH_CPU_IMPLS if device == "cpu" else _TORCH_GPU_IMPLS
@@ -343,7 +343,7 @@ def prepare(impl: str, case: Case, inputs, device: str):
     scores = extra[0] if extra else {}
     causal = case.causal
     if impl == "cupyflash":
-        kernel = _cupyflash_kernel(case, q, k, v) if device == "gpu" and not scores else None
+        kernel = _cupyflash_kernel(case, q, k, v, features=frozenset(scores)) if device == "gpu" else None
         if not case.backward:
             return (lambda: cupyflash.attention(q, k, v, causal=causal, **scores)), kernel
         out, lse = cupyflash.attention(q, k, v, causal=causal, return_lse=True, **scores)
@@ -419,7 +419,7 @@ def _is_sm90() -> bool:
 
 
 def _cupyflash_kernel(case: Case, q, k, v, deterministic: bool = True, options=None,
-                      precision: str = "ieee") -> str:
+                      precision: str = "ieee", features: frozenset = frozenset()) -> str:
     """The kernel family :func:`cupyflash.attention` dispatches to for these CuPy arrays
     under ``options`` (None: the environment's; backward: ``attention_backward`` with
     ``deterministic``; ", atomic dQ" where no dQ kernel runs; forward: ", N splits" where
@@ -436,11 +436,11 @@ def _cupyflash_kernel(case: Case, q, k, v, deterministic: bool = True, options=N
     if case.backward:
         # the delta pre-pass is always bwd_simt's; the family is that of the last launch
         rows = backward_plan(q, q, k, v, q, arch=arch, options=options, deterministic=deterministic,
-                             precision=precision)
+                             precision=precision, features=features)
         atomic = not any(r.role == "dq" for r in rows)
         return rows[-1].family.name + (", atomic dQ" if atomic else "")
     _, (row,) = forward_plan(q, k, v, q, scale=1.0 / case.head_dim ** 0.5, arch=arch, options=options,
-                             precision=precision)
+                             precision=precision, features=features)
     sms = int(cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())["multiProcessorCount"])
     splits = options.splits or num_splits(row, batch=case.batch, heads=case.heads, seqlen_q=case.seqlen_q,
                                           seqlen_k=case.seqlen_k, arch=arch, multiprocessors=sms)

@@ -14,6 +14,7 @@ host time per call matters where the kernels are short.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -21,6 +22,7 @@ import numpy as np
 from . import _cpu
 from ._options import KernelOptions
 from ._params import KernelView
+from ._terms import ScoreOperands, check_tile_strides
 from ._validation import Problem
 
 __all__ = ["run_forward", "run_backward", "run_forward_v1", "executor_for"]
@@ -75,11 +77,15 @@ def _kernels_take(problem: Problem, backward: bool = False) -> None:
     from ._families import BACKWARD, FORWARD, taking
 
     asked = {n for n, on in (("bias", problem.bias), ("mask", problem.mask is not None)) if on}
-    if problem.backend != "numpy" and asked and not taking(BACKWARD if backward else FORWARD, asked):
+    if problem.backend == "numpy" or not asked:
+        return
+    if not taking(BACKWARD if backward else FORWARD, asked):
         what = ", ".join(f"`{n}`" for n in sorted(asked))
         raise NotImplementedError(
             f"{what}: no CUDA kernel family takes them yet, so the {problem.backend!r} backend cannot run "
             f"this call; the NumPy backend can (NumPy arrays: numpy arrays in, or .get() CuPy ones)")
+    check_tile_strides("bias", problem.bias)
+    check_tile_strides("mask", () if problem.mask is None else (problem.mask,))
 
 
 def run_forward(problem: Problem, out, return_lse: bool, options: KernelOptions | None = None):
@@ -117,10 +123,13 @@ def _sequences(problem: Problem):
     own rows and keys (broadcast views, no copies) -- what the kernels run, one launch per
     sequence, until a family takes lengths itself."""
     q, k, v = _full_views(problem)
+    bias, mask = _full_terms(problem)
     for seq in np.ndindex(*problem.sequence_shape):
         q_len, kv_len = problem.lengths_of(seq)
+        own = tuple(b[seq][..., :q_len, :kv_len] for b in bias)
         yield seq, problem.on(q[seq][..., :q_len, :], k[seq][..., :kv_len, :], v[seq][..., :kv_len, :],
-                              batch_shape=problem.batch_shape[len(seq):])
+                              batch_shape=problem.batch_shape[len(seq):],
+                              terms=(own, None if mask is None else mask[seq][..., :q_len, :kv_len]))
 
 
 def _full_views(problem: Problem, prepare=lambda x: x):
@@ -129,6 +138,16 @@ def _full_views(problem: Problem, prepare=lambda x: x):
     return (_broadcast_to(xp, prepare(problem.q), problem.batch_shape + problem.q.shape[-2:]),
             _broadcast_to(xp, prepare(problem.k), problem.kv_batch_shape + problem.k.shape[-2:]),
             _broadcast_to(xp, prepare(problem.v), problem.kv_batch_shape + problem.v.shape[-2:]))
+
+
+def _full_terms(problem: Problem):
+    """The biases (each aligned: a copy where an element is not) and the mask broadcast to
+    the scores' full shape ``batch_shape + (Lq, Lk)``: stride 0 along broadcast axes."""
+    xp = _xp(problem.kind)
+    shape = problem.scores_shape
+    bias = tuple(_broadcast_to(xp, b if _aligned(b) else b.copy(), shape) for b in problem.bias)
+    mask = None if problem.mask is None else _broadcast_to(xp, problem.mask, shape)
+    return bias, mask
 
 
 def run_forward_v1(problem: Problem, sram_size: int, return_lse: bool):
@@ -163,16 +182,41 @@ def _run_backward_per_sequence(problem: Problem, dout, out, lse, deterministic: 
     xp = _xp(problem.kind)
     acc = problem.accum_dtype
     grads = tuple(xp.zeros(x.shape, dtype=acc) for x in _full_views(problem))
+    dbias, views = _bias_gradients(problem)
     for seq, sub in _sequences(problem):
         q_len, kv_len = sub.seqlen_q, sub.seqlen_k
         if not (q_len and kv_len):
             continue
+        own = tuple(None if g is None else g[seq][..., :q_len, :kv_len] for g in views)
         parts = _run_backward_kernels(sub, dout[seq][..., :q_len, :], out[seq][..., :q_len, :],
-                                      lse[seq][..., :q_len], deterministic, options, finish=False)
+                                      lse[seq][..., :q_len], deterministic, options, finish=False, dbias=own)
         for grad, part, rows in zip(grads, parts, (q_len, kv_len, kv_len)):
             grad[seq][..., :rows, :] = part
-    return tuple(_sum_to_shape(grad, x.shape).astype(problem.dtype, copy=False)
-                 for grad, x in zip(grads, (problem.q, problem.k, problem.v)))
+    grads = tuple(_sum_to_shape(grad, x.shape).astype(problem.dtype, copy=False)
+                  for grad, x in zip(grads, (problem.q, problem.k, problem.v)))
+    return grads + _finish_bias_gradients(problem, dbias)
+
+
+def _bias_gradients(problem: Problem):
+    """Per bias term, its gradient accumulator (the term's own shape, the accumulator
+    type, zeroed) and the kernels' view of it: broadcast to the scores' full shape
+    (stride 0 along the term's broadcast axes), or None for a term constant along the
+    keys, whose gradient is exactly 0 (the softmax does not see a per-row shift: the
+    row's dS sums to 0) and is not computed."""
+    xp = _xp(problem.kind)
+    dbias = tuple(xp.zeros(b.shape, dtype=problem.accum_dtype) for b in problem.bias)
+    views = tuple(None if (b.shape[-1:] in ((), (1,))) else _broadcast_to(xp, g, problem.scores_shape)
+                  for g, b in zip(dbias, problem.bias))
+    return dbias, views
+
+
+def _finish_bias_gradients(problem: Problem, dbias) -> tuple:
+    """``()`` without biases, else a 1-tuple: dbias as the caller passed bias (an array, or
+    a tuple in order), each term in its own dtype."""
+    if not problem.bias:
+        return ()
+    terms = tuple(g.astype(b.dtype, copy=False) for g, b in zip(dbias, problem.bias))
+    return (terms if problem.bias_is_tuple else terms[0],)
 
 
 # ---- (B, H, L, d) views for the kernels ------------------------------------------
@@ -257,13 +301,15 @@ def _run_kernel(problem: Problem, out, lse, *, sram_size, options):
     xp = _xp(problem.kind)
     g = problem.gqa_ratio
     q, k, v = _full_views(problem, _kernel_copy)
+    bias, mask = _full_terms(problem)
     target = out if _kernel_ready(out) else xp.empty(out.shape, dtype=out.dtype)
     executor = executor_for(problem.backend)
-    for qv, kv, vv, ov, lv in _kernel_views(problem, [q, k, v, target, lse]):
+    for qv, kv, vv, ov, lv, *tv in _kernel_views(problem, [q, k, v, target, lse, *bias, mask]):
         common = dict(scale=problem.scale, window_left=problem.window_left,
                       window_right=problem.window_right, gqa_ratio=g, executor=executor)
         if sram_size is None:
-            _run.forward(qv, kv, vv, ov, lv, precision=problem.precision, options=options, **common)
+            terms = ScoreOperands(tuple(tv[:-1]), tv[-1])
+            _run.forward(qv, kv, vv, ov, lv, precision=problem.precision, options=options, terms=terms, **common)
         else:
             _run.forward_v1(qv, kv, vv, ov, lv, sram_size=sram_size, **common)
     if target is not out:
@@ -279,7 +325,12 @@ def _sum_to_shape(x, shape):
     return (x.sum(axis=axes) if axes else x).reshape(shape)
 
 
-def _run_backward_kernels(problem: Problem, dout, out, lse, deterministic: bool, options, finish: bool = True):
+def _run_backward_kernels(problem: Problem, dout, out, lse, deterministic: bool, options, finish: bool = True,
+                          dbias=None):
+    """(dq, dk, dv) -- and with biases, dbias as :func:`_finish_bias_gradients` gives it --
+    of a problem without lengths.  ``finish=False``: the full broadcast shapes in the
+    accumulator type, the bias gradients added into ``dbias`` (the kernels' views,
+    :func:`_bias_gradients`), nothing returned for them."""
     from . import _run
 
     xp = _xp(problem.kind)
@@ -288,6 +339,10 @@ def _run_backward_kernels(problem: Problem, dout, out, lse, deterministic: bool,
     q, k, v = _full_views(problem, _kernel_copy)
     out, dout = _kernel_copy(out), _kernel_copy(dout)
     lse = lse if lse.dtype == acc and _aligned(lse) else lse.astype(acc, order="C")   # any strides
+    bias, mask = _full_terms(problem)
+    accumulators = None
+    if dbias is None:
+        accumulators, dbias = _bias_gradients(problem)
     # Gradients of the full broadcast shapes in the accumulator type: every
     # (batch, head) of the kernels owns its slice (a kv head's slice already
     # sums its GQA group); broadcast axes are summed below, then cast.
@@ -295,13 +350,55 @@ def _run_backward_kernels(problem: Problem, dout, out, lse, deterministic: bool,
     dk = xp.empty(k.shape, dtype=acc)
     dv = xp.empty(v.shape, dtype=acc)
     executor = executor_for(problem.backend)
-    for qv, kv, vv, ov, dov, lv, dqv, dkv, dvv in _kernel_views(
-            problem, [q, k, v, out, dout, lse, dq, dk, dv]):
-        _run.backward(dov, qv, kv, vv, ov, lv, dqv, dkv, dvv, scale=problem.scale,
-                      window_left=problem.window_left, window_right=problem.window_right,
-                      gqa_ratio=g, deterministic=deterministic, executor=executor, options=options,
-                      precision=problem.precision)
+    by_query = [q, out, dout, lse, dq, *bias, mask, *dbias]   # batch_shape's heads
+    by_key = [k, v, dk, dv]                                     # kv_batch_shape's
+    n_terms = len(bias)
+    for part, (qs, ks) in _disjoint_gradient_launches(problem, dbias):
+        arrays = [None if a is None else a[qs] for a in by_query] + [a[ks] for a in by_key]
+        for views in _kernel_views(part, arrays):
+            qv, ov, dov, lv, dqv, *rest = views[:-4]
+            kv, vv, dkv, dvv = views[-4:]
+            tv, mv, gv = tuple(rest[:n_terms]), rest[n_terms], tuple(rest[n_terms + 1:])
+            _run.backward(dov, qv, kv, vv, ov, lv, dqv, dkv, dvv, scale=problem.scale,
+                          window_left=problem.window_left, window_right=problem.window_right,
+                          gqa_ratio=g, deterministic=deterministic, executor=executor, options=options,
+                          precision=problem.precision, terms=ScoreOperands(tv, mv), dbias=gv)
     if not finish:      # the full broadcast shapes, in the accumulator type
         return dq, dk, dv
-    return tuple(_sum_to_shape(grad, x.shape).astype(problem.dtype, copy=False)
-                 for grad, x in ((dq, problem.q), (dk, problem.k), (dv, problem.v)))
+    grads = tuple(_sum_to_shape(grad, x.shape).astype(problem.dtype, copy=False)
+                  for grad, x in ((dq, problem.q), (dk, problem.k), (dv, problem.v)))
+    return grads + _finish_bias_gradients(problem, accumulators)
+
+
+def _disjoint_gradient_launches(problem: Problem, dbias):
+    """``(part, (q_index, kv_index))`` per group of launches whose bias-gradient writes
+    are disjoint between CTAs: the kernels' CTAs each own one (batch entry, kv head), and
+    two of them must never add into the same dbias element.  So where a bias term is
+    broadcast along a batch axis of more than one entry (stride 0 in its view), each
+    entry of that axis gets its own launches, and likewise each kv head where a term is
+    broadcast along the heads; launches run in order, so every sum runs in a fixed
+    order.  Indices keep every axis (length-1 slices); ``q_index`` applies to arrays of
+    ``batch_shape``'s heads, ``kv_index`` to those of ``kv_batch_shape``'s.  Without
+    bias gradients: one group, the whole problem."""
+    views = [g for g in dbias if g is not None]
+    shape = problem.batch_shape
+    whole = (slice(None),) * len(shape)
+    if not views or not shape:
+        yield problem, (whole, whole)
+        return
+    g = problem.gqa_ratio
+    heads_kv = shape[-1] // g
+    split = [n > 1 and any(v.strides[a] == 0 for v in views) for a, n in enumerate(shape)]
+    axes = [range(n) if s else [None] for n, s in zip(shape[:-1], split[:-1])]
+    heads = range(heads_kv) if split[-1] and heads_kv > 1 else [None]
+    sub_shape = tuple(1 if s else n for n, s in zip(shape[:-1], split[:-1]))
+    for outer in np.ndindex(*(len(a) for a in axes)) if axes else [()]:
+        idx = tuple(slice(None) if a[i] is None else slice(a[i], a[i] + 1) for a, i in zip(axes, outer))
+        for h in heads:
+            if h is None:
+                q_head = kv_head = slice(None)
+                n_heads = shape[-1]
+            else:
+                q_head, kv_head, n_heads = slice(h * g, (h + 1) * g), slice(h, h + 1), g
+            part = dataclasses.replace(problem, batch_shape=sub_shape + (n_heads,))
+            yield part, (idx + (q_head,), idx + (kv_head,))

@@ -33,7 +33,7 @@ import numpy as np
 from . import _nvrtc
 from ._dtypes import dtype_name
 from ._nvrtc import COMPILE_OPTIONS
-from ._source import assemble
+from ._source import assemble, entry_file
 
 __all__ = [
     "COMPILE_OPTIONS",
@@ -223,7 +223,7 @@ def _compile_arch_specific(entry: str, name_expressions: tuple[str, ...], target
             raise FileNotFoundError(cubin_path)
     except (OSError, ValueError):
         try:
-            _log, cubin, lowered = nvrtc.compile(source, name_expressions, options, f"cuda_src/{entry}")
+            _log, cubin, lowered = nvrtc.compile(source, name_expressions, options, f"cuda_src/{entry_file(entry)}")
         except Exception as error:
             _add_note(error, f"cupyflash: while compiling {', '.join(name_expressions)} "
                              f"from cuda_src/{entry} for {target}")

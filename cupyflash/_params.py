@@ -21,11 +21,13 @@ import struct
 
 import numpy as np
 
-__all__ = ["FWD_PARAMS", "BWD_PARAMS", "UNBOUNDED", "KernelView", "fwd_params", "bwd_params", "data_pointer",
-           "element_strides"]
+__all__ = ["FWD_PARAMS", "BWD_PARAMS", "UNBOUNDED", "MAX_BIAS", "NO_TERMS", "KernelView", "fwd_params",
+           "bwd_params", "term_fields", "data_pointer", "element_strides"]
 
 # cf::kUnbounded: the window bound meaning "no limit on that side".
 UNBOUNDED = 1 << 62
+# cf::kMaxBias: the most additive bias terms the kernels take.
+MAX_BIAS = 4
 
 _POINTERS = ("q", "k", "v", "out", "lse", "ws_o", "ws_l", "ws_m")
 _STRIDED = ("q", "k", "v", "out", "lse")
@@ -36,13 +38,15 @@ FWD_PARAMS = np.dtype(
     [(name, np.uint64) for name in _POINTERS]
     + [(f"{t}_{axis}_stride", np.int64) for t in _STRIDED for axis in ("batch", "head", "row")]
     + [(name, np.int64) for name in _SIZES]
-    + [("scale", np.float64), ("scale_log2", np.float64)],
+    + [("scale", np.float64), ("scale_log2", np.float64)]
+    + [("bias", np.uint64, (MAX_BIAS,)), ("bias_strides", np.int64, (MAX_BIAS, 4)),
+       ("mask", np.uint64), ("mask_strides", np.int64, (4,))],
     align=True,
 )
-assert FWD_PARAMS.itemsize == 37 * 8
+assert FWD_PARAMS.itemsize == 62 * 8
 # The same fields as one struct.pack format (native byte order, as NumPy's dtype):
-# packing them in one call is ~7x faster than setting 37 fields of a NumPy scalar.
-_FWD_PACK = struct.Struct("=8Q27q2d")
+# packing them in one call is ~7x faster than setting 62 fields of a NumPy scalar.
+_FWD_PACK = struct.Struct("=8Q27q2d4Q16qQ4q")
 assert _FWD_PACK.size == FWD_PARAMS.itemsize
 
 
@@ -108,7 +112,7 @@ def _window(bound) -> int:
 
 def fwd_params(q, k, v, out, lse, *, scale: float, window_left, window_right, gqa_ratio: int,
                workspace=(None, None, None), block_m: int = 0, block_n: int = 0,
-               num_splits: int = 1) -> np.void:
+               num_splits: int = 1, terms=None) -> np.void:
     """Fill a :data:`FWD_PARAMS` scalar for one forward launch.
 
     Parameters
@@ -132,16 +136,35 @@ def fwd_params(q, k, v, out, lse, *, scale: float, window_left, window_right, gq
         fwd_v1's run-time block sizes.
     num_splits : int, optional
         Split-KV: runs each query block's keys are cut into (1: none).
+    terms : cupyflash._terms.ScoreOperands, optional
+        The biases and the mask, as ``(B, Hq, Lq, Lk)`` views (None: none).
     """
     return np.frombuffer(bytearray(_FWD_PACK.pack(*fwd_fields(
         q, k, v, out, lse, scale=scale, window_left=window_left, window_right=window_right,
         gqa_ratio=gqa_ratio, workspace=workspace, block_m=block_m, block_n=block_n,
-        num_splits=num_splits))), FWD_PARAMS)[0]
+        num_splits=num_splits, terms=terms))), FWD_PARAMS)[0]
+
+
+# The score-term fields of a call without terms.
+NO_TERMS = (0,) * MAX_BIAS + (0,) * (4 * MAX_BIAS) + (0,) + (0,) * 4
+
+
+def term_fields(bias=(), mask=None) -> tuple:
+    """The score-term fields (bias pointers and strides, mask pointer and strides) of
+    ``bias`` (up to :data:`MAX_BIAS` 4-D views, None: a null pointer) and ``mask`` (a
+    4-D view or None)."""
+    if len(bias) > MAX_BIAS:
+        raise ValueError(f"at most {MAX_BIAS} bias terms, got {len(bias)}")
+    pointers = [data_pointer(b) for b in bias] + [0] * (MAX_BIAS - len(bias))
+    strides = [s for b in bias for s in (element_strides(b, 4) if b is not None else (0, 0, 0, 0))]
+    strides += [0] * (4 * (MAX_BIAS - len(bias)))
+    mask_strides = element_strides(mask, 4) if mask is not None else (0, 0, 0, 0)
+    return (*pointers, *strides, data_pointer(mask), *mask_strides)
 
 
 def fwd_fields(q, k, v, out, lse, *, scale: float, window_left, window_right, gqa_ratio: int,
                workspace=(None, None, None), block_m: int = 0, block_n: int = 0,
-               num_splits: int = 1) -> tuple:
+               num_splits: int = 1, terms=None) -> tuple:
     """:func:`fwd_params`'s values as a tuple, in :data:`FWD_PARAMS`'s field order."""
     ws_o, ws_l, ws_m = workspace
     strides = []
@@ -153,7 +176,8 @@ def fwd_fields(q, k, v, out, lse, *, scale: float, window_left, window_right, gq
             data_pointer(ws_o), data_pointer(ws_l), data_pointer(ws_m), *strides,
             batch, heads_q, gqa_ratio, seqlen_q, k.shape[2], head_dim, v.shape[3],
             _window(window_left), _window(window_right), block_m, block_n, num_splits,
-            float(scale), float(scale) * math.log2(math.e))
+            float(scale), float(scale) * math.log2(math.e),
+            *(NO_TERMS if terms is None else term_fields(terms.bias, terms.mask)))
 
 
 # ---- backward ----------------------------------------------------------------------------------
@@ -163,17 +187,18 @@ _BWD_POINTERS = ("dout", "dq", "dk", "dv", "delta")
 BWD_PARAMS = np.dtype(
     [("fwd", FWD_PARAMS)]
     + [(name, np.uint64) for name in _BWD_POINTERS]
-    + [(f"{t}_{axis}_stride", np.int64) for t in _BWD_POINTERS for axis in ("batch", "head", "row")],
+    + [(f"{t}_{axis}_stride", np.int64) for t in _BWD_POINTERS for axis in ("batch", "head", "row")]
+    + [("dbias", np.uint64, (MAX_BIAS,)), ("dbias_strides", np.int64, (MAX_BIAS, 4))],
     align=True,
 )
-assert BWD_PARAMS.itemsize == FWD_PARAMS.itemsize + 20 * 8
+assert BWD_PARAMS.itemsize == FWD_PARAMS.itemsize + 40 * 8
 # The fields in one struct.pack format (see cupyflash._params).
-_BWD_PACK = struct.Struct(_FWD_PACK.format + "5Q15q")
+_BWD_PACK = struct.Struct(_FWD_PACK.format + "5Q15q4Q16q")
 assert _BWD_PACK.size == BWD_PARAMS.itemsize
 
 
 def bwd_params(dout, q, k, v, out, lse, dq, dk, dv, delta, *, scale: float, window_left,
-               window_right, gqa_ratio: int) -> np.void:
+               window_right, gqa_ratio: int, terms=None, dbias=()) -> np.void:
     """Fill a :data:`BWD_PARAMS` scalar for the backward launches of one call.
 
     Parameters
@@ -188,8 +213,11 @@ def bwd_params(dout, q, k, v, out, lse, dq, dk, dv, delta, *, scale: float, wind
         ``(B, Hq, Lq, d)``, ``(B, Hkv, Lk, d)``, ``(B, Hkv, Lk, dv)``, the accumulator type.
     delta : array
         ``(B, Hq, Lq)`` workspace, the accumulator type.
-    scale, window_left, window_right, gqa_ratio
+    scale, window_left, window_right, gqa_ratio, terms
         As for :func:`cupyflash._params.fwd_params`.
+    dbias : tuple of arrays, optional
+        One ``(B, Hq, Lq, Lk)`` view of the accumulator type per bias term (or none): the
+        kernels add the bias gradients into them.
 
     Every array has a unit-stride last axis (where it has one) and is NumPy
     for the emulator, CuPy for the GPU.
@@ -198,6 +226,7 @@ def bwd_params(dout, q, k, v, out, lse, dq, dk, dv, delta, *, scale: float, wind
     for a in (dout, dq, dk, dv, delta):
         strides += element_strides(a, 3)
     fields = fwd_fields(q, k, v, out, lse, scale=scale, window_left=window_left,
-                        window_right=window_right, gqa_ratio=gqa_ratio)
+                        window_right=window_right, gqa_ratio=gqa_ratio, terms=terms)
     pointers = (data_pointer(a) for a in (dout, dq, dk, dv, delta))
-    return np.frombuffer(bytearray(_BWD_PACK.pack(*fields, *pointers, *strides)), BWD_PARAMS)[0]
+    gradients = term_fields(dbias)[:5 * MAX_BIAS]    # the bias part: pointers, strides
+    return np.frombuffer(bytearray(_BWD_PACK.pack(*fields, *pointers, *strides, *gradients)), BWD_PARAMS)[0]

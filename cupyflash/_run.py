@@ -32,6 +32,7 @@ from ._families.fwd_v1 import v1_block_sizes
 from ._launch import num_splits
 from ._options import KernelOptions
 from ._params import KernelView, bwd_params, data_pointer, fwd_params
+from ._terms import ScoreOperands
 
 __all__ = ["forward", "forward_v1", "backward", "forward_plan", "backward_plan", "rows_aligned"]
 
@@ -63,15 +64,16 @@ def _array_module(a):
     return np if isinstance(a, np.ndarray) else importlib.import_module("cupy")
 
 
-def forward_plan(q, k, v, out, *, scale: float, arch: int, options: KernelOptions, precision: str = "ieee"):
+def forward_plan(q, k, v, out, *, scale: float, arch: int, options: KernelOptions, precision: str = "ieee",
+                 features: frozenset = frozenset()):
     """The rows :func:`forward` launches for these views (without the split-KV choice)."""
     call = Call(dtype_name(q.dtype), q.shape[3], v.shape[3], seqlen_q=q.shape[2], seqlen_k=k.shape[2],
-                aligned=rows_aligned(q, k, v, out), scale=float(scale), precision=precision)
+                aligned=rows_aligned(q, k, v, out), scale=float(scale), precision=precision, features=features)
     return call, select(FORWARD, call, arch, options)
 
 
 def forward(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio, executor,
-            options: KernelOptions, precision: str = "ieee") -> None:
+            options: KernelOptions, precision: str = "ieee", terms: ScoreOperands | None = None) -> None:
     """out (and lse) = attention(q, k, v), FlashAttention-2 order, by the family dispatch picks.
 
     Rows that see no key (including every row when Lk = 0) get zeros and
@@ -79,13 +81,16 @@ def forward(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio, e
     query blocks alone would leave much of the GPU idle (``executor.multiprocessors``,
     :func:`cupyflash._launch.num_splits`; or ``options.splits``), each one's keys
     are split over several CTAs and fwd_combine merges their partial results.
+    ``terms``: the call's biases and mask (``(B, Hq, Lq, Lk)`` views), read by a
+    family that takes them, in a module compiled for them.
     """
+    terms = ScoreOperands() if terms is None else terms
     batch, heads, seqlen_q, head_dim = q.shape
     if batch == 0 or heads == 0 or seqlen_q == 0:
         return
     seqlen_k, head_dim_v = k.shape[2], v.shape[3]
     call, (row,) = forward_plan(q, k, v, out, scale=scale, arch=executor.arch, options=options,
-                                precision=precision)
+                                precision=precision, features=terms.features)
     splits = options.splits
     if splits is None:
         sms = getattr(executor, "multiprocessors", None)
@@ -103,9 +108,9 @@ def forward(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio, e
                      xp.empty((splits, batch, heads, seqlen_q), dtype=acc), None)
     params = fwd_params(q, k, v, out, lse, scale=scale, window_left=window_left,
                         window_right=window_right, gqa_ratio=gqa_ratio, workspace=workspace,
-                        num_splits=splits)
+                        num_splits=splits, terms=terms)
     sizes = Sizes(batch, heads, k.shape[1], seqlen_q, seqlen_k, head_dim, head_dim_v, num_splits=splits)
-    executor.launch(row.entry, row.name_expression, *row.family.launch_config(row, sizes), params)
+    executor.launch(terms.entry(row.entry), row.name_expression, *row.family.launch_config(row, sizes), params)
     if splits > 1:   # fwd_combine merges the partials into out and lse
         (combine,) = FWD_COMBINE.plan(call, executor.arch, options)
         one_row = replace(sizes, num_splits=1)   # it merges the splits: one grid row
@@ -139,16 +144,17 @@ def forward_v1(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio
 
 
 def backward_plan(dout, q, k, v, dq, *, arch: int, options: KernelOptions, deterministic: bool = True,
-                  precision: str = "ieee"):
+                  precision: str = "ieee", features: frozenset = frozenset()):
     """The rows :func:`backward` launches for these views, in launch order."""
     call = Call(dtype_name(q.dtype), q.shape[3], v.shape[3], seqlen_q=q.shape[2], seqlen_k=k.shape[2],
                 aligned=rows_aligned(q, k, v, dout), dq_aligned=rows_aligned(dq, boundary=8),
-                precision=precision, deterministic=bool(deterministic))
+                precision=precision, deterministic=bool(deterministic), features=features)
     return select(BACKWARD, call, arch, options)
 
 
 def backward(dout, q, k, v, out, lse, dq, dk, dv, *, scale, window_left, window_right, gqa_ratio,
-             deterministic=True, executor, options: KernelOptions, precision="ieee") -> None:
+             deterministic=True, executor, options: KernelOptions, precision="ieee",
+             terms: ScoreOperands | None = None, dbias: tuple = ()) -> None:
     """dq, dk, dv = gradients of attention(q, k, v), by the family dispatch picks.
 
     Parameters
@@ -169,6 +175,13 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, *, scale, window_left, window_
         Dispatch switches (:mod:`cupyflash._options`).
     precision : {"ieee", "tf32", "tf32x3"}, default "ieee"
         float32: whether the TF32 tensor cores may run the products.
+    terms : ScoreOperands, optional
+        The biases and the mask, as for :func:`forward`.
+    dbias : tuple
+        With biases: per term, a ``(B, Hq, Lq, Lk)`` view of the accumulator type
+        (stride 0 along the axes the term is broadcast along) that the dK/dV kernel
+        adds dS into, or None (no gradient).  The caller zeroes them and keeps
+        every launch's writes disjoint between CTAs (``score.cuh``'s bias_gradient).
 
     Three or four launches, in order: ``delta = rowsum(dout * out)`` into a
     workspace allocated here, then dK/dV (one launch, or dV and dK apart), then
@@ -184,16 +197,19 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, *, scale, window_left, window_
     for name, g in (("dq", dq), ("dk", dk), ("dv", dv), ("lse", lse)):
         if np.dtype(g.dtype) != acc:
             raise TypeError(f"`{name}` must have the accumulator dtype {acc.name}, got {np.dtype(g.dtype).name}")
+    terms = ScoreOperands() if terms is None else terms
     xp = _array_module(q)
     delta = xp.empty((batch, heads_q, seqlen_q), dtype=acc)
     params = bwd_params(dout, q, k, v, out, lse, dq, dk, dv, delta, scale=scale,
-                        window_left=window_left, window_right=window_right, gqa_ratio=gqa_ratio)
+                        window_left=window_left, window_right=window_right, gqa_ratio=gqa_ratio,
+                        terms=terms, dbias=dbias)
     sizes = Sizes(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, head_dim_v)
     rows = backward_plan(dout, q, k, v, dq, arch=executor.arch, options=options, deterministic=deterministic,
-                         precision=precision)
+                         precision=precision, features=terms.features)
     if not any(r.role == DQ for r in rows):
         dq.fill(0)   # the dK/dV kernel adds dQ into it (float atomics)
     # delta first (the others read it); a dK/dV launch needs keys, the others query rows.
     for row in rows:
         if (sizes.seqlen_k if row.role == DKDV else sizes.seqlen_q) > 0:
-            executor.launch(row.entry, row.name_expression, *row.family.launch_config(row, sizes), params)
+            executor.launch(terms.entry(row.entry), row.name_expression, *row.family.launch_config(row, sizes),
+                            params)

@@ -15,9 +15,10 @@ import functools
 import hashlib
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["cuda_src_dir", "assemble", "source_hash"]
+__all__ = ["cuda_src_dir", "assemble", "source_hash", "Variant", "entry_file"]
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 _PRAGMA_ONCE = re.compile(r"^\s*#\s*pragma\s+once\s*$")
@@ -43,17 +44,43 @@ def cuda_src_dir() -> Path:
     )
 
 
-def assemble(entry: str, substitutions: dict[str, Path] | None = None) -> str:
+@dataclass(frozen=True)
+class Variant:
+    """An entry file compiled with macro definitions placed before its text: a module of
+    kernels with score terms (:mod:`cupyflash._terms`).  The executors, their module
+    caches and :func:`assemble` take it wherever they take an entry file name; it
+    compares and hashes by file and definitions, so each variant is its own module.
+    """
+
+    file: str
+    defines: tuple   # ((name, value), ...), in order
+
+    def prelude(self) -> str:
+        return "".join(f"#define {name} {value}\n" for name, value in self.defines)
+
+    def __str__(self) -> str:
+        return self.file + "".join(f" [{name}={value}]" for name, value in self.defines)
+
+
+def entry_file(entry) -> str:
+    """The ``cuda_src/`` file of an entry: the name itself, or a :class:`Variant`'s file."""
+    return entry.file if isinstance(entry, Variant) else entry
+
+
+def assemble(entry, substitutions: dict[str, Path] | None = None) -> str:
     """Return the source of ``entry`` (a file in cuda_src/) with quoted includes inlined.
 
     Parameters
     ----------
-    entry : str
-        File name relative to :func:`cuda_src_dir`, e.g. ``"fwd_simt.cu"``.
+    entry : str or Variant
+        File name relative to :func:`cuda_src_dir`, e.g. ``"fwd_simt.cu"``; a
+        :class:`Variant`'s definitions come first.
     substitutions : dict, optional
         Maps an include name (e.g. ``"ptx.cuh"``) to a replacement file; the
         emulator uses this to swap in its twin of the PTX-wrapper header.
     """
+    if isinstance(entry, Variant):
+        return entry.prelude() + assemble(entry.file, substitutions)
     root = cuda_src_dir()
     subs = {k: Path(v) for k, v in (substitutions or {}).items()}
     seen: set[Path] = set()

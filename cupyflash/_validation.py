@@ -77,12 +77,14 @@ class Problem:
         kv_len = self.seqlen_k if self.kv_lengths is None else int(self.kv_lengths[seq])
         return q_len, kv_len
 
-    def on(self, q, k, v, batch_shape: tuple | None = None) -> "Problem":
+    def on(self, q, k, v, batch_shape: tuple | None = None, terms: tuple | None = None) -> "Problem":
         """This problem on other arrays (one sequence's own rows and keys, checked with the
-        whole): their lengths, no per-sequence lengths, ``batch_shape`` if it changes."""
+        whole): their lengths, no per-sequence lengths, ``batch_shape`` if it changes, and
+        ``terms = (bias, mask)`` the sequence's own score terms if given."""
+        bias, mask = (self.bias, self.mask) if terms is None else terms
         return dataclasses.replace(self, q=q, k=k, v=v, seqlen_q=q.shape[-2], seqlen_k=k.shape[-2],
                                    batch_shape=self.batch_shape if batch_shape is None else batch_shape,
-                                   q_lengths=None, kv_lengths=None)
+                                   q_lengths=None, kv_lengths=None, bias=tuple(bias), mask=mask)
 
     @property
     def scores_shape(self) -> tuple:

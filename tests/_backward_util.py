@@ -17,10 +17,11 @@ import numpy as np
 
 from cupyflash.reference import naive_attention_backward
 
-from _util import to_tf32, visible
+from _util import to_tf32, visible, with_terms
 
 
-def naive_half_backward(dout, q, k, v, out, *, scale, window=(None, None), gqa_ratio=1, lse=None):
+def naive_half_backward(dout, q, k, v, out, *, scale, window=(None, None), gqa_ratio=1, lse=None, bias=(),
+                        mask=None):
     """(dq, dk, dv) in float32, computed as a flash backward in half precision does.
 
     q, dout, out ``(..., Hq, Lq, ·)``; k, v ``(..., Hkv, Lk, ·)`` with
@@ -33,7 +34,9 @@ def naive_half_backward(dout, q, k, v, out, *, scale, window=(None, None), gqa_r
     rowsum(dO o O) in float32 from the stored (half) O; dk and dv summed over each kv
     head's group of query heads, and every gradient over the batch dims its input was
     broadcast along, in float32.  Not rounded to the half dtype at the end: a caller
-    comparing half results allows for that one rounding itself.
+    comparing half results allows for that one rounding itself.  ``bias`` (a tuple of
+    terms) and ``mask`` enter the scores as the kernels' epilogue adds them
+    (tests/_util.py's with_terms).
     """
     dtype = np.dtype(q.dtype)
 
@@ -53,7 +56,7 @@ def naive_half_backward(dout, q, k, v, out, *, scale, window=(None, None), gqa_r
 
     k32, v32 = per_query_head(k), per_query_head(v)
     s = (q32 @ np.swapaxes(k32, -1, -2)) * np.float32(scale)
-    s = np.where(visible(q32.shape[-2], k32.shape[-2], window), s, -np.inf)
+    s = with_terms(s, visible(q32.shape[-2], k32.shape[-2], window), bias, mask)
     if lse is None:
         m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -179,7 +182,7 @@ def backward_term_sizes(dout, q, k, v, *, unit_probabilities=False, **kw):
     a bound on what probabilities flushed to zero (below it) take from a gradient."""
     from cupyflash.reference import _probabilities, _reduce_to
 
-    kw = {n: x for n, x in kw.items() if n in ("scale", "causal", "window", "enable_gqa")}
+    kw = {n: x for n, x in kw.items() if n in ("scale", "causal", "window", "enable_gqa", "bias", "mask")}
     _, p, _, o = _probabilities(q, k, v, **kw)
     do = np.abs(np.broadcast_to(np.asarray(dout, np.float64), p.shape[:-1] + (o.v.shape[-1],)))
     out = np.abs(p @ o.v)

@@ -114,16 +114,26 @@ def naive_tf32_attention(q, k, v, *, scale, window=(None, None), enable_gqa=Fals
     return np.where(row_sum > 0, o / np.where(row_sum > 0, row_sum, 1), 0).astype(np.float32)
 
 
-def naive_half_attention(q, k, v, *, scale, window, gqa_ratio):
+def with_terms(s, visible_pairs, bias=(), mask=None):
+    """Scores ``s`` (float32) plus each bias term (read in float32, in order), -inf where
+    ``visible_pairs`` or the mask hide the pair: what the kernels' score epilogue does."""
+    for b in bias:
+        s = s + np.asarray(b).astype(np.float32)
+    admitted = visible_pairs if mask is None else visible_pairs & np.asarray(mask)
+    return np.where(admitted, s, np.float32(-np.inf)).astype(np.float32)
+
+
+def naive_half_attention(q, k, v, *, scale, window, gqa_ratio, bias=(), mask=None):
     """Attention as a tensor-core kernel computes it, untiled: scores and softmax in float32
     from the half inputs, the unnormalised P = exp(S - rowmax) rounded to the input dtype
     before P V, the row sum of P taken before that rounding, the output in float32 (not
-    rounded: a check against it allows for the kernels' one rounding of it)."""
+    rounded: a check against it allows for the kernels' one rounding of it).  ``bias``
+    (a tuple of terms) and ``mask``: :func:`with_terms`."""
     dtype = q.dtype
     k = np.repeat(k, gqa_ratio, axis=1) if gqa_ratio > 1 else k
     v = np.repeat(v, gqa_ratio, axis=1) if gqa_ratio > 1 else v
     s = np.matmul(q.astype(np.float32), np.swapaxes(k.astype(np.float32), -1, -2)) * np.float32(scale)
-    s = np.where(visible(q.shape[-2], k.shape[-2], window), s, -np.inf)
+    s = with_terms(s, visible(q.shape[-2], k.shape[-2], window), bias, mask)
     m = s.max(axis=-1, keepdims=True, initial=-np.inf)
     p = np.exp(s - np.where(np.isfinite(m), m, 0)).astype(np.float32)
     total = p.sum(axis=-1, keepdims=True, dtype=np.float32)
@@ -311,3 +321,34 @@ def use_cpu_blocks(monkeypatch, *, key_block: int, score_elements: int, min_quer
     monkeypatch.setattr(_cpu, "_MAX_KEY_BLOCK", key_block)
     monkeypatch.setattr(_cpu, "_SCORE_BLOCK_ELEMENTS", score_elements)
     monkeypatch.setattr(_cpu, "_MIN_QUERY_BLOCK", min_query_block)
+
+
+_GUARDED = []   # the guarded mappings of this process (never unmapped: a few MiB per run at most)
+
+
+def guarded_array(shape, dtype, guard_bytes=1 << 20):
+    """A C-contiguous array of ``shape`` that ends exactly where ``guard_bytes`` of
+    inaccessible memory begin: any read past its last element faults (the emulator reads
+    arrays where they are, so a kernel reading past a view crashes the test instead of
+    reading whatever lies there)."""
+    import ctypes
+    import mmap as _mmap
+
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    page = _mmap.PAGESIZE
+    data = -(-nbytes // page) * page
+    guard = -(-guard_bytes // page) * page
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+    libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    addr = libc.mmap(None, data + guard, _mmap.PROT_READ | _mmap.PROT_WRITE,
+                     _mmap.MAP_PRIVATE | _mmap.MAP_ANONYMOUS, -1, 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), "mmap failed")
+    if libc.mprotect(addr + data, guard, 0) != 0:
+        raise OSError(ctypes.get_errno(), "mprotect failed")
+    _GUARDED.append(addr)
+    buffer = (ctypes.c_char * nbytes).from_address(addr + data - nbytes)
+    return np.frombuffer(buffer, dtype=dtype).reshape(shape)

@@ -59,6 +59,7 @@ def M(name, file, text, replacement, *selection, fast=False, why=""):
 
 
 T = "tests/"
+BIAS_KERNELS = T + "test_bias_mask_kernels.py::"
 CPU_FUZZ = T + "test_fuzz.py::test_cpu_path_forward_matches_oracle"
 
 
@@ -405,6 +406,46 @@ MUTATIONS = [
     M("combine-launched-with-the-splits-grid", "cupyflash/_run.py",
       "one_row = replace(sizes, num_splits=1)", "one_row = sizes",
       T + "test_split_kv.py::test_split_and_unsplit_agree"),
+    # the score terms (bias, mask) in the kernels: score.cuh and the launches around it
+    M("terms-bias-in-natural-units", "cuda_src/score.cuh",
+      "return bias.sum(a, b) * Acc(kLog2e);", "return bias.sum(a, b);",
+      BIAS_KERNELS + "test_forward_families_match_the_oracle[simt-f32]",
+      why="the log2-unit scores need log2(e) * bias"),
+    M("terms-raw-scores-not-scaled-before-the-bias", "cuda_src/score.cuh",
+      "fma(x, scale_log2, bias) : x + bias", "x + bias : x + bias",
+      BIAS_KERNELS + "test_forward_families_match_the_oracle[mma-f16]",
+      why="fwd_mma/fwd_wgmma/fwd_tf32 hold q.k: the epilogue must apply the scale"),
+    M("terms-softmax-scales-again", "cuda_src/score.cuh",
+      "return Terms::kBias ? Acc(1) : static_cast<Acc>(p.scale_log2);",
+      "return static_cast<Acc>(p.scale_log2);",
+      BIAS_KERNELS + "test_forward_families_match_the_oracle[wgmma-f16]"),
+    M("terms-tf32-softmax-scales-again", "cuda_src/fwd_tf32.cu",
+      "update_unscaled<false>(s, o, Terms::kBias ? 1.0f : scale_log2);",
+      "update_unscaled<false>(s, o, scale_log2);",
+      BIAS_KERNELS + "test_forward_families_match_the_oracle[tf32x3]"),
+    M("terms-mask-ignored-by-the-backward", "cuda_src/score.cuh",
+      "s[r][c] = admitted ? x : Acc(0);", "s[r][c] = x;",
+      BIAS_KERNELS + "test_backward_families_match_the_oracle[dmma-f64]"),
+    M("terms-tile-rows-past-lq-read", "cuda_src/score.cuh",
+      "const bool inside = a < queries_left && b < keys_left;", "const bool inside = b < keys_left;",
+      BIAS_KERNELS + "test_terms_outside_the_view_are_never_read[mma-f16]",
+      why="the padding rows of a tile must read no term (past the view: anything, NaN here)"),
+    M("bias-gradient-query-sum-from-one-lane", "cuda_src/score.cuh",
+      "            sum = group_sum<Frag::kRowLanes>(sum);\n", "",
+      BIAS_KERNELS + "test_backward_families_match_the_oracle[mma-f16]",
+      why="a term broadcast along the queries sums over the lanes holding a key's queries"),
+    M("bias-gradient-of-bwd-simt-not-added", "cuda_src/bwd_simt.cu",
+      "        bias_gradient<Acc>(dp, me,", "        if (false) bias_gradient<Acc>(dp, me,",
+      BIAS_KERNELS + "test_backward_families_match_the_oracle[simt-f64]"),
+    M("bias-gradient-launches-not-split", "cupyflash/_dispatch.py",
+      "split = [n > 1 and any(v.strides[a] == 0 for v in views) for a, n in enumerate(shape)]",
+      "split = [False for n in shape]",
+      BIAS_KERNELS + "test_launches_keep_bias_gradient_writes_disjoint",
+      why="two CTAs would add into one dbias element (the emulator runs CTAs in turn, so only the "
+          "launch count shows it)"),
+    M("bias-gradient-of-a-row-constant-computed", "cupyflash/_dispatch.py",
+      "views = tuple(None if (b.shape[-1:] in ((), (1,)))", "views = tuple(None if False",
+      BIAS_KERNELS + "test_a_term_constant_along_the_keys_has_exactly_zero_gradient"),
 ]
 
 

@@ -100,6 +100,13 @@ def test_bwd_params_hold_pointers_strides_and_the_forward_problem():
     assert (p["dk_batch_stride"], p["dk_head_stride"], p["dk_row_stride"]) == (96, 48, 8)
     assert (p["fwd"]["v_batch_stride"], p["fwd"]["v_head_stride"]) == (0, 0)
     assert (p["delta_batch_stride"], p["delta_head_stride"], p["delta_row_stride"]) == (20, 5, 1)
+    assert (p["dbias"] == 0).all() and (p["dbias_strides"] == 0).all()
+    # bias gradients: per term a view of the accumulator (stride 0 along its broadcast axes) or None
+    grad = np.broadcast_to(np.zeros((4, 1, 6), np.float32), (2, 4, 5, 6))
+    p = bwd_params(dout, q, k, v, out, lse, dq, dk, dv, delta, scale=0.5, window_left=None,
+                   window_right=0, gqa_ratio=2, dbias=(None, grad))
+    assert list(p["dbias"]) == [0, grad.ctypes.data, 0, 0]
+    assert p["dbias_strides"].tolist() == [[0] * 4, [0, 6, 0, 1], [0] * 4, [0] * 4]
 
 
 def test_catalogue_has_delta_dkdv_and_dq_kernels_for_every_dtype_and_bucket():

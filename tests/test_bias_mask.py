@@ -370,10 +370,3 @@ def test_backward_checks_bias_and_out_may_not_overlap_it():
     shared = np.zeros(2 * 5 * 8, np.float32)
     with pytest.raises(ValueError, match="overlap"):
         cupyflash.attention(q, k, v, bias=shared[:30].reshape(5, 6), out=shared.reshape(2, 5, 8))
-
-
-def test_the_kernels_refuse_bias_and_mask_until_a_family_takes_them():
-    q, k, v = random_qkv(_rng("kernels"), (2, 5, 8), (2, 6, 8), (2, 6, 8), np.float32)
-    for kw in (dict(bias=np.zeros((5, 6), np.float32)), dict(mask=np.ones((5, 6), bool))):
-        with pytest.raises(NotImplementedError, match="NumPy backend"):
-            cupyflash.attention(q, k, v, backend="emulator", **kw)

@@ -26,6 +26,7 @@ from cupyflash._families.fwd_simt import HEAD_DIM_BUCKETS
 from cupyflash._families.fwd_v1 import v1_block_sizes
 from cupyflash._options import KernelOptions
 from cupyflash._params import FWD_PARAMS, UNBOUNDED, KernelView, fwd_params
+from cupyflash._terms import ScoreOperands
 from cupyflash.emulator import EmulatorExecutor
 from cupyflash.reference import naive_attention
 
@@ -102,19 +103,26 @@ def test_params_fields_by_name():
     out = np.zeros((2, 3, 5, 4), np.float32)
     lse = np.zeros((2, 3, 5), np.float32)
     ws = (np.zeros((3, 2, 3, 5, 4), np.float32), np.zeros((3, 2, 3, 5), np.float32), None)
+    # score terms as (B, Hq, Lq, Lk) views: a key-padding bias, a transposed pair bias, a mask
+    pad = np.broadcast_to(np.zeros((2, 1, 1, 7), np.float16), (2, 3, 5, 7))
+    pair = np.broadcast_to(np.zeros((3, 7, 5), np.float64).swapaxes(1, 2), (2, 3, 5, 7))
+    mask = np.broadcast_to(np.ones((5, 7), bool), (2, 3, 5, 7))
     p = fwd_params(q, k, v, out, lse, scale=0.75, window_left=9, window_right=None, gqa_ratio=3,
-                   workspace=ws, block_m=16, block_n=32, num_splits=3)
+                   workspace=ws, block_m=16, block_n=32, num_splits=3, terms=ScoreOperands((pad, pair), mask))
     expected = {"q": q.ctypes.data, "k": k.ctypes.data, "v": v.ctypes.data, "out": out.ctypes.data,
                 "lse": lse.ctypes.data, "ws_o": ws[0].ctypes.data, "ws_l": ws[1].ctypes.data, "ws_m": 0,
                 "batch": 2, "heads_q": 3, "gqa_ratio": 3, "seqlen_q": 5, "seqlen_k": 7, "head_dim": 8,
                 "head_dim_v": 4, "window_left": 9, "window_right": UNBOUNDED, "block_m": 16, "block_n": 32,
-                "num_splits": 3, "scale": 0.75, "scale_log2": 0.75 * math.log2(math.e)}
+                "num_splits": 3, "scale": 0.75, "scale_log2": 0.75 * math.log2(math.e),
+                "bias": [pad.ctypes.data, pair.ctypes.data, 0, 0],
+                "bias_strides": [[7, 0, 0, 1], [0, 35, 1, 5], [0] * 4, [0] * 4],
+                "mask": mask.ctypes.data, "mask_strides": [0, 0, 7, 1]}
     for name, a in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
         for axis, stride in zip(("batch", "head", "row"), a.strides[:3]):
             expected[f"{name}_{axis}_stride"] = stride // a.itemsize
     assert set(expected) == set(FWD_PARAMS.names)
     for name, value in expected.items():
-        assert p[name] == value, name
+        assert np.array_equal(p[name], value), name
 
 
 def test_params_from_kernel_views_equal_params_from_the_arrays():

@@ -79,9 +79,11 @@ def taking(families: tuple, features) -> tuple[Family, ...]:
     """The ``families`` whose kernels take every one of ``features`` (what a call asking
     for them can be dispatched to; none of them may be picked for it otherwise).
 
-    >>> from cupyflash._families import FORWARD, taking
-    >>> taking(FORWARD, {"bias"})
-    ()
+    >>> from cupyflash._families import BACKWARD, FORWARD, taking
+    >>> [f.name for f in taking(FORWARD, {"bias", "mask"})]
+    ['fwd_wgmma', 'fwd_mma', 'fwd_tf32', 'fwd_dmma', 'fwd_simt']
+    >>> [f.name for f in taking(BACKWARD, {"mask"})]
+    ['bwd_tf32', 'bwd_dmma', 'bwd_wgmma', 'bwd_mma', 'bwd_simt']
     """
     return tuple(f for f in families if frozenset(features) <= f.takes)
 
@@ -118,8 +120,12 @@ def family_named(name: str) -> Family:
     raise ValueError(f"unknown kernel family {name!r}; known: {[f.name for f in FAMILIES]}")
 
 
-def entry_family(entry: str) -> Family:
-    """The registry's family whose ``cuda_src/`` file is ``entry``."""
+def entry_family(entry) -> Family:
+    """The registry's family whose ``cuda_src/`` file is ``entry`` (a file name, or a
+    :class:`cupyflash._source.Variant` of one)."""
+    from .._source import entry_file
+
+    entry = entry_file(entry)
     for f in FAMILIES:
         if f.entry == entry:
             return f

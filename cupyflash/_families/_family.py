@@ -114,7 +114,7 @@ class Call:
 
 
 # The score features the API knows; a family lists those its kernels take in
-# Family.takes (none yet: the NumPy path computes them, see _dispatch).
+# Family.takes (every forward and backward family takes both; fwd_v1 neither).
 FEATURES = ("bias", "mask")
 
 

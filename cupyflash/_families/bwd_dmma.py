@@ -17,6 +17,7 @@ __all__ = ["BWD_DMMA"]
 class BwdDmma(Family):
     name = "bwd_dmma"
     entry = "bwd_dmma.cu"
+    takes = frozenset({"bias", "mask"})   # score.cuh's ScoreTerms: probability_epilogue, bias_gradient
     direction = "backward"
     # Per head dim (own rows, streamed rows, warps) of both kernels -- dK/dV owns keys
     # and streams query rows, dQ owns query rows and streams keys.  Per lane: the own

@@ -35,6 +35,7 @@ def mma_bwd_shared_bytes(head_dim: int, own: int, streamed: int, needs_v: bool, 
 class BwdMma(Family):
     name = "bwd_mma"
     entry = "bwd_mma.cu"
+    takes = frozenset({"bias", "mask"})   # score.cuh's ScoreTerms: probability_epilogue, bias_gradient
     direction = "backward"
     own = 64
     warps = 4

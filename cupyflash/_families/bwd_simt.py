@@ -23,6 +23,7 @@ __all__ = ["BWD_SIMT"]
 class BwdSimt(Family):
     name = "bwd_simt"
     entry = "bwd_simt.cu"
+    takes = frozenset({"bias", "mask"})   # score.cuh's ScoreTerms: probability_epilogue, bias_gradient
     direction = "backward"
     threads = 128
     delta_rows = 16     # bwd_simt_dot_do_o_kernel: 128 threads, 8 lanes per query row

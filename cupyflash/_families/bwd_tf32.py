@@ -18,6 +18,7 @@ __all__ = ["BWD_TF32"]
 class BwdTf32(Family):
     name = "bwd_tf32"
     entry = "bwd_tf32.cu"
+    takes = frozenset({"bias", "mask"})   # score.cuh's ScoreTerms: probability_epilogue, bias_gradient
     direction = "backward"
     # Per head dim (own rows, streamed rows, warps) of both kernels -- dK/dV owns keys
     # and streams query rows, dQ owns query rows and streams keys; 4 warps of one m16

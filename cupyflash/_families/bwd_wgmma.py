@@ -30,6 +30,7 @@ def wgmma_bwd_shared_bytes(head_dim: int, own: int, streamed: int, needs_v: bool
 class BwdWgmma(Family):
     name = "bwd_wgmma"
     entry = "bwd_wgmma.cu"
+    takes = frozenset({"bias", "mask"})   # score.cuh's ScoreTerms: probability_epilogue, bias_gradient
     direction = "backward"
     arch_specific = {"sm_90": "sm_90a"}
     # Per head dim: (the dK/dV launches as (kGrads, streamed query rows), warpgroups,

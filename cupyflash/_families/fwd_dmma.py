@@ -38,6 +38,7 @@ class FwdDmma(Family):
     name = "fwd_dmma"
     entry = "fwd_dmma.cu"
     split_kv = True
+    takes = frozenset({"bias", "mask"})   # score.cuh's ScoreTerms, through score_epilogue
     # (block_m, block_n, warps) per head dim: 4 warps of 16 query rows (two m8 tiles,
     # so each K/V fragment feeds two DMMA); shared memory (Q + K + V) x 8 bytes.
     # Registers from the static report (NVRTC 13.5, sm_80 / sm_90), no spills;

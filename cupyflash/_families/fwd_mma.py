@@ -60,6 +60,7 @@ class FwdMma(Family):
     name = "fwd_mma"
     entry = "fwd_mma.cu"
     split_kv = True
+    takes = frozenset({"bias", "mask"})   # score.cuh's ScoreTerms, through score_epilogue
 
     # (block_m, block_n, warps, kv_stages, lazy_rescale) per architecture class
     # and head dim; each warp owns block_m / warps query rows (16 per m16 tile),

@@ -44,6 +44,7 @@ class FwdSimt(Family):
     name = "fwd_simt"
     entry = "fwd_simt.cu"
     split_kv = True
+    takes = frozenset({"bias", "mask"})   # score.cuh's ScoreTerms, through score_epilogue
     threads = 128
     # (block_m, block_n) per accumulator type and bucket.  128 threads; 8 lanes
     # share a query row, so a thread holds block_m/16 rows, its block_n/8 keys of

@@ -34,6 +34,7 @@ class FwdTf32(Family):
     name = "fwd_tf32"
     entry = "fwd_tf32.cu"
     split_kv = True
+    takes = frozenset({"bias", "mask"})   # score.cuh's ScoreTerms, through score_epilogue
     # (block_m, block_n, warps) per head dim, both precisions: 4 warps of 16 query
     # rows (one m16 tile each); shared memory (Q + K + V) x 4 bytes, plus the small
     # TF32 parts of K and V (else of V alone) with three passes, within 80 KB (two

@@ -24,6 +24,7 @@ class FwdWgmma(Family):
     name = "fwd_wgmma"
     entry = "fwd_wgmma.cu"
     split_kv = True
+    takes = frozenset({"bias", "mask"})   # score.cuh's ScoreTerms, through score_epilogue
     # wgmma and the "a" target run on 9.0 devices only (H100, H200, GH200).
     arch_specific = {"sm_90": "sm_90a"}
     # (block_n, warpgroups, lazy_rescale) per head dim.  A CTA owns 64 query rows

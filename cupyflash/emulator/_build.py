@@ -376,7 +376,7 @@ class ModuleCache:
                       *, pch_dir: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="build-", dir=path.parent) as tmp:
-            src = Path(tmp) / (Path(entry).stem + ".emu.cpp")
+            src = Path(tmp) / (Path(_source.entry_file(entry)).stem + ".emu.cpp")
             src.write_text(tu)
             args = [
                 *flags,
