@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -239,5 +240,9 @@ def test_a_family_serves_score_features_only_if_it_takes_them():
     families = (mma, FWD_SIMT)
     assert taking(families, {"bias"}) == (FWD_SIMT,)
     assert {r.family for r in select(families, call, 80, KernelOptions())} == {FWD_SIMT}     # fwd_mma skipped
+    # with terms, fwd_mma's d = 128 runs the 32-key tile (the 64-key one spills with them)
+    terms = Call("float16", 128, 128, seqlen_q=256, seqlen_k=256, aligned=True, features=frozenset({"mask"}))
+    assert {r.block_n for r in select(FORWARD, terms, 80, KernelOptions())} == {32}
+    assert {r.block_n for r in select(FORWARD, replace(terms, features=frozenset()), 80, KernelOptions())} == {64}
     plain = Call("float16", 64, 64, seqlen_q=256, seqlen_k=256, aligned=True, scale=0.125)
     assert {r.family for r in select(families, plain, 80, KernelOptions())} == {mma}

@@ -128,6 +128,10 @@ class FwdMma(Family):
     # d = 128 with 64-key blocks, 20-88 B on every arch (NVRTC 13.5) -- which takes
     # 32-key blocks instead (sm86's tile: 247 / 244 registers on sm_80 / sm_90, no spills).
     split_tiles = {128: (128, 32, 4, 1, True)}
+    # A call with score terms (bias, mask: score.cuh's terms module) at d = 128: the
+    # 64-key tiles spill 40-144 B there (NVRTC 13.5, sm_80 and sm_90), the 32-key tile
+    # none (246 / 250 registers; benchmarks/results/terms/).
+    terms_tiles = {128: (128, 32, 4, 1, True)}
 
     def class_tiles(self, arch: int, split: bool = False) -> dict | None:
         """``{head_dim: (block_m, block_n, warps, kv_stages, lazy_rescale)}`` on ``arch`` (the
@@ -176,6 +180,8 @@ class FwdMma(Family):
     def plan(self, call: Call, arch: int, options):
         bucket = mma_bucket(call, arch)
         tile = self.class_tiles(arch, call.split)[bucket]
+        if call.features and not call.split:
+            tile = self.terms_tiles.get(bucket, tile)
         whole_kv = not call.split and whole_blocks(call.seqlen_k, tile[1], call.head_dim, bucket, options)
         return (self.make_row(call.dtype, bucket, tile, call.split, whole_kv),)
 
