@@ -82,16 +82,30 @@ def _params(cases):
             for c in cases]
 
 
+def _window(kw):
+    """The (left, right) window of a call's keywords (``causal`` folded in)."""
+    left, right = kw.get("window") or (None, None)
+    if kw.get("causal"):
+        right = 0 if right is None else min(right, 0)
+    return left, right
+
+
+def _gqa(q, k, kw):
+    return q.shape[-3] // k.shape[-3] if kw.get("enable_gqa") else 1
+
+
 def _check_forward(out, lse, q, k, v, precision, **kw):
     """The families' forward rules (docs/testing.md, "Shares of the bound"): 16-bit within
     HALF_FORWARD_FACTOR of naive_half_attention's error (with the same terms) plus one
     rounding of the largest output; float32 (tf32x3 too) and float64 the table."""
     ref, ref_lse = naive_attention(q, k, v, return_lse=True, **kw)
     dtype = np.dtype(q.dtype)
-    if dtype.itemsize == 2:
-        scale = 1.0 / np.sqrt(q.shape[-1])
-        naive = naive_half_attention(q, k, v, scale=scale, window=(None, 0), gqa_ratio=HQ // HKV,
-                                     bias=kw["bias"], mask=kw["mask"])
+    if dtype.itemsize == 2 and out.size:
+        scale = kw.get("scale") or 1.0 / np.sqrt(q.shape[-1])
+        terms = kw.get("bias")
+        terms = () if terms is None else terms if isinstance(terms, tuple) else (terms,)
+        naive = naive_half_attention(q, k, v, scale=scale, window=_window(kw), gqa_ratio=_gqa(q, k, kw),
+                                     bias=terms, mask=kw.get("mask"))
         err = np.abs(out.astype(np.float64) - ref).max()
         largest = np.abs(ref).max()
         bound = (HALF_FORWARD_FACTOR * np.abs(naive.astype(np.float64) - ref).max()
@@ -109,19 +123,25 @@ def _check_backward(grads, dout, q, k, v, out, lse, precision, **kw):
     expected = naive_attention_backward(dout, q, k, v, **kw)
     dtype = np.dtype(q.dtype)
     sizes = backward_term_sizes(dout, q, k, v, **kw)
-    half = (naive_half_backward(dout, q, k, v, out, scale=1.0 / np.sqrt(q.shape[-1]), window=(None, 0),
-                                gqa_ratio=HQ // HKV, lse=lse, bias=kw["bias"], mask=kw["mask"])
+    bias = kw.get("bias")
+    terms = () if bias is None else bias if isinstance(bias, tuple) else (bias,)
+    half = (naive_half_backward(dout, q, k, v, out, scale=kw.get("scale") or 1.0 / np.sqrt(q.shape[-1]),
+                                window=_window(kw), gqa_ratio=_gqa(q, k, kw), lse=lse, bias=terms,
+                                mask=kw.get("mask"))
             if dtype.itemsize == 2 else (None,) * 3)
     for name, g, e, x, h, size in zip(("dq", "dk", "dv"), grads, expected, (q, k, v), half, sizes):
         assert g.shape == x.shape and g.dtype == x.dtype, name
         if h is not None:
             assert_within_yardstick(g, e, h, factor=HALF_YARDSTICK_FACTOR, sizes=size, what=name)
         else:
-            assert_within_term_bound(g, e, size, eps=np.finfo(dtype).eps, head_dim=q.shape[-1], what=name)
+            assert_within_term_bound(g, e, size, eps=np.finfo(dtype).eps, head_dim=max(q.shape[-1], v.shape[-1]),
+                                     what=name)
+    if bias is None:
+        assert len(grads) == 3
+        return
     others = {n: x for n, x in kw.items() if n != "bias"}
     accuracy = np.float32 if precision != "ieee" else dtype
-    _assert_dbias_close(grads[3], expected[3], _dbias_bound(dout, q, k, v, kw["bias"], accuracy, **others),
-                        kw["bias"])
+    _assert_dbias_close(grads[3], expected[3], _dbias_bound(dout, q, k, v, bias, accuracy, **others), bias)
 
 
 def _launched(spy, direction):
