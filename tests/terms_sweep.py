@@ -37,7 +37,7 @@ from cupyflash._options import KernelOptions  # noqa: E402
 from cupyflash.emulator import EmulatorExecutor  # noqa: E402
 
 from _util import LaunchSpy, bfloat16, random_array  # noqa: E402
-from test_bias_mask_kernels import _check_backward, _check_forward  # noqa: E402
+from _terms_util import check_backward, check_forward  # noqa: E402
 
 HALF = [np.dtype(np.float16)] + ([bfloat16] if bfloat16 is not None else [])
 CONFIGS = [  # name, arch, options, dtypes, precision
@@ -104,9 +104,9 @@ def run_case(name, sizes, make_terms, kw, config, dtype):
     dout = random_array(rng, lead + (s["HQ"], s["LQ"], s["dv"]), dtype)
     kw = {**kw, **make_terms(rng)}
     out, lse = cupyflash.attention(q, k, v, backend="emulator", return_lse=True, precision=precision, **kw)
-    _check_forward(out, lse, q, k, v, precision, **kw)
+    check_forward(out, lse, q, k, v, precision, **kw)
     grads = cupyflash.attention_backward(dout, q, k, v, out, lse, backend="emulator", precision=precision, **kw)
-    _check_backward(grads, dout, q, k, v, out, lse, precision, **kw)
+    check_backward(grads, dout, q, k, v, out, lse, precision, **kw)
     return sorted({n.split("<")[0].removeprefix("cf::") for n in spy.launched})
 
 

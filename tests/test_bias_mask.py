@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 import cupyflash
-from cupyflash.reference import _probabilities, _reduce_to, naive_attention, naive_attention_backward
+from cupyflash.reference import naive_attention, naive_attention_backward
 
-from _util import (use_cpu_blocks, DTYPES, DTYPE_IDS, TOLERANCE, assert_close, assert_grad_close, assert_lse_close,
+from _terms_util import assert_dbias_close, dbias_bound
+from _util import (use_cpu_blocks, DTYPES, DTYPE_IDS, assert_close, assert_grad_close, assert_lse_close,
                    random_array, random_qkv)
 
 
@@ -58,40 +59,9 @@ def _bias(rng, shapes, dtype=np.float64):
     return random_array(rng, shapes, dtype)
 
 
-def _terms(bias):
-    return bias if isinstance(bias, tuple) else (bias,)
-
-
 def _mask(rng, shape, keep=0.7):
     m = rng.random(shape) < keep
     return m
-
-
-def _dbias_bound(dout, q, k, v, bias, dtype, **kw):
-    """Per term: the table's atol (the looser of the inputs' and the term's dtype) times
-    max(1, the sum of |dS| the element adds up), and its rtol per element."""
-    _, p, _, o = _probabilities(q, k, v, bias=bias, **kw)
-    do = np.broadcast_to(np.asarray(dout, np.float64), p.shape[:-1] + (o.v.shape[-1],))
-    out = p @ o.v
-    dp = do @ np.swapaxes(o.v, -1, -2)
-    size = p * (np.abs(dp) + np.abs(np.sum(do * out, axis=-1, keepdims=True)))
-    bounds = []
-    for b in _terms(bias):
-        tol = max((TOLERANCE[np.dtype(t)] for t in (dtype, b.dtype)), key=lambda t: t["atol"])
-        bounds.append((tol, _reduce_to(size, b.shape).reshape(b.shape)))
-    return bounds
-
-
-def _assert_dbias_close(dbias, expected, bounds, bias):
-    if isinstance(bias, tuple):
-        assert isinstance(dbias, tuple) and len(dbias) == len(bias)
-    else:
-        assert not isinstance(dbias, tuple)
-    for i, (g, e, (tol, size), b) in enumerate(zip(_terms(dbias), _terms(expected), bounds, _terms(bias))):
-        assert g.shape == b.shape and g.dtype == b.dtype, f"dbias[{i}]: {g.shape} {g.dtype}"
-        err = np.abs(g.astype(np.float64) - e)
-        allowed = tol["rtol"] * np.abs(e) + tol["atol"] * np.maximum(1.0, size)
-        assert (err <= allowed).all(), f"dbias[{i}]: worst error/bound {float((err / allowed).max()):.3g}"
 
 
 def _check(q, k, v, *, bias=None, mask=None, dtype=None, **kw):
@@ -109,7 +79,7 @@ def _check(q, k, v, *, bias=None, mask=None, dtype=None, **kw):
         assert g.shape == x.shape and g.dtype == x.dtype, name
         assert_grad_close(g, e, dtype, what=name)
     if bias is not None:
-        _assert_dbias_close(grads[3], expected[3], _dbias_bound(dout, q, k, v, bias, dtype, mask=mask, **kw),
+        assert_dbias_close(grads[3], expected[3], dbias_bound(dout, q, k, v, bias, dtype, mask=mask, **kw),
                             bias)
     return out, lse, grads
 

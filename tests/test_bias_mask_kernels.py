@@ -24,11 +24,8 @@ from cupyflash._options import KernelOptions
 from cupyflash.emulator import EmulatorExecutor
 from cupyflash.reference import naive_attention, naive_attention_backward
 
-from _backward_util import (HALF_YARDSTICK_FACTOR, assert_within_term_bound, assert_within_yardstick,
-                            backward_term_sizes, naive_half_backward)
-from _util import (HALF_FORWARD_FACTOR, HALF_UNIT_ROUNDOFF, LaunchSpy, assert_close, assert_grad_close,
-                   assert_lse_close, bfloat16, guarded_array, naive_half_attention, random_array)
-from test_bias_mask import _assert_dbias_close, _dbias_bound
+from _terms_util import assert_dbias_close, check_backward, check_forward, dbias_bound
+from _util import LaunchSpy, assert_close, assert_grad_close, assert_lse_close, bfloat16, guarded_array, random_array
 
 B, HQ, HKV, LQ, LK = 2, 4, 2, 45, 70
 
@@ -82,68 +79,6 @@ def _params(cases):
             for c in cases]
 
 
-def _window(kw):
-    """The (left, right) window of a call's keywords (``causal`` folded in)."""
-    left, right = kw.get("window") or (None, None)
-    if kw.get("causal"):
-        right = 0 if right is None else min(right, 0)
-    return left, right
-
-
-def _gqa(q, k, kw):
-    return q.shape[-3] // k.shape[-3] if kw.get("enable_gqa") else 1
-
-
-def _check_forward(out, lse, q, k, v, precision, **kw):
-    """The families' forward rules (docs/testing.md, "Shares of the bound"): 16-bit within
-    HALF_FORWARD_FACTOR of naive_half_attention's error (with the same terms) plus one
-    rounding of the largest output; float32 (tf32x3 too) and float64 the table."""
-    ref, ref_lse = naive_attention(q, k, v, return_lse=True, **kw)
-    dtype = np.dtype(q.dtype)
-    if dtype.itemsize == 2 and out.size:
-        scale = kw.get("scale") or 1.0 / np.sqrt(q.shape[-1])
-        terms = kw.get("bias")
-        terms = () if terms is None else terms if isinstance(terms, tuple) else (terms,)
-        naive = naive_half_attention(q, k, v, scale=scale, window=_window(kw), gqa_ratio=_gqa(q, k, kw),
-                                     bias=terms, mask=kw.get("mask"))
-        err = np.abs(out.astype(np.float64) - ref).max()
-        largest = np.abs(ref).max()
-        bound = (HALF_FORWARD_FACTOR * np.abs(naive.astype(np.float64) - ref).max()
-                 + (HALF_UNIT_ROUNDOFF[dtype.name] + 2.0**-24) * largest)
-        assert err <= bound, f"max error {err:.3g} > {bound:.3g}"
-    else:
-        assert_close(out, ref, np.float32 if precision != "ieee" else dtype)
-    assert_lse_close(lse, ref_lse, dtype)
-
-
-def _check_backward(grads, dout, q, k, v, out, lse, precision, **kw):
-    """The families' backward rules: 16-bit within HALF_YARDSTICK_FACTOR of
-    naive_half_backward's error (same terms); float32 (tf32x3 too) and float64 the term
-    bound (sizes with the terms' probabilities); dbias test_bias_mask.py's bound."""
-    expected = naive_attention_backward(dout, q, k, v, **kw)
-    dtype = np.dtype(q.dtype)
-    sizes = backward_term_sizes(dout, q, k, v, **kw)
-    bias = kw.get("bias")
-    terms = () if bias is None else bias if isinstance(bias, tuple) else (bias,)
-    half = (naive_half_backward(dout, q, k, v, out, scale=kw.get("scale") or 1.0 / np.sqrt(q.shape[-1]),
-                                window=_window(kw), gqa_ratio=_gqa(q, k, kw), lse=lse, bias=terms,
-                                mask=kw.get("mask"))
-            if dtype.itemsize == 2 else (None,) * 3)
-    for name, g, e, x, h, size in zip(("dq", "dk", "dv"), grads, expected, (q, k, v), half, sizes):
-        assert g.shape == x.shape and g.dtype == x.dtype, name
-        if h is not None:
-            assert_within_yardstick(g, e, h, factor=HALF_YARDSTICK_FACTOR, sizes=size, what=name)
-        else:
-            assert_within_term_bound(g, e, size, eps=np.finfo(dtype).eps, head_dim=max(q.shape[-1], v.shape[-1]),
-                                     what=name)
-    if bias is None:
-        assert len(grads) == 3
-        return
-    others = {n: x for n, x in kw.items() if n != "bias"}
-    accuracy = np.float32 if precision != "ieee" else dtype
-    _assert_dbias_close(grads[3], expected[3], _dbias_bound(dout, q, k, v, bias, accuracy, **others), bias)
-
-
 def _launched(spy, direction):
     return {n.split("<")[0].removeprefix("cf::") for n in spy.launched if n.startswith(f"cf::{direction}_")}
 
@@ -155,7 +90,7 @@ def test_forward_families_match_the_oracle(emulate, arch, options, dtype, precis
     kw = dict(bias=bias, mask=mask, causal=True, enable_gqa=True)
     out, lse = cupyflash.attention(q, k, v, backend="emulator", return_lse=True, precision=precision, **kw)
     assert _launched(spy, "fwd") == {f"fwd_{family}_kernel"}
-    _check_forward(out, lse, q, k, v, precision, **kw)
+    check_forward(out, lse, q, k, v, precision, **kw)
     assert (out[0, :, 5] == 0).all() and np.isneginf(lse[0, :, 5]).all()
 
 
@@ -171,7 +106,7 @@ def test_backward_families_match_the_oracle(emulate, request, arch, options, dty
                                          deterministic=deterministic, **kw)
     assert {n.split("_")[1] for n in _launched(spy, "bwd")} - {"simt"} <= {family}
     assert any(n.startswith(f"bwd_{family}_dkdv") for n in _launched(spy, "bwd"))
-    _check_backward(grads, dout, q, k, v, out, lse, precision, **kw)
+    check_backward(grads, dout, q, k, v, out, lse, precision, **kw)
     assert (grads[0][0, :, 5] == 0).all()            # the row that sees no key
 
 
@@ -182,7 +117,7 @@ def test_split_kv_with_terms(emulate):
     kw = dict(bias=bias, mask=mask, causal=True, enable_gqa=True)
     out, lse = cupyflash.attention(q, k, v, backend="emulator", return_lse=True, **kw)
     assert any(g[1] == 3 for _, g in spy.launches) and "fwd_combine_kernel" in _launched(spy, "fwd")
-    _check_forward(out, lse, q, k, v, "ieee", **kw)
+    check_forward(out, lse, q, k, v, "ieee", **kw)
 
 
 def test_bias_gradient_is_bit_identical_across_runs(emulate):
@@ -238,7 +173,7 @@ def test_evoformer_terms_and_lengths(emulate):
     expected = naive_attention_backward(dout, q, k, v, bias=bias)
     for g, e in zip(grads[:3], expected[:3]):
         assert_grad_close(g, e, np.float32)
-    _assert_dbias_close(grads[3], expected[3], _dbias_bound(dout, q, k, v, bias, np.float32), bias)
+    assert_dbias_close(grads[3], expected[3], dbias_bound(dout, q, k, v, bias, np.float32), bias)
 
     lens = dict(q_lengths=np.array([[20, 7, 0], [13, 20, 1]]), kv_lengths=np.array([[20, 11, 4], [0, 17, 20]]))
     mask = rng.random((b, n, 1, L, L)) < 0.8
@@ -268,7 +203,7 @@ def test_a_term_constant_along_the_keys_has_exactly_zero_gradient(emulate):
     grads = cupyflash.attention_backward(dout, q, k, v, out, lse, backend="emulator", **kw)
     assert (grads[3][0] == 0).all()
     expected = naive_attention_backward(dout, q, k, v, **kw)
-    _assert_dbias_close(grads[3], expected[3], _dbias_bound(dout, q, k, v, bias, np.float32, mask=mask,
+    assert_dbias_close(grads[3], expected[3], dbias_bound(dout, q, k, v, bias, np.float32, mask=mask,
                                                             enable_gqa=True), bias)
 
 
@@ -298,6 +233,6 @@ def test_terms_outside_the_view_are_never_read(emulate, dtype):
     big_pad[..., :LK] = pad
     kw = dict(bias=(big_pad[..., :LK], fenced), mask=big_mask[..., :LQ, :LK], causal=True, enable_gqa=True)
     out, lse = cupyflash.attention(q, k, v, backend="emulator", return_lse=True, **kw)
-    _check_forward(out, lse, q, k, v, "ieee", **kw)
+    check_forward(out, lse, q, k, v, "ieee", **kw)
     grads = cupyflash.attention_backward(dout, q, k, v, out, lse, backend="emulator", **kw)
-    _check_backward(grads, dout, q, k, v, out, lse, "ieee", **kw)
+    check_backward(grads, dout, q, k, v, out, lse, "ieee", **kw)

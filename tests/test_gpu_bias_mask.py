@@ -19,7 +19,7 @@ from cupyflash._api import run_attention, run_attention_backward
 from cupyflash._options import KernelOptions
 
 from _util import random_array
-from test_bias_mask_kernels import _check_backward, _check_forward
+from _terms_util import check_backward, check_forward
 
 cp = pytest.importorskip("cupy")
 
@@ -60,11 +60,11 @@ def test_families_with_bias_and_mask_match_the_oracle(cuda_spy, variant, dtype_n
     on_gpu = dict(bias=tuple(cp.asarray(b) for b in bias), mask=cp.asarray(mask), causal=True, enable_gqa=True)
     g = [cp.asarray(x) for x in (q, k, v, dout)]
     out, lse = run_attention(*g[:3], return_lse=True, backend="cuda", options=options, **on_gpu)
-    _check_forward(cp.asnumpy(out), cp.asnumpy(lse), q, k, v, "ieee", **kw)
+    check_forward(cp.asnumpy(out), cp.asnumpy(lse), q, k, v, "ieee", **kw)
     runs = [run_attention_backward(g[3], *g[:3], out, lse, backend="cuda", options=options, **on_gpu)
             for _ in range(2)]
     grads = tuple(cp.asnumpy(x) for x in runs[0][:3]) + (tuple(cp.asnumpy(x) for x in runs[0][3]),)
-    _check_backward(grads, dout, q, k, v, cp.asnumpy(out), cp.asnumpy(lse), "ieee", **kw)
+    check_backward(grads, dout, q, k, v, cp.asnumpy(out), cp.asnumpy(lse), "ieee", **kw)
     for a, b in zip(runs[0][:3] + runs[0][3], runs[1][:3] + runs[1][3]):
         assert cp.array_equal(a, b)
     launched = {n.split("<")[0] for n in cuda_spy.launched}
