@@ -22,12 +22,16 @@ def terms_of(bias):
 
 def dbias_bound(dout, q, k, v, bias, dtype, **kw):
     """Per term: the table's atol (the looser of the inputs' and the term's dtype) times
-    max(1, the sum of |dS| the element adds up), and its rtol per element."""
+    max(1, the size of the dS terms the element adds up), and its rtol per element.
+
+    The size of dS_ij = P_ij (dP_ij - delta_i) is P_ij (|dO_i| . |V_j| + |dO_i| . |O_i|):
+    the sums dP and delta are rounded relative to the sizes of their own terms, not to
+    their (possibly cancelling) values -- delta all the more as it reads O rounded to
+    the inputs' dtype (docs/testing.md, "Bias and masks")."""
     _, p, _, o = _probabilities(q, k, v, bias=bias, **kw)
-    do = np.broadcast_to(np.asarray(dout, np.float64), p.shape[:-1] + (o.v.shape[-1],))
-    out = p @ o.v
-    dp = do @ np.swapaxes(o.v, -1, -2)
-    size = p * (np.abs(dp) + np.abs(np.sum(do * out, axis=-1, keepdims=True)))
+    do = np.abs(np.broadcast_to(np.asarray(dout, np.float64), p.shape[:-1] + (o.v.shape[-1],)))
+    out = np.abs(p @ o.v)
+    size = p * (do @ np.swapaxes(np.abs(o.v), -1, -2) + np.sum(do * out, axis=-1, keepdims=True))
     bounds = []
     for b in terms_of(bias):
         tol = max((TOLERANCE[np.dtype(t)] for t in (dtype, b.dtype)), key=lambda t: t["atol"])
