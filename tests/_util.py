@@ -37,6 +37,15 @@ def on_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("true", "1")
 
 
+def dtype_named(name: str) -> np.dtype:
+    """The NumPy dtype called ``name``; bfloat16 from ml_dtypes (the test skips without it)."""
+    if name == "bfloat16":
+        import pytest
+
+        return np.dtype(pytest.importorskip("ml_dtypes").bfloat16)
+    return np.dtype(name)
+
+
 def random_array(rng, shape, dtype, scale=1.0):
     """Standard-normal values (never zeros) rounded to ``dtype``."""
     return (rng.standard_normal(shape) * scale).astype(dtype)

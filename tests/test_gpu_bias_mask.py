@@ -18,7 +18,7 @@ import pytest
 from cupyflash._api import run_attention, run_attention_backward
 from cupyflash._options import KernelOptions
 
-from _util import random_array
+from _util import dtype_named, random_array
 from _terms_util import check_backward, check_forward
 
 cp = pytest.importorskip("cupy")
@@ -26,17 +26,11 @@ cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 
-def _dtype(name):
-    if name == "bfloat16":
-        return np.dtype(pytest.importorskip("ml_dtypes").bfloat16)
-    return np.dtype(name)
-
-
 @pytest.mark.parametrize("variant", ["default", "wgmma", "dmma"])
 @pytest.mark.parametrize("dtype_name, head_dim", [("float16", 128), ("bfloat16", 64), ("float32", 64),
                                                   ("float64", 64)])
 def test_families_with_bias_and_mask_match_the_oracle(cuda_spy, variant, dtype_name, head_dim):
-    dtype = _dtype(dtype_name)
+    dtype = dtype_named(dtype_name)
     arch = int(cp.cuda.Device().compute_capability)
     options = KernelOptions.from_environment()
     if variant == "wgmma":

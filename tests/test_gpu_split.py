@@ -21,17 +21,11 @@ from cupyflash._families import FWD_COMBINE, FWD_WGMMA
 from cupyflash._options import KernelOptions
 from cupyflash.reference import naive_attention
 
-from _util import accum_dtype, assert_close, assert_lse_close, random_array
+from _util import accum_dtype, assert_close, assert_lse_close, dtype_named, random_array
 
 cp = pytest.importorskip("cupy")
 
 pytestmark = pytest.mark.gpu
-
-
-def _dtype(name):
-    if name == "bfloat16":
-        return np.dtype(pytest.importorskip("ml_dtypes").bfloat16)
-    return np.dtype(name)
 
 
 @pytest.mark.parametrize("wgmma", [False, True], ids=["default", "wgmma"])
@@ -44,7 +38,7 @@ def _dtype(name):
 ])
 def test_small_grids_split_and_match_the_oracle(cuda_spy, wgmma, dtype_name, head_dim, heads,
                                                   seqlen_q, seqlen_k, causal):
-    dtype = _dtype(dtype_name)
+    dtype = dtype_named(dtype_name)
     if wgmma and (dtype.itemsize != 2 or int(cp.cuda.Device().compute_capability) != 90):
         pytest.skip("fwd_wgmma: float16/bfloat16 on an sm_90 GPU")
     options = KernelOptions.from_environment().replace(wgmma=wgmma)
