@@ -14,7 +14,8 @@ __all__ = ["attention", "attention_backward", "attention_varlen", "attention_var
 
 def attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=False,
               return_lse=False, out=None, precision="ieee", backend="auto", bias=None, mask=None,
-              q_lengths=None, kv_lengths=None, block_table=None):
+              q_lengths=None, kv_lengths=None, block_table=None, softcap=None, alibi_slopes=None,
+              score_mod=None, mask_mod=None, mod_args=None):
     """Exact scaled dot-product attention, ``softmax(q kᵀ · scale) v``, without the score matrix.
 
     Computes FlashAttention-style: the ``(..., Lq, Lk)`` scores and
@@ -73,12 +74,11 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=F
         e.g. a ``(B, N, 1, 1, L)`` padding bias and a ``(B, 1, H, L, L)`` pair
         bias never have to be summed into a ``(B, N, H, L, L)`` array.  A
         ``-inf`` entry hides that key from that query, as a False ``mask``
-        entry does; NaN makes the rows it touches NaN.  So far the NumPy
-        backend only (NumPy arrays).
+        entry does; NaN makes the rows it touches NaN.  Every backend.
     mask : bool array, optional
         True where a query may attend to a key (PyTorch's convention),
         broadcastable like ``bias``; combined with ``causal``/``window`` by
-        AND.  So far the NumPy backend only.
+        AND.  Every backend.
     q_lengths, kv_lengths : int or int array, optional
         Per-sequence lengths of a padded batch: int32/int64, broadcastable to
         the batch dims before the head axis (``(B,)`` for ``(B, H, L, d)``
@@ -99,6 +99,30 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=F
         ``window``, ``enable_gqa``, ``scale``, ``return_lse`` and ``out``,
         not ``bias`` or ``mask``.  See :func:`append_kv`.  So far the NumPy
         backend only.
+    softcap : float, optional
+        Caps the scaled scores smoothly before the bias:
+        ``s = softcap * tanh(s / softcap)`` (Gemma 2, Grok).  So far the
+        NumPy backend only, as for the four below.
+    alibi_slopes : float array, optional
+        ALiBi: adds ``-slope * |i + Lk - Lq - j|`` (per sequence's lengths)
+        after the bias; broadcastable to the output's batch shape (one slope
+        per head: ``(H,)``).
+    score_mod : str, optional
+        An expression that rewrites each score after the bias and ALiBi, e.g.
+        ``"score - gamma[h] * abs(q_idx - kv_idx)"``: the names ``score``,
+        ``b`` (flat batch index), ``h`` (query head), ``q_idx``, ``kv_idx``
+        and the arrays of ``mod_args``; ``+ - * /``, comparisons, ``& | ~``,
+        ``where tanh exp log sqrt sigmoid abs floor min max`` (the language:
+        the semantics page).  Its derivative with respect to ``score`` is
+        derived by cupyflash for the backward.
+    mask_mod : str, optional
+        A boolean expression of ``b``, ``h``, ``q_idx``, ``kv_idx`` and the
+        ``mod_args`` arrays: True where a query may attend to a key (ANDed
+        with every other mask).
+    mod_args : dict of str to array, optional
+        The arrays ``score_mod`` and ``mask_mod`` index (same kind of array as
+        q; constants: no gradient flows into them).  An index outside an
+        array raises IndexError.
 
     Returns
     -------
@@ -155,18 +179,21 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=F
     return run_attention(q, k, v, scale=scale, causal=causal, window=window, enable_gqa=enable_gqa,
                          return_lse=return_lse, out=out, precision=precision, backend=backend,
                          bias=bias, mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths,
-                         block_table=block_table)
+                         block_table=block_table, softcap=softcap, alibi_slopes=alibi_slopes,
+                         score_mod=score_mod, mask_mod=mask_mod, mod_args=mod_args)
 
 
 def run_attention(q, k, v, *, scale=None, causal=False, window=None, enable_gqa=False, return_lse=False,
                   out=None, precision="ieee", backend="auto", options: KernelOptions | None = None,
-                  bias=None, mask=None, q_lengths=None, kv_lengths=None, block_table=None):
+                  bias=None, mask=None, q_lengths=None, kv_lengths=None, block_table=None, softcap=None,
+                  alibi_slopes=None, score_mod=None, mask_mod=None, mod_args=None):
     """:func:`attention` with explicit dispatch ``options`` (tests and benchmarks; None: read
     ``CUPYFLASH_WGMMA`` / ``CUPYFLASH_DMMA`` from the environment, as :func:`attention` does)."""
     if block_table is not None:
         from ._kvcache import run_paged
 
-        for name, given in (("bias", bias), ("mask", mask)):
+        for name, given in (("bias", bias), ("mask", mask), ("softcap", softcap), ("alibi_slopes", alibi_slopes),
+                            ("score_mod", score_mod), ("mask_mod", mask_mod), ("mod_args", mod_args)):
             if given is not None:
                 raise ValueError(f"`{name}` does not combine with `block_table` (a paged cache has no dense "
                                  f"(Lq, Lk) layout to broadcast it to)")
@@ -175,7 +202,8 @@ def run_attention(q, k, v, *, scale=None, causal=False, window=None, enable_gqa=
                          backend=backend, precision=precision)
     problem, _ = check_forward(q, k, v, scale=scale, causal=causal, window=window,
                                enable_gqa=enable_gqa, backend=backend, bias=bias, mask=mask,
-                               q_lengths=q_lengths, kv_lengths=kv_lengths)
+                               q_lengths=q_lengths, kv_lengths=kv_lengths,
+                               mods=_mods(softcap, alibi_slopes, score_mod, mask_mod, mod_args))
     problem.precision = check_precision(precision, problem.dtype)
     if out is not None:
         check_output(out, "out", problem.out_shape, problem.dtype, problem.kind,
@@ -186,7 +214,8 @@ def run_attention(q, k, v, *, scale=None, causal=False, window=None, enable_gqa=
 
 def attention_backward(dout, q, k, v, out, lse, /, *, scale=None, causal=False, window=None,
                        enable_gqa=False, deterministic=True, precision="ieee", backend="auto",
-                       bias=None, mask=None, q_lengths=None, kv_lengths=None):
+                       bias=None, mask=None, q_lengths=None, kv_lengths=None, softcap=None, alibi_slopes=None,
+                       score_mod=None, mask_mod=None, mod_args=None):
     """Gradients of :func:`attention` with respect to q, k and v (and ``bias``).
 
     Recomputes the probabilities block by block from ``lse`` (as returned by
@@ -270,23 +299,32 @@ def attention_backward(dout, q, k, v, out, lse, /, *, scale=None, causal=False, 
     return run_attention_backward(dout, q, k, v, out, lse, scale=scale, causal=causal, window=window,
                                   enable_gqa=enable_gqa, deterministic=deterministic, precision=precision,
                                   backend=backend, bias=bias, mask=mask, q_lengths=q_lengths,
-                                  kv_lengths=kv_lengths)
+                                  kv_lengths=kv_lengths, softcap=softcap, alibi_slopes=alibi_slopes,
+                                  score_mod=score_mod, mask_mod=mask_mod, mod_args=mod_args)
 
 
 def run_attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, window=None, enable_gqa=False,
                            deterministic=True, precision="ieee", backend="auto",
                            options: KernelOptions | None = None, bias=None, mask=None,
-                           q_lengths=None, kv_lengths=None):
+                           q_lengths=None, kv_lengths=None, softcap=None, alibi_slopes=None, score_mod=None,
+                           mask_mod=None, mod_args=None):
     """:func:`attention_backward` with explicit dispatch ``options`` (see :func:`run_attention`)."""
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"`deterministic` must be a bool, got {type(deterministic).__name__}")
     problem, dout, out, lse = check_backward(
         dout, q, k, v, out, lse, scale=scale, causal=causal, window=window,
         enable_gqa=enable_gqa, backend=backend, bias=bias, mask=mask,
-        q_lengths=q_lengths, kv_lengths=kv_lengths,
+        q_lengths=q_lengths, kv_lengths=kv_lengths, mods=_mods(softcap, alibi_slopes, score_mod, mask_mod, mod_args),
     )
     problem.precision = check_precision(precision, problem.dtype)
     return run_backward(problem, dout, out, lse, deterministic=bool(deterministic), options=options)
+
+
+def _mods(softcap, alibi_slopes, score_mod, mask_mod, mod_args):
+    """The score modifications' keywords for the checks (None: none given)."""
+    given = dict(softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod, mask_mod=mask_mod,
+                 mod_args=mod_args)
+    return given if any(x is not None for x in given.values()) else None
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, /, *, scale=None, causal=False, window=None,

@@ -207,6 +207,30 @@ def _scores_view(problem: Problem, x):
     return x
 
 
+def _coordinates(problem: Problem):
+    """The score modifications' per-head operands, scores-shaped views like a bias term's
+    (``_scores_view``): the flat batch index ``b`` (over the dims before the head axis),
+    the query head ``h`` and the ALiBi slopes (None without them)."""
+    batch = problem.batch_shape
+    if batch:
+        seq, heads = batch[:-1], batch[-1]
+        b = np.arange(int(np.prod(seq)), dtype=np.int64).reshape(seq + (1, 1, 1))
+        h = np.arange(heads, dtype=np.int64).reshape(heads, 1, 1)
+    else:
+        b = h = np.zeros((1, 1), dtype=np.int64)
+    slopes = problem.mods.alibi_slopes
+    slopes = None if slopes is None else slopes.reshape(tuple(slopes.shape) + (1, 1))
+    return tuple(None if x is None else _scores_view(problem, x) for x in (b, h, slopes))
+
+
+def _terms_of(problem: Problem, idx, bias5, mask5, coords5, acc_t, offset) -> "_ScoreTerms":
+    """The score terms of batch index ``idx``."""
+    coords = (None, None, None) if coords5 is None else tuple(
+        None if c is None else _index_into(c, idx) for c in coords5)
+    return _ScoreTerms([_index_into(b, idx) for b in bias5], None if mask5 is None else _index_into(mask5, idx),
+                       acc_t, problem.mods, coords, offset)
+
+
 def _block_of(x, i0, i1, j0, j1):
     """Rows [i0, i1) x keys [j0, j1) of a scores-shaped operand, whose query or key axis
     may have size 1 (broadcast): that axis's one entry then serves every row or key."""
@@ -216,28 +240,47 @@ def _block_of(x, i0, i1, j0, j1):
 
 
 class _ScoreTerms:
-    """The bias terms and the boolean mask of one batch index, for the score blocks.
+    """The bias terms, the boolean mask and the score modifications of one batch index,
+    for the score blocks.
 
-    DESIGN 3b's order: the scaled scores, plus each bias term in order (read in
-    the accumulator type), then the window and the mask.  Each operand keeps its
-    size-1 (broadcast) axes: a block of it is a view that NumPy broadcasts.
+    DESIGN 3b's order: the scaled scores, the softcap, plus each bias term in order
+    (read in the accumulator type) and ALiBi, score_mod, then the window, the mask
+    and mask_mod.  Each operand keeps its size-1 (broadcast) axes: a block of it is a
+    view that NumPy broadcasts.  ``mods`` (cupyflash._mods.ScoreFunctions) reads the
+    index's ``coords`` -- its flat batch index, head and ALiBi slope views -- and
+    ``offset`` = kv_len - q_len (ALiBi's diagonal).
     """
 
-    def __init__(self, bias, mask, acc_t):
+    def __init__(self, bias, mask, acc_t, mods=None, coords=(None, None, None), offset=0):
         self.bias = bias            # arrays (*vec, Lq, Lk) (size-1 axes where broadcast)
         self.mask = mask            # bool array or None
         self.acc_t = acc_t
+        self.mods = mods or None
+        self.coords = coords
+        self.offset = offset
 
     def __bool__(self):
-        return bool(self.bias) or self.mask is not None
+        return bool(self.bias) or self.mask is not None or self.mods is not None
 
-    def add_bias(self, s, i0, i1, j0, j1):
-        for b in self.bias:
-            s += _block_of(b, i0, i1, j0, j1).astype(self.acc_t, copy=False)
+    def transform(self, s, i0, i1, j0, j1, grad=False):
+        """The block's scaled scores ``s`` -> its scores before the masks, in place.  With
+        ``grad``: the chain rule's factors ``(d_cap, d_mod)`` (None: 1), see
+        :meth:`cupyflash._mods.ScoreFunctions.transform`."""
+        blocks = [_block_of(b, i0, i1, j0, j1) for b in self.bias]
+        if self.mods is None:
+            for b in blocks:
+                s += b.astype(self.acc_t, copy=False)
+            return None, None
+        return self.mods.transform(s, self.coords, np.arange(i0, i1)[:, None], np.arange(j0, j1)[None, :],
+                                   self.offset, blocks, grad)
 
     def hidden(self, i0, i1, j0, j1):
-        """Where the mask hides a pair of the block (None: no mask)."""
-        return None if self.mask is None else ~_block_of(self.mask, i0, i1, j0, j1)
+        """Where the mask or mask_mod hides a pair of the block (None: neither)."""
+        hidden = None if self.mask is None else ~_block_of(self.mask, i0, i1, j0, j1)
+        if self.mods is not None and self.mods.mask_mod is not None:
+            out = ~self.mods.admits(self.coords, np.arange(i0, i1)[:, None], np.arange(j0, j1)[None, :])
+            hidden = out if hidden is None else hidden | out
+        return hidden
 
     def sees_none(self, i0, i1, j0, j1) -> bool:
         """Whether the mask hides the whole block (then it is skipped)."""
@@ -315,7 +358,7 @@ def _scores(qf, kf, j0, j1, i0, i1, kind, rows, out, mask_args, terms):
         if s.shape[:-1] != rows:
             s = np.broadcast_to(s, rows + (j1 - j0,)).copy()
     if terms:
-        terms.add_bias(s, i0, i1, j0, j1)
+        terms.transform(s, i0, i1, j0, j1)
         hidden = terms.hidden(i0, i1, j0, j1)
         if hidden is not None:
             np.copyto(s, -np.inf, where=hidden)
@@ -395,6 +438,7 @@ def forward(problem: Problem, out, lse, single_thread: bool = False) -> None:
     (q, o), (k, v) = _split_heads(problem, [problem.q, out], [problem.k, problem.v])
     bias5 = [_scores_view(problem, b) for b in problem.bias]
     mask5 = None if problem.mask is None else _scores_view(problem, problem.mask)
+    coords5 = _coordinates(problem) if problem.mods else None
     lse5 = _lse_view(problem, lse) if lse is not None else None
     batch5 = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     n_vec = _vector_dims(problem, batch5)
@@ -420,8 +464,7 @@ def forward(problem: Problem, out, lse, single_thread: bool = False) -> None:
                 continue
             kf = _index_into(k, idx)[..., :kv_len, :].astype(acc_t, copy=False)
             vf_ones = _with_ones(_index_into(v, idx)[..., :kv_len, :].astype(acc_t, copy=False))
-            terms = _ScoreTerms([_index_into(b, idx) for b in bias5],
-                                None if mask5 is None else _index_into(mask5, idx), acc_t)
+            terms = _terms_of(problem, idx, bias5, mask5, coords5, acc_t, kv_len - q_len)
             mask_args = (kv_len - q_len, left, right)
             for i0 in range(0, q_len, bq):
                 yield idx, kf, vf_ones, terms, mask_args, i0, min(i0 + bq, q_len)
@@ -495,6 +538,7 @@ def backward(problem: Problem, dout, out, lse, single_thread: bool = False):
     bq, bc = _block_sizes(int(np.prod(vec_shape)), lq, lk, masked, _band(problem))
     bias5 = [_scores_view(problem, b) for b in problem.bias]
     mask5 = None if problem.mask is None else _scores_view(problem, problem.mask)
+    coords5 = _coordinates(problem) if problem.mods else None
     loop_shape = _loop_shape(batch5, n_vec)
     # dbias in the accumulator type, with each term's (split) shape.  A term broadcast
     # along no looped axis and not along the keys is added to by the tasks in place: each
@@ -521,8 +565,7 @@ def backward(problem: Problem, dout, out, lse, single_thread: bool = False):
             lse_i = np.where(np.isneginf(lse_i), np.inf, lse_i)   # rows with no key: p = 0
             ops = (qf, _index_into(k, idx)[..., :kv_len, :].astype(acc_t, copy=False),
                    _index_into(v, idx)[..., :kv_len, :].astype(acc_t, copy=False), dof, delta, lse_i,
-                   _ScoreTerms([_index_into(b, idx) for b in bias5],
-                               None if mask5 is None else _index_into(mask5, idx), acc_t),
+                   _terms_of(problem, idx, bias5, mask5, coords5, acc_t, kv_len - q_len),
                    kv_len - q_len)
             for j0 in range(0, kv_len, bc):
                 yield idx, ops, j0, min(j0 + bc, kv_len)
@@ -551,8 +594,9 @@ def backward(problem: Problem, dout, out, lse, single_thread: bool = False):
         for i0, i1, kind in live:
             qi, doi = qf[..., i0:i1, :], dof[..., i0:i1, :]
             p = bufs.matmul("s", qi, kjt)                       # scaled scores
+            d_cap = d_mod = None                                # the chain rule's factors
             if terms:
-                terms.add_bias(p, i0, i1, j0, j1)
+                d_cap, d_mod = terms.transform(p, i0, i1, j0, j1, grad=True)
             p -= lse_i[..., i0:i1, None]
             np.exp(p, out=p)
             # hidden pairs -> P = 0 by a select: a NaN or inf bias there never reaches a gradient
@@ -565,12 +609,18 @@ def backward(problem: Problem, dout, out, lse, single_thread: bool = False):
             ds = bufs.matmul("dp", doi, vjt)
             ds -= delta[..., i0:i1, None]
             ds *= p                                             # dS = P o (dP - D)
+            if d_mod is not None:       # through score_mod; a hidden or zero P stays 0 (even if d_mod is not finite)
+                with np.errstate(invalid="ignore"):
+                    ds *= d_mod
+                np.copyto(ds, 0, where=p == 0)
             for t, b in enumerate(terms.bias):                  # dbias = dS over b's broadcast axes
                 part = _sum_to(ds, _block_of(b, i0, i1, j0, j1).shape)
                 if in_place[t]:
                     _block_of(_index_into(dbias[t], idx), i0, i1, j0, j1)[...] += part
                 else:
                     _block_of(db_parts[t], i0 - rows0, i1 - rows0, 0, j1 - j0)[...] += part
+            if d_cap is not None:                               # through the softcap: dq, dk only
+                ds *= d_cap
             dk_j += bufs.matmul("kv", np.swapaxes(ds, -1, -2), qi)
             dq_part[..., i0 - rows0:i1 - rows0, :] += bufs.matmul("q", ds, kj)
         return idx, j0, j1, dk_j, dv_j, rows0, dq_part, db_parts

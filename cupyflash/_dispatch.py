@@ -77,6 +77,7 @@ def _kernels_take(problem: Problem, backward: bool = False) -> None:
     from ._families import BACKWARD, FORWARD, taking
 
     asked = {n for n, on in (("bias", problem.bias), ("mask", problem.mask is not None)) if on}
+    asked |= problem.mods.features if problem.mods else set()
     if problem.backend == "numpy" or not asked:
         return
     if not taking(BACKWARD if backward else FORWARD, asked):

@@ -10,13 +10,16 @@ every backend uses.
 from __future__ import annotations
 
 import dataclasses
+import keyword
 import math
 import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
+from . import _expr
 from ._dtypes import accumulator_dtype, dtype_name
+from ._mods import ScoreFunctions
 
 __all__ = ["Problem", "check_forward", "check_backward", "check_precision", "SUPPORTED_DTYPES"]
 
@@ -58,6 +61,7 @@ class Problem:
     mask: object = None      # bool, broadcastable to scores_shape; True = may attend
     q_lengths: object = None   # int64 NumPy array of shape sequence_shape (host copy), or None
     kv_lengths: object = None
+    mods: object = None        # cupyflash._mods.ScoreFunctions (softcap, ALiBi, score/mask_mod), or None
 
     @property
     def sequence_shape(self) -> tuple:
@@ -338,13 +342,14 @@ def _check_lengths(lengths, name: str, *, kind: str, shape: tuple, limit: int):
 
 
 def check_forward(q, k, v, *, scale, causal, window, enable_gqa, backend, extra=(),
-                  bias=None, mask=None, q_lengths=None, kv_lengths=None) -> Problem:
+                  bias=None, mask=None, q_lengths=None, kv_lengths=None, mods=None) -> Problem:
     """Check the arguments shared by the forward and backward calls.
 
     ``extra`` lists further ``(name, array)`` pairs (dout, out, lse) that must be
     of the same array kind as q, k, v; their shapes are checked by the caller.
     ``bias`` and ``mask`` are checked against the scores' shape
-    ``batch_shape + (Lq, Lk)``.
+    ``batch_shape + (Lq, Lk)``; ``mods`` is the dict of the score modifications'
+    keywords (softcap, alibi_slopes, score_mod, mask_mod, mod_args), or None.
     """
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"`backend` must be one of {', '.join(map(repr, BACKENDS))}; got {backend!r}")
@@ -442,12 +447,15 @@ def check_forward(q, k, v, *, scale, causal, window, enable_gqa, backend, extra=
     sequences = batch_shape[:-1]
     q_lengths = _check_lengths(q_lengths, "q_lengths", kind=kind, shape=sequences, limit=q.shape[-2])
     kv_lengths = _check_lengths(kv_lengths, "kv_lengths", kind=kind, shape=sequences, limit=k.shape[-2])
+    functions = None if mods is None else check_score_functions(
+        **mods, kind=kind, device=int(q.device.id) if kind == "cupy" else None, batch_shape=batch_shape)
     return Problem(
         q=q, k=k, v=v, kind=kind, dtype=dtype, scale=scale,
         window_left=left, window_right=right, gqa_ratio=gqa_ratio,
         batch_shape=batch_shape, seqlen_q=q.shape[-2], seqlen_k=k.shape[-2],
         head_dim=head_dim, head_dim_v=head_dim_v, backend=resolved,
         bias=terms, bias_is_tuple=is_tuple, mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths,
+        mods=functions,
     ), converted[3:]
 
 
@@ -483,12 +491,12 @@ def check_output(out, name: str, shape: tuple, dtype: np.dtype, kind: str, input
 
 
 def check_backward(dout, q, k, v, out, lse, *, scale, causal, window, enable_gqa, backend,
-                   bias=None, mask=None, q_lengths=None, kv_lengths=None):
+                   bias=None, mask=None, q_lengths=None, kv_lengths=None, mods=None):
     """Check ``attention_backward``'s arguments; returns the Problem and (dout, out, lse)."""
     problem, (dout, out, lse) = check_forward(
         q, k, v, scale=scale, causal=causal, window=window, enable_gqa=enable_gqa,
         backend=backend, extra=(("dout", dout), ("out", out), ("lse", lse)), bias=bias, mask=mask,
-        q_lengths=q_lengths, kv_lengths=kv_lengths,
+        q_lengths=q_lengths, kv_lengths=kv_lengths, mods=mods,
     )
     check_forward_results(problem, dout, out, lse)
     return problem, dout, out, lse
@@ -505,3 +513,74 @@ def check_forward_results(problem: Problem, dout, out, lse) -> None:
         raise ValueError(f"`lse` must have shape {problem.lse_shape}; got {tuple(lse.shape)}")
     if np.dtype(lse.dtype) not in (np.dtype(np.float32), np.dtype(np.float64)):
         raise TypeError(f"`lse` must have dtype float32 or float64; got {np.dtype(lse.dtype).name}")
+
+
+# ---- score modifications (softcap, ALiBi, score_mod, mask_mod, mod_args) -------------------
+
+
+def _on_device(x, name, kind, device):
+    """``x`` as the call's kind of array, on q's device."""
+    x = _of_kind(x, name, kind)
+    if kind == "cupy" and int(x.device.id) != device:
+        raise ValueError(f"`{name}` must be on q's device {device}; got device {int(x.device.id)}")
+    return x
+
+
+def _check_mod_args(mod_args, kind, device) -> dict:
+    if mod_args is None:
+        return {}
+    if not isinstance(mod_args, dict):
+        raise TypeError(f"`mod_args` must be a dict of name -> array, got {type(mod_args).__name__}")
+    reserved = set(_expr.COORDINATES) | set(_expr.FUNCTIONS) | {"score"}
+    out = {}
+    for name, a in mod_args.items():
+        if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+            raise ValueError(f"`mod_args`: the name {name!r} is not an identifier")
+        if name in reserved:
+            raise ValueError(f"`mod_args`: the name {name!r} is taken by the language (score, b, h, q_idx, "
+                             f"kv_idx and the functions)")
+        a = _on_device(a, f"mod_args[{name!r}]", kind, device)
+        if np.dtype(a.dtype).kind not in "biuf" or a.ndim == 0:
+            raise ValueError(f"`mod_args[{name!r}]` must be an array of at least one axis of bool, int or "
+                             f"float elements, got {np.dtype(a.dtype).name} of shape {tuple(a.shape)}")
+        out[name] = a
+    return out
+
+
+def check_score_functions(softcap, alibi_slopes, score_mod, mask_mod, mod_args, *, kind, device,
+                          batch_shape) -> ScoreFunctions | None:
+    """The checked modifications of a call (None when none is given); errors name the
+    argument and come before any work."""
+    if softcap is None and alibi_slopes is None and score_mod is None and mask_mod is None:
+        if mod_args:
+            raise ValueError("`mod_args` is given but neither `score_mod` nor `mask_mod` reads it")
+        return None
+    if softcap is not None:
+        if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float, np.integer, np.floating)):
+            raise TypeError(f"`softcap` must be a positive number, got {type(softcap).__name__}")
+        if not (np.isfinite(softcap) and softcap > 0):
+            raise ValueError(f"`softcap` must be a positive finite number, got {softcap!r}")
+        softcap = float(softcap)
+    if alibi_slopes is not None:
+        alibi_slopes = _on_device(alibi_slopes, "alibi_slopes", kind, device)
+        if np.dtype(alibi_slopes.dtype).kind != "f":
+            raise TypeError(f"`alibi_slopes` must be floating, got {np.dtype(alibi_slopes.dtype).name}")
+        try:
+            np.broadcast_shapes(tuple(alibi_slopes.shape), tuple(batch_shape))
+            fits = len(alibi_slopes.shape) <= len(batch_shape) and np.broadcast_shapes(
+                tuple(alibi_slopes.shape), tuple(batch_shape)) == tuple(batch_shape)
+        except ValueError:
+            fits = False
+        if not fits:
+            raise ValueError(f"`alibi_slopes` of shape {tuple(alibi_slopes.shape)} does not broadcast to the "
+                             f"output's batch shape {tuple(batch_shape)} (one slope per head: shape "
+                             f"({batch_shape[-1] if batch_shape else 1},))")
+    arrays = _check_mod_args(mod_args, kind, device)
+    if arrays and score_mod is None and mask_mod is None:
+        raise ValueError("`mod_args` is given but neither `score_mod` nor `mask_mod` reads it")
+    score_node = None if score_mod is None else _expr.parse(score_mod, "score_mod", arrays)
+    mask_node = None if mask_mod is None else _expr.parse(mask_mod, "mask_mod", arrays, boolean=True)
+    return ScoreFunctions(softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_node, mask_mod=mask_node,
+                          mod_args=arrays,
+                          score_mod_grad=None if score_node is None else _expr.derivative(score_node),
+                          texts=(score_mod or "", mask_mod or ""))

@@ -181,17 +181,52 @@ def _oracle(q, k, v, scale, causal, window, enable_gqa, xp=np, dtype=np.float64,
     return _Oracle(q, k, v, scale, visible, kv_head, hkv, terms)
 
 
+def _coordinates(batch, lq, lk):
+    """The oracle's (b, h, i, j) of every score, as arrays broadcasting to
+    ``batch + (Lq, Lk)``: b the flat index over the dims before the head axis, h the
+    head, i the query row, j the key."""
+    if batch:
+        seq = tuple(batch[:-1])
+        b = np.arange(int(np.prod(seq)), dtype=np.int64).reshape(seq + (1, 1, 1))
+        h = np.arange(batch[-1], dtype=np.int64).reshape(batch[-1], 1, 1)
+    else:
+        b = h = np.zeros((1, 1), dtype=np.int64)
+    return b, h, np.arange(lq)[:, None], np.arange(lk)[None, :]
+
+
 def _probabilities(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=False,
-                   bias=None, mask=None, q_lengths=None, kv_lengths=None):
-    """The oracle's float64 scores (scaled, biased, masked), probabilities and lse (all
-    L x L) and its :class:`_Oracle` reading of the arguments; for the tests' error bounds
-    too."""
+                   bias=None, mask=None, q_lengths=None, kv_lengths=None, softcap=None, alibi_slopes=None,
+                   score_mod=None, mask_mod=None, score_mod_grad=None, chain=False):
+    """The oracle's float64 scores (scaled, capped, biased, modified, masked),
+    probabilities and lse (all L x L) and its :class:`_Oracle` reading of the arguments;
+    for the tests' error bounds too.  With ``chain``, also the factors the backward's dS
+    takes through score_mod (``score_mod_grad``'s value) and through the softcap."""
     o = _oracle(q, k, v, scale, causal, window, enable_gqa, bias=bias, mask=mask, q_lengths=q_lengths,
                 kv_lengths=kv_lengths)
     s = np.matmul(o.q, np.swapaxes(o.k, -1, -2)) * o.scale
-    for term in o.bias:                 # DESIGN 3b: scale, then the bias terms, then the masks
+    d_cap = d_mod = None
+    if softcap is not None:             # DESIGN 3b: scale, softcap, bias + ALiBi, score_mod, masks
+        t = np.tanh(s / float(softcap))
+        s, d_cap = float(softcap) * t, 1.0 - t * t
+    for term in o.bias:
         s = s + term
-    s = np.where(o.visible, s, -np.inf)
+    batch, lq, lk = s.shape[:-2], s.shape[-2], s.shape[-1]
+    b, h, i, j = _coordinates(batch, lq, lk)
+    if alibi_slopes is not None:
+        slopes = np.asarray(alibi_slopes, dtype=np.float64)
+        slopes = slopes.reshape((1,) * (len(batch) - slopes.ndim) + slopes.shape + (1, 1))
+        ql = _within(batch, lq, q_lengths).sum(axis=-1)[..., None, None]
+        kl = _within(batch, lk, kv_lengths).sum(axis=-1)[..., None, None]
+        s = s - slopes * np.abs(i + (kl - ql) - j)
+    if score_mod is not None:
+        if chain:
+            d_mod = np.broadcast_to(np.asarray(score_mod_grad(s, b, h, i, j), dtype=np.float64), s.shape)
+        s = np.broadcast_to(np.asarray(score_mod(s, b, h, i, j), dtype=np.float64), s.shape)
+    visible = o.visible
+    if mask_mod is not None:
+        extra = np.broadcast_to(np.asarray(mask_mod(b, h, i, j), dtype=bool), s.shape)
+        visible = extra if visible is None else visible & extra
+    s = np.where(visible, s, -np.inf) if visible is not None else s
     with np.errstate(divide="ignore", invalid="ignore"):
         lse = scipy.special.logsumexp(s, axis=-1)
         # softmax reduces with max(), which has no identity on an empty key axis (Lk = 0)
@@ -199,6 +234,8 @@ def _probabilities(q, k, v, /, *, scale=None, causal=False, window=None, enable_
     # rows with no admissible key (all -inf: masked, or a -inf bias) -> 0, not NaN; a NaN
     # score (NaN in q, k or a bias) keeps its row NaN
     p = np.where(np.all(np.isneginf(s), axis=-1, keepdims=True), 0.0, p)
+    if chain:
+        return s, p, lse, o, (d_cap, d_mod)
     return s, p, lse, o
 
 
@@ -219,7 +256,7 @@ def _reduce_to(grad, like, kv_head=None, kv_heads=0):
 
 def naive_attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=False,
                     return_lse=False, oracle=True, bias=None, mask=None, q_lengths=None,
-                    kv_lengths=None):
+                    kv_lengths=None, softcap=None, alibi_slopes=None, score_mod=None, mask_mod=None):
     """Attention computed the obvious way, in float64: the oracle.
 
     Forms the full ``(..., Lq, Lk)`` score matrix, so it needs O(Lq·Lk)
@@ -232,6 +269,14 @@ def naive_attention(q, k, v, /, *, scale=None, causal=False, window=None, enable
     ----------
     q, k, v, scale, causal, window, enable_gqa, return_lse, bias, mask, q_lengths, kv_lengths
         As in :func:`cupyflash.attention` (``q_lengths``/``kv_lengths``: the oracle only).
+    softcap, alibi_slopes
+        As in :func:`cupyflash.attention` (the oracle only).
+    score_mod, mask_mod : callable, optional
+        The oracle's own form of :func:`cupyflash.attention`'s expressions: NumPy
+        functions on the whole score matrix, ``score_mod(s, b, h, i, j)`` and
+        ``mask_mod(b, h, i, j)``, with ``b`` (flat batch index), ``h`` (head), ``i``
+        (query) and ``j`` (key) arrays that broadcast to ``batch + (Lq, Lk)`` (the oracle
+        only; the tests pair each expression with such a function written by hand).
     oracle : bool, default True
         False: not the oracle but naive attention as a user would write it --
         with the arrays' own module (NumPy or CuPy), scores in the accumulator
@@ -265,13 +310,16 @@ def naive_attention(q, k, v, /, *, scale=None, causal=False, window=None, enable
     _check_oracle(oracle)
     if not oracle and (q_lengths is not None or kv_lengths is not None):
         raise ValueError("q_lengths/kv_lengths: the oracle only (oracle=True)")
+    mods = dict(softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod, mask_mod=mask_mod)
+    if not oracle and any(x is not None for x in mods.values()):
+        raise ValueError("softcap, alibi_slopes, score_mod, mask_mod: the oracle only (oracle=True)")
     if not oracle:
         p, lse, o = _as_written(q, k, v, scale, causal, window, enable_gqa, bias, mask)
         out = _array_module(p).matmul(p, o.v).astype(_dtype_of(q), copy=False)
         return (out, lse) if return_lse else out
     _, p, lse, o = _probabilities(q, k, v, scale=scale, causal=causal, window=window,
                                   enable_gqa=enable_gqa, bias=bias, mask=mask, q_lengths=q_lengths,
-                                  kv_lengths=kv_lengths)
+                                  kv_lengths=kv_lengths, **mods)
     out = np.matmul(p, o.v)
     return (out, lse) if return_lse else out
 
@@ -317,7 +365,8 @@ def _as_written(q, k, v, scale, causal, window, enable_gqa, bias=None, mask=None
 
 def naive_attention_backward(dout, q, k, v, /, *, scale=None, causal=False, window=None,
                              enable_gqa=False, oracle=True, bias=None, mask=None, q_lengths=None,
-                             kv_lengths=None):
+                             kv_lengths=None, softcap=None, alibi_slopes=None, score_mod=None, mask_mod=None,
+                             score_mod_grad=None):
     """Gradients of :func:`naive_attention` in float64: ``(dq, dk, dv)``, and
     ``dbias`` with ``bias``.
 
@@ -332,6 +381,13 @@ def naive_attention_backward(dout, q, k, v, /, *, scale=None, causal=False, wind
     q, k, v, scale, causal, window, enable_gqa, bias, mask, q_lengths, kv_lengths
         As in :func:`cupyflash.attention` (``q_lengths``/``kv_lengths``: the oracle only;
         dout's padded rows are read as zeros).
+    softcap, alibi_slopes, score_mod, mask_mod
+        As in :func:`naive_attention` (the oracle only).
+    score_mod_grad : callable, optional
+        With ``score_mod``: its derivative with respect to the score, ``(s, b, h, i,
+        j)`` as ``score_mod`` (written by hand: the oracle derives nothing).  dS is
+        multiplied by it before it becomes dbias, and by the softcap's ``1 - tanh^2``
+        before dq and dk.
     oracle : bool, default True
         False: the backward as a user would write it, the peer of
         ``naive_attention(..., oracle=False)``: the probabilities recomputed in
@@ -368,11 +424,16 @@ def naive_attention_backward(dout, q, k, v, /, *, scale=None, causal=False, wind
     _check_oracle(oracle)
     if not oracle and (q_lengths is not None or kv_lengths is not None):
         raise ValueError("q_lengths/kv_lengths: the oracle only (oracle=True)")
+    mods = dict(softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod, mask_mod=mask_mod)
+    if not oracle and any(x is not None for x in mods.values()):
+        raise ValueError("softcap, alibi_slopes, score_mod, mask_mod: the oracle only (oracle=True)")
+    if score_mod is not None and score_mod_grad is None:
+        raise ValueError("`score_mod` needs `score_mod_grad` (the oracle's backward derives nothing)")
     if not oracle:
         return _as_written_backward(dout, q, k, v, scale, causal, window, enable_gqa, bias, mask)
-    _, p, _, o = _probabilities(q, k, v, scale=scale, causal=causal, window=window,
-                                enable_gqa=enable_gqa, bias=bias, mask=mask, q_lengths=q_lengths,
-                                kv_lengths=kv_lengths)
+    _, p, _, o, (d_cap, d_mod) = _probabilities(
+        q, k, v, scale=scale, causal=causal, window=window, enable_gqa=enable_gqa, bias=bias, mask=mask,
+        q_lengths=q_lengths, kv_lengths=kv_lengths, score_mod_grad=score_mod_grad, chain=True, **mods)
     do = np.broadcast_to(np.asarray(dout).astype(np.float64), p.shape[:-1] + (o.v.shape[-1],))
     if q_lengths is not None:
         do = np.where(_within(p.shape[:-2], p.shape[-2], q_lengths)[..., None], do, 0)
@@ -380,11 +441,17 @@ def naive_attention_backward(dout, q, k, v, /, *, scale=None, causal=False, wind
     dv = np.matmul(np.swapaxes(p, -1, -2), do)
     dp = np.matmul(do, np.swapaxes(o.v, -1, -2))
     ds = p * (dp - np.sum(do * out, axis=-1, keepdims=True))
+    if d_mod is not None:               # through score_mod; a pair with P = 0 has no gradient
+        with np.errstate(invalid="ignore"):
+            ds = np.where(p > 0, ds * d_mod, 0.0)
+    dbias = None if bias is None else _bias_gradient(ds, bias)
+    if d_cap is not None:               # through the softcap (not the bias: it comes after)
+        ds = ds * d_cap
     dq = np.matmul(ds, o.k) * o.scale
     dk = np.matmul(np.swapaxes(ds, -1, -2), o.q) * o.scale
     grads = (_reduce_to(dq, np.shape(q)), _reduce_to(dk, np.shape(k), o.kv_head, o.kv_heads),
              _reduce_to(dv, np.shape(v), o.kv_head, o.kv_heads))
-    return grads if bias is None else grads + (_bias_gradient(ds, bias),)
+    return grads if bias is None else grads + (dbias,)
 
 
 def _bias_gradient(ds, bias):

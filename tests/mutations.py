@@ -60,6 +60,7 @@ def M(name, file, text, replacement, *selection, fast=False, why=""):
 
 T = "tests/"
 BIAS_KERNELS = T + "test_bias_mask_kernels.py::"
+MODS = T + "test_score_mods.py::"
 CPU_FUZZ = T + "test_fuzz.py::test_cpu_path_forward_matches_oracle"
 
 
@@ -446,6 +447,33 @@ MUTATIONS = [
     M("bias-gradient-of-a-row-constant-computed", "cupyflash/_dispatch.py",
       "views = tuple(None if (b.shape[-1:] in ((), (1,)))", "views = tuple(None if False",
       BIAS_KERNELS + "test_a_term_constant_along_the_keys_has_exactly_zero_gradient"),
+    # score modifications (softcap, ALiBi, score_mod, mask_mod) on the NumPy path
+    M("mods-softcap-derivative-sign", "cupyflash/_mods.py",
+      "d_cap = 1 - t * t", "d_cap = 1 + t * t",
+      MODS + "test_softcap_matches_the_oracle_and_the_expression_written_by_hand[5.0]", fast=True),
+    M("mods-alibi-without-the-diagonal", "cupyflash/_mods.py",
+      "np.abs(rows + offset - keys)", "np.abs(rows - keys)",
+      MODS + "test_alibi_with_lq_ne_lk_causal_and_gqa[lq<lk]", fast=True),
+    M("cpu-score-mod-derivative-ignored", "cupyflash/_cpu.py",
+      "                    ds *= d_mod\n", "                    pass\n",
+      MODS + "test_score_mod_matches_the_oracle[temperature per batch]", fast=True),
+    M("expr-tanh-derivative-sign", "cupyflash/_expr.py",
+      "return _mul(_sub(_num(1.0), _mul(t, t)), da)", "return _mul(_add(_num(1.0), _mul(t, t)), da)",
+      MODS + "test_the_derived_gradient_matches_finite_differences"),
+    M("expr-min-takes-the-other-branch", "cupyflash/_expr.py",
+      'pick = Node("op", "bool", "<=" if name == "min" else ">=", (a, b))',
+      'pick = Node("op", "bool", ">=" if name == "min" else "<=", (a, b))',
+      MODS + "test_the_derived_gradient_matches_finite_differences"),
+    M("expr-negative-index-wraps", "cupyflash/_expr.py",
+      "if i.size and (i.min() < 0 or i.max() >= size):", "if i.size and i.max() >= size:",
+      MODS + "test_an_index_out_of_bounds_raises_index_error"),
+    M("expr-comparison-binds-looser-than-and", "cupyflash/_expr.py",
+      "return self.binary((\"&\",), self.not_, self.logical)", "return self.binary((\"&\",), self.sum, self.logical)",
+      MODS + "test_and_or_bind_looser_than_comparisons"),
+    M("oracle-softcap-left-out-of-the-chain", "cupyflash/reference.py",
+      "        ds = ds * d_cap\n", "        pass\n",
+      MODS + "test_softcap_matches_the_oracle_and_the_expression_written_by_hand[30.0]",
+      why="the oracle's backward and the library's must not share a mistake: FD checks the library"),
 ]
 
 

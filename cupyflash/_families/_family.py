@@ -115,7 +115,7 @@ class Call:
 
 # The score features the API knows; a family lists those its kernels take in
 # Family.takes (every forward and backward family takes both; fwd_v1 neither).
-FEATURES = ("bias", "mask")
+FEATURES = ("bias", "mask", "softcap", "alibi", "score_mod", "mask_mod")
 
 
 @dataclass(frozen=True)
