@@ -265,16 +265,17 @@ bwd_mma_dkdv_kernel(const BwdParams params) {
             const int64_t m0 = m_block * kBlockM;
 
             mma_own_stream<Tr>(s, sK, sQ, row0);                               // S^T = K Q^T
+            auto chain = chain_for(s);
             probability_epilogue<WindowRule<true>, false, Walk::kByElement>(  // P^T
                 s, M16n8Fragment{}, mask, p, ScoreTile{tile.batch, head, m0, block.n0, row0, kBlockN},
-                [&] { return block.needs_mask(p, mask, m0, kBlockM, kBlockN); }, lse_of, scale_log2);
+                [&] { return block.needs_mask(p, mask, m0, kBlockM, kBlockN); }, lse_of, scale_log2, chain);
             if constexpr (kDV) mma_accumulate<Tr>(dv, s, sdO);                 // dV += P^T dO
             if constexpr (kDK) {
                 float dp[Tr::kRows][Tr::kSCols];
                 mma_own_stream<Tr>(dp, sV, sdO, row0);                         // dP^T = V dO^T
                 score_gradient<Tr>(dp, s, delta_of);                           // dS^T
-                bias_gradient<float>(dp, M16n8Fragment{}, params,
-                                     ScoreTile{tile.batch, head, m0, block.n0, row0, kBlockN});
+                gradient_epilogue<float>(dp, s, chain, M16n8Fragment{}, params,
+                                         ScoreTile{tile.batch, head, m0, block.n0, row0, kBlockN});
                 mma_accumulate<Tr>(dk, dp, sQ);                                // dK += dS^T Q
                 if constexpr (Tr::kAtomicDq) {
                     T* sdS = reinterpret_cast<T*>(dynamic_smem() + Tr::kDsOffset);
@@ -375,11 +376,13 @@ bwd_mma_dq_kernel(const BwdParams params) {
         const int64_t n0 = n_block * kBlockN;
 
         mma_own_stream<Tr>(s, sQ, sK, row0);                                   // S = Q K^T
+        auto chain = chain_for(s);
         probability_epilogue<WindowRule<true>, true>(                      // P
             s, M16n8Fragment{}, mask, p, ScoreTile{tile.batch, tile.head, block.m0 + row0, n0, 0, kBlockN},
-            [&] { return block.needs_mask(mask, n0, kBlockN); }, lse_of, scale_log2);
+            [&] { return block.needs_mask(mask, n0, kBlockN); }, lse_of, scale_log2, chain);
         mma_own_stream<Tr>(dp, sdO, sV, row0);                                 // dP = dO V^T
         score_gradient<Tr>(dp, s, delta_of);                                  // dS
+        gradient_epilogue(dp, s, chain);
         mma_accumulate<Tr>(dq, dp, sK);                                        // dQ += dS K
         if constexpr (Tr::kStages == 1) __syncthreads();  // K, V fully read: the buffers take the next block
     }

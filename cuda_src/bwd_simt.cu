@@ -450,14 +450,15 @@ bwd_simt_dkdv_kernel(const BwdParams params) {
                              params.delta_row_stride, m0 + me.col(jj), p.seqlen_q);
 
         dot_rows<Tr, Layout>(s, sK, sQ, me, d);                        // S^T = K Q^T
+        auto chain = chain_for(s);
         probability_epilogue<WindowRule<true>, false, Walk::kByElement>(  // P^T
             s, me, mask, p, ScoreTile{tile.batch, head, m0, block.n0, 0, kBlockN},
             [&] { return block.needs_mask(p, mask, m0, kBlockM, kBlockN); },
-            [&](int, int jj) { return lse_log2[jj]; }, scale_log2);
+            [&](int, int jj) { return lse_log2[jj]; }, scale_log2, chain);
         dot_rows<Tr, LayoutV>(dp, sV, sdO, me, dv);                    // dP^T = V dO^T
         accumulate_rows<Tr, LayoutV>(dv_acc, s, sS, sdO, me);           // dV += P^T dO
         score_gradient<false, Tr>(dp, s, delta);                        // dS^T
-        bias_gradient<Acc>(dp, me, params, ScoreTile{tile.batch, head, m0, block.n0, 0, kBlockN});
+        gradient_epilogue<Acc>(dp, s, chain, me, params, ScoreTile{tile.batch, head, m0, block.n0, 0, kBlockN});
         accumulate_rows<Tr, Layout>(dk, dp, sS, sQ, me);                // dK += dS^T Q
         if constexpr (kAtomicDq) {
             __syncthreads();  // every row group's dS^T in the scratch tile
@@ -546,12 +547,14 @@ bwd_simt_dq_kernel(const BwdParams params) {
         const int64_t n0 = n_block * kBlockN;
 
         dot_rows<Tr, Layout>(s, sQ, sK, me, d);                            // S = Q K^T
+        auto chain = chain_for(s);
         probability_epilogue<WindowRule<true>, true>(                       // P
             s, me, mask, p, ScoreTile{tile.batch, tile.head, block.m0, n0, 0, kBlockN},
             [&] { return block.needs_mask(mask, n0, kBlockN); },
-            [&](int ii, int) { return lse_log2[ii]; }, scale_log2);
+            [&](int ii, int) { return lse_log2[ii]; }, scale_log2, chain);
         dot_rows<Tr, LayoutV>(dp, sdO, sV, me, dv);                        // dP = dO V^T
         score_gradient<true, Tr>(dp, s, delta);                             // dS
+        gradient_epilogue(dp, s, chain);
         accumulate_rows<Tr, Layout>(dq, dp, sS, sK, me);                    // dQ += dS K
         if constexpr (!Tr::kPipelined) __syncthreads();  // K, V fully read: the buffer takes the next block
     }

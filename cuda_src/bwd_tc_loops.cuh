@@ -139,14 +139,16 @@ __device__ __forceinline__ void bwd_dkdv_loop(const BwdParams& params) {
         for (int c = 0; c < Tr::kSCols; ++c)
             load_query_stats(lse_log2[c], delta[c], qo.lse, p.lse_row_stride, grad.delta, params.delta_row_stride,
                              m0 + fragment_col(c), p.seqlen_q);
+        auto chain = chain_for(s);
         probability_epilogue<WindowRule<true>, false>(  // P^T
             s, typename Tr::Fragment{}, mask, p, ScoreTile{tile.batch, head, m0, block.n0, row0, kOwn},
             [&] { return block.needs_mask(p, mask, m0, kStream, kOwn); }, [&](int, int c) { return lse_log2[c]; },
-            scale_log2);
+            scale_log2, chain);
         Tr::row_products(dp, sV, sdO, row0);  // dP^T = V dO^T
         Tr::accumulate(dv, s, sdO);           // dV += P^T dO
         score_gradient<Tr>(dp, s, [&](int, int c) { return delta[c]; });  // dS^T
-        bias_gradient<Out>(dp, typename Tr::Fragment{}, params, ScoreTile{tile.batch, head, m0, block.n0, row0, kOwn});
+        gradient_epilogue<Out>(dp, s, chain, typename Tr::Fragment{}, params,
+                               ScoreTile{tile.batch, head, m0, block.n0, row0, kOwn});
         Tr::accumulate(dk, dp, sQ);           // dK += dS^T Q
         head = next_head;
         m_block = next_m_block;
@@ -213,12 +215,14 @@ __device__ __forceinline__ void bwd_dq_loop(const BwdParams& params) {
         Acc s[Tr::kRows][Tr::kSCols], dp[Tr::kRows][Tr::kSCols];
         Tr::row_products(s, sQ, sK, row0);  // S = Q K^T
         // P; rows past Lq need no query bound: their lse_log2 is +inf, so P = 0.
+        auto chain = chain_for(s);
         probability_epilogue<WindowRule<false>, true>(
             s, typename Tr::Fragment{}, mask, p, ScoreTile{tile.batch, tile.head, block.m0 + row0, n0, 0, kStream},
             [&] { return block.needs_mask(mask, n0, kStream); }, [&](int r, int) { return lse_log2[r]; },
-            scale_log2);
+            scale_log2, chain);
         Tr::row_products(dp, sdO, sV, row0);  // dP = dO V^T
         score_gradient<Tr>(dp, s, [&](int r, int) { return delta[r]; });  // dS
+        gradient_epilogue(dp, s, chain);
         Tr::accumulate(dq, dp, sK);           // dQ += dS K
     }
     if constexpr (Tr::kAsync) cp_async_wait<0>();  // Q and dO of a block that sees no key

@@ -273,9 +273,10 @@ bwd_wgmma_dkdv_kernel(const BwdParams params) {
             if (!kAtomicDq && has_next) queries.load_stats(next_head, next_m, next_lse_log2, next_delta);
             if constexpr (kDK) wgmma_wait<1>(s);           // S^T
             else wgmma_wait<0>(s);
+            auto chain = chain_for(s);
             probability_epilogue<WindowRule<true>, false, Walk::kByElement>(  // P^T
                 s, Wgmma64Fragment{}, mask, p, ScoreTile{tile.batch, head, m0, block.n0, row0, kBlockN},
-                [&] { return block.needs_mask(p, mask, m0, kBlockM, kBlockN); }, lse_of, scale_log2);
+                [&] { return block.needs_mask(p, mask, m0, kBlockM, kBlockN); }, lse_of, scale_log2, chain);
             // The A operands live until the wait that retires their products.
             uint32_t a[Tr::kStreamSteps][4], ds[Tr::kStreamSteps][4];
             if constexpr (kDV) {
@@ -285,8 +286,8 @@ bwd_wgmma_dkdv_kernel(const BwdParams params) {
             if constexpr (kDK) {
                 if constexpr (kDV) wgmma_wait<1>(dp); else wgmma_wait<0>(dp);  // dP^T (dV still in flight)
                 score_gradient<Tr>(dp, s, delta_of);       // dS^T
-                bias_gradient<float>(dp, Wgmma64Fragment{}, params,
-                                     ScoreTile{tile.batch, head, m0, block.n0, row0, kBlockN});
+                gradient_epilogue<float>(dp, s, chain, Wgmma64Fragment{}, params,
+                                         ScoreTile{tile.batch, head, m0, block.n0, row0, kBlockN});
                 pack_a<Tr, T>(ds, dp);
                 if constexpr (kAtomicDq) store_accumulators<typename Tr::DsTile>(sdS, dp, row0);  // rounded as ds
                 wgmma_accumulate<Tr>(dk, ds, sQ);          // dK += dS^T Q
@@ -388,11 +389,13 @@ bwd_wgmma_dq_kernel(const BwdParams params) {
         wgmma_own_stream<Tr>(dp, sdO, sV, wg_row0);    // dP = dO V^T
         wgmma_commit();
         wgmma_wait<1>(s);                              // S
+        auto chain = chain_for(s);
         probability_epilogue<WindowRule<true>, true>(                      // P
             s, Wgmma64Fragment{}, mask, p, ScoreTile{tile.batch, tile.head, block.m0 + row0, n0, 0, kBlockN},
-            [&] { return block.needs_mask(mask, n0, kBlockN); }, lse_of, scale_log2);
+            [&] { return block.needs_mask(mask, n0, kBlockN); }, lse_of, scale_log2, chain);
         wgmma_wait<0>(dp);                             // dP
         score_gradient<Tr>(dp, s, delta_of);           // dS
+        gradient_epilogue(dp, s, chain);
         uint32_t a[Tr::kStreamSteps][4];
         pack_a<Tr, T>(a, dp);
         wgmma_accumulate<Tr>(dq, a, sK);               // dQ += dS K

@@ -166,7 +166,7 @@ struct Tf32FwdLoop : Tr {
                  Tr::kUnrollQK>(s, t.sQ, t.sK, me.row0);
     }
     __device__ static void update(Softmax& softmax, Scores& s, Output& o, float scale_log2) {
-        softmax.template update_unscaled<false>(s, o, Terms::kBias ? 1.0f : scale_log2);
+        softmax.template update_unscaled<false>(s, o, kEpilogueScales ? 1.0f : scale_log2);
     }
     template <class Tiles>
     __device__ static void accumulate(Output& o, const Scores& s, const Tiles& t, const Thread&) {

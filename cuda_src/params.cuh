@@ -81,13 +81,29 @@ struct FwdParams {
     int64_t bias_strides[4][4];
     const void* mask;
     int64_t mask_strides[4];
+
+    // Score modifications (score.cuh's mods; read only by a module compiled
+    // with them): the softcap (0: none); per (batch, query head) of the
+    // launch, through (B, Hq) views, coord[0] the flat batch index b
+    // (int64), coord[1] the query head h (int64) and coord[2] the ALiBi
+    // slope (double), each at coord[c] + batch * coord_strides[c][0] + head *
+    // coord_strides[c][1]; and up to kMaxModArgs mod_args arrays (element
+    // type and number of axes from the module) of mod_shape and mod_strides
+    // (elements).
+    double softcap;
+    const void* coord[3];
+    int64_t coord_strides[3][2];
+    const void* mod_args[4];
+    int64_t mod_shape[4][4];
+    int64_t mod_strides[4][4];
 };
 
-// Most additive bias terms one call takes (FwdParams::bias).
+// Most additive bias terms one call takes (FwdParams::bias), and most mod_args arrays.
 constexpr int kMaxBias = 4;
+constexpr int kMaxModArgs = 4;
 
 // The layout _params.py mirrors (tests compare every offset with the dtype's).
-static_assert(sizeof(FwdParams) == 62 * 8, "FwdParams: every field is 8 bytes, no padding");
+static_assert(sizeof(FwdParams) == 108 * 8, "FwdParams: every field is 8 bytes, no padding");
 // NVRTC 13.0 has no __builtin_offsetof (13.5 has): the offsets are asserted in
 // host builds (the emulator's g++), the size everywhere.
 #if !defined(__CUDACC_RTC__)
@@ -97,6 +113,8 @@ static_assert(__builtin_offsetof(FwdParams, window_left) == 30 * 8, "FwdParams l
 static_assert(__builtin_offsetof(FwdParams, scale) == 35 * 8, "FwdParams layout");
 static_assert(__builtin_offsetof(FwdParams, bias) == 37 * 8, "FwdParams layout");
 static_assert(__builtin_offsetof(FwdParams, mask) == 57 * 8, "FwdParams layout");
+static_assert(__builtin_offsetof(FwdParams, softcap) == 62 * 8, "FwdParams layout");
+static_assert(__builtin_offsetof(FwdParams, mod_strides) == 92 * 8, "FwdParams layout");
 #endif
 
 }  // namespace cf

@@ -44,15 +44,20 @@
 //             the softmax a scale of 1 (softmax_scale_log2);
 //   backward  P = exp2(s * scale_log2 + log2(e) sum(bias) - lse_log2), 0 where
 //             the mask is False; dS = P (dP - delta) is the bias's gradient
-//             (bias_gradient adds it up).
+//             (gradient_epilogue adds it up).
 // Elements past Lq or Lk (a tile's padding) read no term: bias 0, mask True
 // (the window rule hides their keys, their rows are never stored).
 //
+// The score modifications (softcap, ALiBi, score_mod, mask_mod; Mods below,
+// from CF_SOFTCAP, CF_ALIBI, CF_SCORE_MOD, CF_MASK_MOD) run in the same
+// passes: with any that changes the scores, the epilogues work in natural
+// units -- the scale applied, softcap, + bias, ALiBi, score_mod (ModTile) --
+// and go back to base 2; mask_mod joins the mask.  The backward keeps
+// score_mod's and the softcap's derivatives per element (ChainRule) from
+// probability_epilogue to gradient_epilogue: dS times the first, then dbias,
+// then times the second (what dQ and dK take).
+//
 // How a later feature plugs in:
-//   * ALiBi / softcap / score_mod: more of term_pass's transform, before the
-//     mask; the backward's dS gains the transform's derivative in
-//     score_gradient.
-//   * mask_mod: one more condition next to the mask's.
 //   * per-sequence lengths: Rule's seqlen_q / seqlen_k (and WindowMask's
 //     diagonal) taken per tile.batch instead of from the params.
 #pragma once
@@ -104,9 +109,7 @@ enum class Units { kLog2, kRaw };
 // The scale a forward kernel's softmax multiplies raw scores by: scale *
 // log2(e), or 1 where the epilogue has applied it (a module with a bias).
 template <typename Acc>
-__device__ __forceinline__ Acc softmax_scale_log2(const FwdParams& p) {
-    return Terms::kBias ? Acc(1) : static_cast<Acc>(p.scale_log2);
-}
+__device__ __forceinline__ Acc softmax_scale_log2(const FwdParams& p);
 
 // One term's view within a score tile: element (q0 + a, k0 + key0 + b) --
 // a, b the offsets within the tile, below 2^16 -- at base[a * row + b * key].
@@ -162,13 +165,16 @@ struct TermTiles<Acc, ScoreTerms<kMask, Bias...>> {
     __device__ __forceinline__ TermTiles(const FwdParams& p, const ScoreTile& t)
         : bias(p, t), mask(p.mask, p.mask_strides, t) {}
 
-    __device__ __forceinline__ Acc bias_log2(int a, int b) const {
-        constexpr double kLog2e = 1.44269504088896340736;
+    __device__ __forceinline__ Acc bias_sum(int a, int b) const {
         if constexpr (sizeof...(Bias) == 0) {
             return Acc(0);
         } else {
-            return bias.sum(a, b) * Acc(kLog2e);
+            return bias.sum(a, b);
         }
+    }
+    __device__ __forceinline__ Acc bias_log2(int a, int b) const {
+        constexpr double kLog2e = 1.44269504088896340736;
+        return bias_sum(a, b) * Acc(kLog2e);
     }
     __device__ __forceinline__ bool admits(int a, int b) const {
         if constexpr (kMask) {
@@ -179,13 +185,174 @@ struct TermTiles<Acc, ScoreTerms<kMask, Bias...>> {
     }
 };
 
-// For each element [r][c] of a fragment: f(r, c, bias, admitted) with its
-// terms -- log2(e) sum(bias) and the mask's verdict -- at query i and key j
-// (kQueryRows: i from the row, j from the column; else the transpose).
-// Elements past Lq or Lk read nothing and get bias 0 and admitted true.
-template <bool kQueryRows, typename Acc, int R, int C, class Frag, class F>
+// ---- score modifications (softcap, ALiBi, score_mod, mask_mod) ----------------------------------
+//
+// A module compiled with them (cupyflash/_terms.py) defines CF_SOFTCAP and
+// CF_ALIBI (0 or 1), and CF_SCORE_MOD(Acc, ctx, score, b, h, q_idx, kv_idx)
+// / CF_MASK_MOD(Acc, ctx, b, h, q_idx, kv_idx): the user's expressions as
+// C++ (cupyflash/_expr.py's cuda()), on natural-unit scores of the
+// accumulator type Acc, FwdParams ctx, int64 coordinates.
+#ifndef CF_SOFTCAP
+#define CF_SOFTCAP 0
+#endif
+#ifndef CF_ALIBI
+#define CF_ALIBI 0
+#endif
+#ifdef CF_SCORE_MOD
+#define CF_HAS_SCORE_MOD 1
+#else
+#define CF_HAS_SCORE_MOD 0
+#define CF_SCORE_MOD(Acc, ctx, score, b, h, q_idx, kv_idx) (score)
+#endif
+#ifndef CF_SCORE_MOD_GRAD  // d score_mod / d score (cupyflash/_expr.py's derivative)
+#define CF_SCORE_MOD_GRAD(Acc, ctx, score, b, h, q_idx, kv_idx) (static_cast<Acc>(1))
+#endif
+#ifdef CF_MASK_MOD
+#define CF_HAS_MASK_MOD 1
+#else
+#define CF_HAS_MASK_MOD 0
+#define CF_MASK_MOD(Acc, ctx, b, h, q_idx, kv_idx) (true)
+#endif
+
+struct Mods {
+    static constexpr bool kSoftcap = CF_SOFTCAP != 0, kAlibi = CF_ALIBI != 0;
+    static constexpr bool kScoreMod = CF_HAS_SCORE_MOD != 0, kMaskMod = CF_HAS_MASK_MOD != 0;
+    static constexpr bool kScores = kSoftcap || kAlibi || kScoreMod;  // they change the scores
+    static constexpr bool kAny = kScores || kMaskMod;
+};
+
+// An index of a mod_args array outside its axis: the emulator reports it (the
+// dispatcher raises IndexError); a GPU traps (the context is then unusable).
+__device__ __forceinline__ void mod_index_fault() {
+#ifdef CUPYFLASH_EMULATOR
+    cfemu_trap("cupyflash: mod_args index out of bounds", __FILE__, __LINE__);
+#else
+    __trap();
+#endif
+}
+
+// Element idx... of mod_args array t (kAxes axes), bounds-checked.
+template <typename E, int kAxes, typename... I>
+__device__ __forceinline__ E mod_read(const FwdParams& p, int t, I... idx) {
+    static_assert(sizeof...(I) == kAxes && kAxes <= 4, "one index per axis");
+    const int64_t at[kAxes] = {static_cast<int64_t>(idx)...};
+    int64_t offset = 0;
+#pragma unroll
+    for (int axis = 0; axis < kAxes; ++axis) {
+        if (at[axis] < 0 || at[axis] >= p.mod_shape[t][axis]) mod_index_fault();
+        offset += at[axis] * p.mod_strides[t][axis];
+    }
+    return static_cast<const E*>(p.mod_args[t])[offset];
+}
+
+template <typename X> __device__ __forceinline__ X mod_abs(X x) { return x < X(0) ? -x : x; }
+template <typename X> __device__ __forceinline__ X mod_min(X a, X b) { return a <= b ? a : b; }
+template <typename X> __device__ __forceinline__ X mod_max(X a, X b) { return a >= b ? a : b; }
+
+// The modifications of one score tile: its (b, h) coordinates, ALiBi slope and
+// diagonal, and the softcap; `at` / `admits` for element (i, j) of the
+// problem.
+template <typename Acc>
+struct ModTile {
+    int64_t b = 0, h = 0, diagonal = 0;
+    Acc slope = Acc(0), cap = Acc(0);
+    const FwdParams& p;
+
+    __device__ __forceinline__ ModTile(const FwdParams& params, const ScoreTile& t) : p(params) {
+        if constexpr (Mods::kAny) {
+            b = coordinate<int64_t>(0, t);
+            h = coordinate<int64_t>(1, t);
+        }
+        if constexpr (Mods::kAlibi) {
+            slope = static_cast<Acc>(coordinate<double>(2, t));
+            diagonal = p.seqlen_k - p.seqlen_q;
+        }
+        if constexpr (Mods::kSoftcap) cap = static_cast<Acc>(p.softcap);
+    }
+    // Table c (FwdParams::coord) at the tile's (batch, head).
+    template <typename E>
+    __device__ __forceinline__ E coordinate(int c, const ScoreTile& t) const {
+        return static_cast<const E*>(p.coord[c])[t.batch * p.coord_strides[c][0] + t.head * p.coord_strides[c][1]];
+    }
+    // s (natural units, the scale applied) -> capped (step 2 of DESIGN 3b); with
+    // d_cap, also its derivative 1 - tanh^2.
+    __device__ __forceinline__ Acc capped(Acc s, Acc* d_cap = nullptr) const {
+        if constexpr (Mods::kSoftcap) {
+            const Acc t = tanh(s / cap);
+            if (d_cap != nullptr) *d_cap = Acc(1) - t * t;
+            return cap * t;
+        } else {
+            return s;
+        }
+    }
+    // s (after the bias) -> after ALiBi and score_mod (steps 3-4) at query i, key j;
+    // with d_mod, also score_mod's derivative there.
+    __device__ __forceinline__ Acc modified(Acc s, int64_t i, int64_t j, Acc* d_mod = nullptr) const {
+        if constexpr (Mods::kAlibi) s -= slope * static_cast<Acc>(mod_abs(i + diagonal - j));
+        if constexpr (Mods::kScoreMod) {
+            if (d_mod != nullptr) *d_mod = static_cast<Acc>(CF_SCORE_MOD_GRAD(Acc, p, s, b, h, i, j));
+        }
+        return static_cast<Acc>(CF_SCORE_MOD(Acc, p, s, b, h, i, j));
+    }
+    __device__ __forceinline__ bool admits(int64_t i, int64_t j) const {
+        return CF_MASK_MOD(Acc, p, b, h, i, j);
+    }
+};
+
+// The backward's chain rule through the modifications: per element of a score
+// fragment, score_mod's derivative (d_mod) and the softcap's (d_cap), kept from
+// probability_epilogue (where the scores are) to the dS they multiply
+// (gradient_epilogue); no registers without those modifications.
+template <typename Acc, int R, int C>
+struct ChainRule {
+    static constexpr bool kMod = Mods::kScoreMod, kCap = Mods::kSoftcap;
+    Acc mod[kMod ? R : 1][kMod ? C : 1];
+    Acc cap[kCap ? R : 1][kCap ? C : 1];
+
+    __device__ __forceinline__ void set(int r, int c, Acc d_mod, Acc d_cap) {
+        if constexpr (kMod) mod[r][c] = d_mod;
+        if constexpr (kCap) cap[r][c] = d_cap;
+    }
+    // dS -> dS d_mod, 0 where P is 0 (a hidden pair's d_mod may be anything, even NaN).
+    __device__ __forceinline__ void through_mod(Acc (&ds)[R][C], const Acc (&prob)[R][C]) const {
+        if constexpr (kMod) {
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int c = 0; c < C; ++c) ds[r][c] = prob[r][c] == Acc(0) ? Acc(0) : ds[r][c] * mod[r][c];
+        }
+    }
+    __device__ __forceinline__ void through_cap(Acc (&ds)[R][C]) const {
+        if constexpr (kCap) {
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int c = 0; c < C; ++c) ds[r][c] *= cap[r][c];
+        }
+    }
+};
+
+// A ChainRule for the score fragment s (its element type and shape).
+template <typename Acc, int R, int C>
+__device__ __forceinline__ ChainRule<Acc, R, C> chain_for(const Acc (&)[R][C]) {
+    return {};
+}
+
+// Whether the epilogue applies the scale (the raw-score kernels' softmax then takes 1).
+constexpr bool kEpilogueScales = Terms::kBias || Mods::kScores;
+constexpr bool kAnyTerms = Terms::kAny || Mods::kAny;
+
+template <typename Acc>
+__device__ __forceinline__ Acc softmax_scale_log2(const FwdParams& p) {
+    return kEpilogueScales ? Acc(1) : static_cast<Acc>(p.scale_log2);
+}
+
+// For each element [r][c] of a fragment: f(r, c, a, b, inside): its query
+// offset a and key offset b within the tile (kQueryRows: a from the row, b
+// from the column; else the transpose) and whether it lies inside the problem
+// (below Lq and Lk): elements outside read no term.
+template <bool kQueryRows, int R, int C, class Frag, class F>
 __device__ __forceinline__ void term_pass(const Frag& frag, const FwdParams& p, const ScoreTile& tile, const F& f) {
-    const TermTiles<Acc, Terms> terms(p, tile);
     // rows and keys of the problem from the tile's corner on (clamped: tiles are < 2^16)
     const int queries_left = static_cast<int>(min64(p.seqlen_q - tile.q0, 1 << 16));
     const int keys_left = static_cast<int>(min64(max64(p.seqlen_k - tile.k0 - tile.key0, 0), 1 << 16));
@@ -195,8 +362,7 @@ __device__ __forceinline__ void term_pass(const Frag& frag, const FwdParams& p, 
         for (int c = 0; c < C; ++c) {
             const int a = kQueryRows ? frag.row(r) : frag.col(c);  // query offset
             const int b = kQueryRows ? frag.col(c) : frag.row(r);  // key offset
-            const bool inside = a < queries_left && b < keys_left;
-            f(r, c, inside ? terms.bias_log2(a, b) : Acc(0), !inside || terms.admits(a, b));
+            f(r, c, a, b, a < queries_left && b < keys_left);
         }
     }
 }
@@ -330,12 +496,27 @@ __device__ __forceinline__ void hide_pairs(Acc (&x)[R][C], const Frag& frag, con
 template <class Rule, bool kQueryRows = true, Units kUnits = Units::kLog2, class Frag, typename Acc, int R, int C>
 __device__ __forceinline__ void score_epilogue(Acc (&s)[R][C], const Frag& frag, const WindowMask& mask,
                                                const FwdParams& p, const ScoreTile& tile, bool partial) {
-    if constexpr (Terms::kAny) {
+    if constexpr (kAnyTerms) {
         const Acc scale_log2 = static_cast<Acc>(p.scale_log2);
-        term_pass<kQueryRows, Acc, R, C>(frag, p, tile, [&](int r, int c, Acc bias, bool admitted) {
+        const TermTiles<Acc, Terms> terms(p, tile);
+        const ModTile<Acc> mods(p, tile);
+        term_pass<kQueryRows, R, C>(frag, p, tile, [&](int r, int c, int a, int b, bool inside) {
+            if (!inside) {  // past Lq (never stored) or Lk (hidden by the rule): scaled, read nothing
+                if constexpr (kEpilogueScales && kUnits == Units::kRaw) s[r][c] *= scale_log2;
+                return;
+            }
+            const int64_t i = tile.q0 + a, j = tile.k0 + tile.key0 + b;
             Acc x = s[r][c];
-            if constexpr (Terms::kBias) x = kUnits == Units::kRaw ? fma(x, scale_log2, bias) : x + bias;
-            s[r][c] = admitted ? x : neg_inf<Acc>();
+            if constexpr (Mods::kScores) {  // DESIGN 3b in natural units, then back to log2 units
+                constexpr double kLn2 = 0.69314718055994530942, kLog2e = 1.44269504088896340736;
+                Acc v = kUnits == Units::kRaw ? x * static_cast<Acc>(p.scale) : x * Acc(kLn2);
+                v = mods.modified(mods.capped(v) + terms.bias_sum(a, b), i, j);
+                x = v * Acc(kLog2e);
+            } else if constexpr (Terms::kBias) {
+                const Acc bias = terms.bias_log2(a, b);
+                x = kUnits == Units::kRaw ? fma(x, scale_log2, bias) : x + bias;
+            }
+            s[r][c] = terms.admits(a, b) && mods.admits(i, j) ? x : neg_inf<Acc>();
         });
     }
     if (partial) hide_pairs<kQueryRows>(s, frag, Rule(mask, p, tile), tile.key0, neg_inf<Acc>());
@@ -358,11 +539,29 @@ template <class Rule, bool kQueryRows, Walk kWalk = Walk::kByQuery, class Frag, 
 __device__ __forceinline__ void probability_epilogue(Acc (&s)[R][C], const Frag& frag, const WindowMask& mask,
                                                      const FwdParams& p, const ScoreTile& tile,
                                                      const Partial& partial, const Stat& lse_log2,
-                                                     Acc scale_log2) {
-    if constexpr (Terms::kAny) {
-        term_pass<kQueryRows, Acc, R, C>(frag, p, tile, [&](int r, int c, Acc bias, bool admitted) {
-            const Acc x = exp2_acc((s[r][c] * scale_log2 + bias) - lse_log2(r, c));
-            s[r][c] = admitted ? x : Acc(0);
+                                                     Acc scale_log2, ChainRule<Acc, R, C>& chain) {
+    if constexpr (kAnyTerms) {
+        const TermTiles<Acc, Terms> terms(p, tile);
+        const ModTile<Acc> mods(p, tile);
+        term_pass<kQueryRows, R, C>(frag, p, tile, [&](int r, int c, int a, int b, bool inside) {
+            if (!inside) {  // past Lq (lse_log2 +inf: P = 0) or Lk (hidden by the rule)
+                s[r][c] = probability(s[r][c], scale_log2, lse_log2(r, c));
+                chain.set(r, c, Acc(1), Acc(1));
+                return;
+            }
+            const int64_t i = tile.q0 + a, j = tile.k0 + tile.key0 + b;
+            Acc x;
+            if constexpr (Mods::kScores) {
+                constexpr double kLog2e = 1.44269504088896340736;
+                Acc d_cap = Acc(1), d_mod = Acc(1);
+                const Acc v = mods.modified(mods.capped(s[r][c] * static_cast<Acc>(p.scale), &d_cap) +
+                                            terms.bias_sum(a, b), i, j, &d_mod);
+                chain.set(r, c, d_mod, d_cap);
+                x = exp2_acc(v * Acc(kLog2e) - lse_log2(r, c));
+            } else {
+                x = exp2_acc((s[r][c] * scale_log2 + terms.bias_log2(a, b)) - lse_log2(r, c));
+            }
+            s[r][c] = terms.admits(a, b) && mods.admits(i, j) ? x : Acc(0);
         });
     } else {
 #pragma unroll
@@ -426,14 +625,26 @@ __device__ __forceinline__ void add_bias_gradients(const Acc (&ds)[R][C], const 
     }
 }
 
-// dS^T of a dK/dV kernel's tile (rows keys) -> the bias gradients (nothing
-// without biases), of the call's accumulator type Out (dbias's: float for
-// float32 inputs that bwd_dmma computes in double).  `tile` as its
-// probability_epilogue's.
+// dS^T of a dK/dV kernel's tile (rows keys; P^T in prob) -> dS through
+// score_mod, the bias gradients from it (of the call's accumulator type Out,
+// dbias's: float for float32 inputs that bwd_dmma computes in double), then dS
+// through the softcap: what dK (and an atomic dQ) take.  Nothing without terms.
+// `tile` as its probability_epilogue's.
 template <typename Out, class Frag, typename Acc, int R, int C>
-__device__ __forceinline__ void bias_gradient(const Acc (&ds)[R][C], const Frag& frag, const BwdParams& params,
-                                              const ScoreTile& tile) {
+__device__ __forceinline__ void gradient_epilogue(Acc (&ds)[R][C], const Acc (&prob)[R][C],
+                                                  const ChainRule<Acc, R, C>& chain, const Frag& frag,
+                                                  const BwdParams& params, const ScoreTile& tile) {
+    chain.through_mod(ds, prob);
     if constexpr (Terms::kBias) add_bias_gradients<0, Terms::kBiases, Out>(ds, frag, params, tile);
+    chain.through_cap(ds);
+}
+
+// The same for a dQ kernel's dS (no bias gradient: the dK/dV kernel adds it).
+template <typename Acc, int R, int C>
+__device__ __forceinline__ void gradient_epilogue(Acc (&ds)[R][C], const Acc (&prob)[R][C],
+                                                  const ChainRule<Acc, R, C>& chain) {
+    chain.through_mod(ds, prob);
+    chain.through_cap(ds);
 }
 
 // fwd_v1's form (its threads walk a shared score tile element by element):
@@ -442,7 +653,7 @@ __device__ __forceinline__ void bias_gradient(const Acc (&ds)[R][C], const Frag&
 template <class Rule, class Product>
 __device__ __forceinline__ auto score_element(const ElementFragment& e, const WindowMask& mask, const FwdParams& p,
                                               const ScoreTile& tile, const Product& product) -> decltype(product()) {
-    static_assert(sizeof(Rule) > 0 && !Terms::kAny, "fwd_v1 takes no score terms");  // (checked per instantiation)
+    static_assert(sizeof(Rule) > 0 && !kAnyTerms, "fwd_v1 takes no score terms");  // (checked per instantiation)
     const Rule rule(mask, p, tile);
     int lo = 0, hi = 0;
     if (!Rule::kBoundsQueries || !rule.gone(e.row(0))) rule.range(e.row(0), lo, hi);

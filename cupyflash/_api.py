@@ -101,8 +101,9 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=F
         backend only.
     softcap : float, optional
         Caps the scaled scores smoothly before the bias:
-        ``s = softcap * tanh(s / softcap)`` (Gemma 2, Grok).  So far the
-        NumPy backend only, as for the four below.
+        ``s = softcap * tanh(s / softcap)`` (Gemma 2, Grok).  Every backend,
+        as for the four below (the kernels read the expressions compiled
+        into them: a new expression costs one NVRTC compile per family).
     alibi_slopes : float array, optional
         ALiBi: adds ``-slope * |i + Lk - Lq - j|`` (per sequence's lengths)
         after the bias; broadcastable to the output's batch shape (one slope
@@ -121,8 +122,10 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=F
         with every other mask).
     mod_args : dict of str to array, optional
         The arrays ``score_mod`` and ``mask_mod`` index (same kind of array as
-        q; constants: no gradient flows into them).  An index outside an
-        array raises IndexError.
+        q; constants: no gradient flows into them; the kernels take up to 4
+        of up to 4 axes).  An index outside an array raises IndexError on the
+        NumPy and emulator backends; on a GPU the kernel traps (a CUDA error
+        that ends the context).
 
     Returns
     -------

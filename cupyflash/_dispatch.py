@@ -14,6 +14,7 @@ host time per call matters where the kernels are short.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 
@@ -21,7 +22,7 @@ import numpy as np
 
 from . import _cpu
 from ._options import KernelOptions
-from ._params import KernelView
+from ._params import MAX_MOD_ARGS, KernelView
 from ._terms import ScoreOperands, check_tile_strides
 from ._validation import Problem
 
@@ -87,6 +88,11 @@ def _kernels_take(problem: Problem, backward: bool = False) -> None:
             f"this call; the NumPy backend can (NumPy arrays: numpy arrays in, or .get() CuPy ones)")
     check_tile_strides("bias", problem.bias)
     check_tile_strides("mask", () if problem.mask is None else (problem.mask,))
+    args = problem.mods.mod_args if problem.mods else {}
+    if len(args) > MAX_MOD_ARGS or any(a.ndim > 4 for a in args.values()):
+        raise NotImplementedError(f"`mod_args`: the CUDA kernels read up to {MAX_MOD_ARGS} arrays of up to 4 axes; "
+                                  f"got {len(args)} of {[a.ndim for a in args.values()]} axes (backend='numpy' "
+                                  f"takes any)")
 
 
 def run_forward(problem: Problem, out, return_lse: bool, options: KernelOptions | None = None):
@@ -100,18 +106,39 @@ def run_forward(problem: Problem, out, return_lse: bool, options: KernelOptions 
         _cpu.forward(problem, out, lse)
     elif _has_lengths(problem):
         options = KernelOptions.from_environment() if options is None else options
-        for seq, sub in _sequences(problem):
-            computed = sub.seqlen_q if sub.seqlen_k else 0      # rows with no key: zeros, -inf
-            out[seq][..., computed:, :] = 0
-            if lse is not None:
-                lse[seq][..., computed:] = -np.inf
-            if computed:
-                _run_kernel(sub, out[seq][..., :computed, :], None if lse is None else lse[seq][..., :computed],
-                            sram_size=None, options=options)
+        with _index_faults(problem):
+            _run_sequences_forward(problem, out, lse, options)
     else:
-        _run_kernel(problem, out, lse, sram_size=None,
-                    options=KernelOptions.from_environment() if options is None else options)
+        with _index_faults(problem):
+            _run_kernel(problem, out, lse, sram_size=None,
+                        options=KernelOptions.from_environment() if options is None else options)
     return (out, lse) if return_lse else out
+
+
+def _run_sequences_forward(problem: Problem, out, lse, options) -> None:
+    """The kernels' forward of a padded batch, one launch per sequence."""
+    for seq, sub in _sequences(problem):
+        computed = sub.seqlen_q if sub.seqlen_k else 0      # rows with no key: zeros, -inf
+        out[seq][..., computed:, :] = 0
+        if lse is not None:
+            lse[seq][..., computed:] = -np.inf
+        if computed:
+            _run_kernel(sub, out[seq][..., :computed, :], None if lse is None else lse[seq][..., :computed],
+                        sram_size=None, options=options)
+
+
+@contextlib.contextmanager
+def _index_faults(problem: Problem):
+    """An index of a score_mod / mask_mod outside its mod_args array, as IndexError: the
+    emulator's bounds check stops the kernel (a GPU's __trap ends its context instead)."""
+    try:
+        yield
+    except Exception as error:
+        if problem.mods and "mod_args index out of bounds" in str(error):
+            texts = " / ".join(t for t in problem.mods.texts if t)
+            raise IndexError(f"`mod_args`: an index of {texts!r} is outside its array (the emulator's "
+                             f"bounds check stopped the kernel)") from error
+        raise
 
 
 def _has_lengths(problem: Problem) -> bool:
@@ -125,12 +152,14 @@ def _sequences(problem: Problem):
     sequence, until a family takes lengths itself."""
     q, k, v = _full_views(problem)
     bias, mask = _full_terms(problem)
+    coords = _mod_coordinates(problem)
     for seq in np.ndindex(*problem.sequence_shape):
         q_len, kv_len = problem.lengths_of(seq)
         own = tuple(b[seq][..., :q_len, :kv_len] for b in bias)
         yield seq, problem.on(q[seq][..., :q_len, :], k[seq][..., :kv_len, :], v[seq][..., :kv_len, :],
                               batch_shape=problem.batch_shape[len(seq):],
-                              terms=(own, None if mask is None else mask[seq][..., :q_len, :kv_len]))
+                              terms=(own, None if mask is None else mask[seq][..., :q_len, :kv_len]),
+                              mod_coords=tuple(None if c is None else c[seq] for c in coords))
 
 
 def _full_views(problem: Problem, prepare=lambda x: x):
@@ -149,6 +178,29 @@ def _full_terms(problem: Problem):
     bias = tuple(_broadcast_to(xp, b if _aligned(b) else b.copy(), shape) for b in problem.bias)
     mask = None if problem.mask is None else _broadcast_to(xp, problem.mask, shape)
     return bias, mask
+
+
+def _mod_coordinates(problem: Problem) -> tuple:
+    """The score modifications' per-(batch, head) tables, each broadcast to the batch
+    shape (stride 0 along broadcast axes): the flat batch index b and the head h (int64),
+    the ALiBi slopes (float64; None without them).  A sequence's sub-problem carries its
+    slices of the whole's (``Problem.mod_coords``): b stays the whole's index.  Empty
+    without modifications."""
+    if not problem.mods:
+        return ()
+    if problem.mod_coords:
+        return problem.mod_coords
+    xp = _xp(problem.kind)
+    batch = problem.batch_shape
+    if batch:
+        seq = batch[:-1]
+        b = xp.arange(int(np.prod(seq)), dtype=np.int64).reshape(seq + (1,))
+        h = xp.arange(batch[-1], dtype=np.int64)
+    else:
+        b = h = xp.zeros((), dtype=np.int64)
+    slopes = problem.mods.alibi_slopes
+    slopes = None if slopes is None else slopes.astype(np.float64)
+    return tuple(None if x is None else _broadcast_to(xp, x, batch) for x in (b, h, slopes))
 
 
 def run_forward_v1(problem: Problem, sram_size: int, return_lse: bool):
@@ -170,9 +222,10 @@ def run_backward(problem: Problem, dout, out, lse, *, deterministic: bool = True
     if problem.backend == "numpy":
         return _cpu.backward(problem, dout, out, lse)
     options = KernelOptions.from_environment() if options is None else options
-    if _has_lengths(problem):
-        return _run_backward_per_sequence(problem, dout, out, lse, deterministic, options)
-    return _run_backward_kernels(problem, dout, out, lse, deterministic, options)
+    with _index_faults(problem):
+        if _has_lengths(problem):
+            return _run_backward_per_sequence(problem, dout, out, lse, deterministic, options)
+        return _run_backward_kernels(problem, dout, out, lse, deterministic, options)
 
 
 def _run_backward_per_sequence(problem: Problem, dout, out, lse, deterministic: bool, options):
@@ -275,6 +328,14 @@ def _broadcast_to(xp, x, shape):
     return x if x.shape == shape else xp.broadcast_to(x, shape)
 
 
+def _operands(problem: Problem, bias, mask, coords) -> ScoreOperands:
+    """One launch's score operands: its views of the bias terms, the mask and the
+    modifications' coordinate tables, and the mod_args arrays in order."""
+    mods = problem.mods or None
+    args = tuple(mods.mod_args.values()) if mods else ()
+    return ScoreOperands(tuple(bias), mask, mods, tuple(coords), args)
+
+
 def _kernel_ready(x) -> bool:
     """Whether the kernels can read ``x`` in place: a unit stride along the head dim
     (or a single element there), and every element aligned to its size -- a GPU
@@ -303,13 +364,14 @@ def _run_kernel(problem: Problem, out, lse, *, sram_size, options):
     g = problem.gqa_ratio
     q, k, v = _full_views(problem, _kernel_copy)
     bias, mask = _full_terms(problem)
+    coords = _mod_coordinates(problem) or (None, None, None)
     target = out if _kernel_ready(out) else xp.empty(out.shape, dtype=out.dtype)
     executor = executor_for(problem.backend)
-    for qv, kv, vv, ov, lv, *tv in _kernel_views(problem, [q, k, v, target, lse, *bias, mask]):
+    for qv, kv, vv, ov, lv, *tv in _kernel_views(problem, [q, k, v, target, lse, *coords, *bias, mask]):
         common = dict(scale=problem.scale, window_left=problem.window_left,
                       window_right=problem.window_right, gqa_ratio=g, executor=executor)
         if sram_size is None:
-            terms = ScoreOperands(tuple(tv[:-1]), tv[-1])
+            terms = _operands(problem, tv[3:-1], tv[-1], tv[:3])
             _run.forward(qv, kv, vv, ov, lv, precision=problem.precision, options=options, terms=terms, **common)
         else:
             _run.forward_v1(qv, kv, vv, ov, lv, sram_size=sram_size, **common)
@@ -341,6 +403,7 @@ def _run_backward_kernels(problem: Problem, dout, out, lse, deterministic: bool,
     out, dout = _kernel_copy(out), _kernel_copy(dout)
     lse = lse if lse.dtype == acc and _aligned(lse) else lse.astype(acc, order="C")   # any strides
     bias, mask = _full_terms(problem)
+    coords = _mod_coordinates(problem) or (None, None, None)
     accumulators = None
     if dbias is None:
         accumulators, dbias = _bias_gradients(problem)
@@ -351,7 +414,7 @@ def _run_backward_kernels(problem: Problem, dout, out, lse, deterministic: bool,
     dk = xp.empty(k.shape, dtype=acc)
     dv = xp.empty(v.shape, dtype=acc)
     executor = executor_for(problem.backend)
-    by_query = [q, out, dout, lse, dq, *bias, mask, *dbias]   # batch_shape's heads
+    by_query = [q, out, dout, lse, dq, *coords, *bias, mask, *dbias]   # batch_shape's heads
     by_key = [k, v, dk, dv]                                     # kv_batch_shape's
     n_terms = len(bias)
     for part, (qs, ks) in _disjoint_gradient_launches(problem, dbias):
@@ -359,11 +422,12 @@ def _run_backward_kernels(problem: Problem, dout, out, lse, deterministic: bool,
         for views in _kernel_views(part, arrays):
             qv, ov, dov, lv, dqv, *rest = views[:-4]
             kv, vv, dkv, dvv = views[-4:]
+            cv, rest = rest[:3], rest[3:]
             tv, mv, gv = tuple(rest[:n_terms]), rest[n_terms], tuple(rest[n_terms + 1:])
             _run.backward(dov, qv, kv, vv, ov, lv, dqv, dkv, dvv, scale=problem.scale,
                           window_left=problem.window_left, window_right=problem.window_right,
                           gqa_ratio=g, deterministic=deterministic, executor=executor, options=options,
-                          precision=problem.precision, terms=ScoreOperands(tv, mv), dbias=gv)
+                          precision=problem.precision, terms=_operands(problem, tv, mv, cv), dbias=gv)
     if not finish:      # the full broadcast shapes, in the accumulator type
         return dq, dk, dv
     grads = tuple(_sum_to_shape(grad, x.shape).astype(problem.dtype, copy=False)

@@ -495,3 +495,82 @@ def _derivative(node: Node) -> Node | None:
         s = _call("sigmoid", a)
         return _mul(_mul(s, _sub(_num(1.0), s)), da)
     raise AssertionError(name)
+
+
+# ---- CUDA C++ --------------------------------------------------------------------------------------
+
+# C++ element types of the mod_args arrays (read with cf::mod_read, score.cuh).
+_CXX_ELEMENT = {"bool": "uint8_t", "int8": "int8_t", "int16": "int16_t", "int32": "int32_t", "int64": "int64_t",
+                "uint8": "uint8_t", "uint16": "uint16_t", "uint32": "uint32_t", "uint64": "uint64_t",
+                "float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}
+
+
+def cxx_element(dtype) -> str:
+    """The C++ type a ``mod_args`` array of ``dtype`` is read as."""
+    from ._dtypes import dtype_name
+
+    return _CXX_ELEMENT[dtype_name(dtype) if np.dtype(dtype).kind == "f" else np.dtype(dtype).name]
+
+
+def cuda(node: Node, arrays: dict) -> str:
+    """The tree as one C++ expression for score.cuh's score functions: it reads ``Acc``
+    (the accumulator type), ``ctx`` (the FwdParams), ``score`` (Acc), ``b``, ``h``,
+    ``q_idx``, ``kv_idx`` (int64_t); ``arrays`` the ``mod_args`` in order (their index
+    is the slot of FwdParams::mod_args).  int expressions are int64_t, float ones Acc,
+    bool ones bool; an index outside its axis traps (cf::mod_read)."""
+    slots = {name: t for t, name in enumerate(arrays)}
+
+    def flt(n: Node) -> str:
+        code = go(n)
+        return code if n.type == "float" else f"static_cast<Acc>({code})"
+
+    def both(n: Node, a: Node, b: Node):
+        return (flt(a), flt(b)) if n.type == "float" or "float" in (a.type, b.type) else (go(a), go(b))
+
+    def go(n: Node) -> str:
+        k = n.kind
+        if k == "num":
+            return f"static_cast<Acc>({n.value!r})" if n.type == "float" else f"int64_t({n.value})"
+        if k == "name":
+            return n.value
+        if k == "index":
+            a = arrays[n.value]
+            idx = ", ".join(go(x) for x in n.args)
+            read = f"cf::mod_read<{cxx_element(a.dtype)}, {a.ndim}>(ctx, {slots[n.value]}, {idx})"
+            if n.type == "bool":
+                return f"({read} != 0)"
+            if n.type == "int":
+                return f"static_cast<int64_t>({read})"
+            return f"static_cast<Acc>(cf::to_acc({read}))"
+        if k == "neg":
+            return f"(-{go(n.args[0])})"
+        if k == "not":
+            return f"(!{go(n.args[0])})"
+        if k == "op":
+            a, b = n.args
+            if n.value in ("&", "|"):
+                return f"({go(a)} {'&&' if n.value == '&' else '||'} {go(b)})"
+            if n.value == "/":
+                return f"({flt(a)} / {flt(b)})"
+            x, y = both(n, a, b)
+            return f"({x} {n.value} {y})"
+        name = n.value
+        if name == "where":
+            c, a, b = n.args
+            x, y = both(n, a, b) if n.type != "bool" else (go(a), go(b))
+            return f"({go(c)} ? {x} : {y})"
+        if name in ("min", "max"):
+            a, b = n.args
+            x, y = both(n, a, b)
+            return f"cf::mod_{name}({x}, {y})"
+        if name == "abs":
+            return f"cf::mod_abs({go(n.args[0])})"
+        if name == "floor":
+            a = n.args[0]
+            return f"static_cast<int64_t>(floor({go(a)}))" if a.type == "float" else go(a)
+        x = flt(n.args[0])
+        if name == "sigmoid":
+            return f"(static_cast<Acc>(1) / (static_cast<Acc>(1) + exp(-{x})))"
+        return f"{name}({x})"
+
+    return go(node)

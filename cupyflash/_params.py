@@ -26,8 +26,9 @@ __all__ = ["FWD_PARAMS", "BWD_PARAMS", "UNBOUNDED", "MAX_BIAS", "NO_TERMS", "Ker
 
 # cf::kUnbounded: the window bound meaning "no limit on that side".
 UNBOUNDED = 1 << 62
-# cf::kMaxBias: the most additive bias terms the kernels take.
+# cf::kMaxBias, cf::kMaxModArgs: the most additive bias terms and mod_args arrays the kernels take.
 MAX_BIAS = 4
+MAX_MOD_ARGS = 4
 
 _POINTERS = ("q", "k", "v", "out", "lse", "ws_o", "ws_l", "ws_m")
 _STRIDED = ("q", "k", "v", "out", "lse")
@@ -40,13 +41,16 @@ FWD_PARAMS = np.dtype(
     + [(name, np.int64) for name in _SIZES]
     + [("scale", np.float64), ("scale_log2", np.float64)]
     + [("bias", np.uint64, (MAX_BIAS,)), ("bias_strides", np.int64, (MAX_BIAS, 4)),
-       ("mask", np.uint64), ("mask_strides", np.int64, (4,))],
+       ("mask", np.uint64), ("mask_strides", np.int64, (4,))]
+    + [("softcap", np.float64), ("coord", np.uint64, (3,)), ("coord_strides", np.int64, (3, 2)),
+       ("mod_args", np.uint64, (MAX_MOD_ARGS,)), ("mod_shape", np.int64, (MAX_MOD_ARGS, 4)),
+       ("mod_strides", np.int64, (MAX_MOD_ARGS, 4))],
     align=True,
 )
-assert FWD_PARAMS.itemsize == 62 * 8
+assert FWD_PARAMS.itemsize == 108 * 8
 # The same fields as one struct.pack format (native byte order, as NumPy's dtype):
-# packing them in one call is ~7x faster than setting 62 fields of a NumPy scalar.
-_FWD_PACK = struct.Struct("=8Q27q2d4Q16qQ4q")
+# packing them in one call is ~7x faster than setting 108 fields of a NumPy scalar.
+_FWD_PACK = struct.Struct("=8Q27q2d4Q16qQ4qd3Q6q4Q16q16q")
 assert _FWD_PACK.size == FWD_PARAMS.itemsize
 
 
@@ -147,6 +151,24 @@ def fwd_params(q, k, v, out, lse, *, scale: float, window_left, window_right, gq
 
 # The score-term fields of a call without terms.
 NO_TERMS = (0,) * MAX_BIAS + (0,) * (4 * MAX_BIAS) + (0,) + (0,) * 4
+NO_MODS = (0.0,) + (0,) * 3 + (0,) * 6 + (0,) * MAX_MOD_ARGS + (0,) * (8 * MAX_MOD_ARGS)
+
+
+def mod_fields(softcap, coords, mod_args) -> tuple:
+    """The score modifications' fields: ``softcap`` (None: 0), ``coords`` the (B, Hq)
+    views of b, h and the slopes (None: null), ``mod_args`` the arrays in slot order."""
+    if len(mod_args) > MAX_MOD_ARGS:
+        raise ValueError(f"at most {MAX_MOD_ARGS} mod_args arrays, got {len(mod_args)}")
+    pointers = [data_pointer(c) for c in coords]
+    strides = [s for c in coords for s in (element_strides(c, 2) if c is not None else (0, 0))]
+    args = [data_pointer(a) for a in mod_args] + [0] * (MAX_MOD_ARGS - len(mod_args))
+    shapes, arg_strides = [], []
+    for a in mod_args:
+        shapes += list(a.shape) + [0] * (4 - a.ndim)
+        arg_strides += list(element_strides(a, a.ndim)) + [0] * (4 - a.ndim)
+    pad = [0] * (4 * (MAX_MOD_ARGS - len(mod_args)))
+    return (0.0 if softcap is None else float(softcap), *pointers, *strides, *args, *shapes, *pad,
+            *arg_strides, *pad)
 
 
 def term_fields(bias=(), mask=None) -> tuple:
@@ -177,7 +199,9 @@ def fwd_fields(q, k, v, out, lse, *, scale: float, window_left, window_right, gq
             batch, heads_q, gqa_ratio, seqlen_q, k.shape[2], head_dim, v.shape[3],
             _window(window_left), _window(window_right), block_m, block_n, num_splits,
             float(scale), float(scale) * math.log2(math.e),
-            *(NO_TERMS if terms is None else term_fields(terms.bias, terms.mask)))
+            *(NO_TERMS if terms is None else term_fields(terms.bias, terms.mask)),
+            *(NO_MODS if terms is None or terms.mods is None else
+              mod_fields(terms.mods.softcap, terms.coords, terms.mod_args)))
 
 
 # ---- backward ----------------------------------------------------------------------------------

@@ -49,23 +49,48 @@ def check_tile_strides(name: str, terms) -> None:
 @dataclass(frozen=True)
 class ScoreOperands:
     """One launch's score terms: ``bias`` a tuple of 4-D views (any of the four float
-    dtypes each), ``mask`` a 4-D bool view or None."""
+    dtypes each), ``mask`` a 4-D bool view or None; and the score modifications: ``mods``
+    (cupyflash._mods.ScoreFunctions or None), ``coords`` the ``(B, Hq)`` views of the flat
+    batch index, the head and the ALiBi slope (float64) of the launch's (batch, head)
+    pairs, ``mod_args`` the mod_args arrays in order."""
 
     bias: tuple = ()
     mask: object = None
+    mods: object = None
+    coords: tuple = (None, None, None)
+    mod_args: tuple = ()
 
     @property
     def features(self) -> frozenset:
         """What the call asks of a kernel family (``Family.takes`` must hold them)."""
-        return frozenset(n for n, on in (("bias", bool(self.bias)), ("mask", self.mask is not None)) if on)
+        own = frozenset(n for n, on in (("bias", bool(self.bias)), ("mask", self.mask is not None)) if on)
+        return own | (self.mods.features if self.mods else frozenset())
 
     def terms_type(self) -> str:
         """The C++ ``ScoreTerms`` type the module is compiled with."""
         types = ", ".join(CXX_TYPE[dtype_name(b.dtype)] for b in self.bias)
         return f"cf::ScoreTerms<{'true' if self.mask is not None else 'false'}{', ' if types else ''}{types}>"
 
+    def defines(self) -> tuple:
+        """The module's macro definitions (score.cuh reads them)."""
+        out = [("CF_SCORE_TERMS", self.terms_type())]
+        m = self.mods
+        if m:
+            from ._expr import cuda
+
+            arrays = dict(m.mod_args)
+            out += [("CF_SOFTCAP", "1" if m.softcap is not None else "0"),
+                    ("CF_ALIBI", "1" if m.alibi_slopes is not None else "0")]
+            if m.score_mod is not None:
+                out.append(("CF_SCORE_MOD(Acc, ctx, score, b, h, q_idx, kv_idx)", cuda(m.score_mod, arrays)))
+                grad = "static_cast<Acc>(0)" if m.score_mod_grad is None else cuda(m.score_mod_grad, arrays)
+                out.append(("CF_SCORE_MOD_GRAD(Acc, ctx, score, b, h, q_idx, kv_idx)", grad))
+            if m.mask_mod is not None:
+                out.append(("CF_MASK_MOD(Acc, ctx, b, h, q_idx, kv_idx)", cuda(m.mask_mod, arrays)))
+        return tuple(out)
+
     def entry(self, entry):
         """``entry`` compiled with these terms (``entry`` itself without any)."""
-        if not self.bias and self.mask is None:
+        if not self.bias and self.mask is None and not self.mods:
             return entry
-        return Variant(entry, (("CF_SCORE_TERMS", self.terms_type()),))
+        return Variant(entry, self.defines())

@@ -62,6 +62,7 @@ class Problem:
     q_lengths: object = None   # int64 NumPy array of shape sequence_shape (host copy), or None
     kv_lengths: object = None
     mods: object = None        # cupyflash._mods.ScoreFunctions (softcap, ALiBi, score/mask_mod), or None
+    mod_coords: tuple = ()     # the kernels' (b, h, slope) tables of a sequence's sub-problem (_dispatch)
 
     @property
     def sequence_shape(self) -> tuple:
@@ -81,14 +82,17 @@ class Problem:
         kv_len = self.seqlen_k if self.kv_lengths is None else int(self.kv_lengths[seq])
         return q_len, kv_len
 
-    def on(self, q, k, v, batch_shape: tuple | None = None, terms: tuple | None = None) -> "Problem":
+    def on(self, q, k, v, batch_shape: tuple | None = None, terms: tuple | None = None,
+           mod_coords: tuple = ()) -> "Problem":
         """This problem on other arrays (one sequence's own rows and keys, checked with the
-        whole): their lengths, no per-sequence lengths, ``batch_shape`` if it changes, and
-        ``terms = (bias, mask)`` the sequence's own score terms if given."""
+        whole): their lengths, no per-sequence lengths, ``batch_shape`` if it changes,
+        ``terms = (bias, mask)`` the sequence's own score terms if given, and its own
+        ``mod_coords`` (the kernels' coordinate tables, sliced from the whole's)."""
         bias, mask = (self.bias, self.mask) if terms is None else terms
         return dataclasses.replace(self, q=q, k=k, v=v, seqlen_q=q.shape[-2], seqlen_k=k.shape[-2],
                                    batch_shape=self.batch_shape if batch_shape is None else batch_shape,
-                                   q_lengths=None, kv_lengths=None, bias=tuple(bias), mask=mask)
+                                   q_lengths=None, kv_lengths=None, bias=tuple(bias), mask=mask,
+                                   mod_coords=tuple(mod_coords))
 
     @property
     def scores_shape(self) -> tuple:

@@ -26,6 +26,7 @@ from cupyflash._families.fwd_simt import HEAD_DIM_BUCKETS
 from cupyflash._families.fwd_v1 import v1_block_sizes
 from cupyflash._options import KernelOptions
 from cupyflash._params import FWD_PARAMS, UNBOUNDED, KernelView, fwd_params
+from cupyflash._mods import ScoreFunctions
 from cupyflash._terms import ScoreOperands
 from cupyflash.emulator import EmulatorExecutor
 from cupyflash.reference import naive_attention
@@ -116,13 +117,28 @@ def test_params_fields_by_name():
                 "num_splits": 3, "scale": 0.75, "scale_log2": 0.75 * math.log2(math.e),
                 "bias": [pad.ctypes.data, pair.ctypes.data, 0, 0],
                 "bias_strides": [[7, 0, 0, 1], [0, 35, 1, 5], [0] * 4, [0] * 4],
-                "mask": mask.ctypes.data, "mask_strides": [0, 0, 7, 1]}
+                "mask": mask.ctypes.data, "mask_strides": [0, 0, 7, 1],
+                # no score modifications in this call: their fields are zero
+                "softcap": 0.0, "coord": [0] * 3, "coord_strides": [[0, 0]] * 3, "mod_args": [0] * 4,
+                "mod_shape": [[0] * 4] * 4, "mod_strides": [[0] * 4] * 4}
     for name, a in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
         for axis, stride in zip(("batch", "head", "row"), a.strides[:3]):
             expected[f"{name}_{axis}_stride"] = stride // a.itemsize
     assert set(expected) == set(FWD_PARAMS.names)
     for name, value in expected.items():
         assert np.array_equal(p[name], value), name
+    # with modifications: the softcap, the (B, Hq) coordinate views and the mod_args arrays
+    b_idx = np.broadcast_to(np.arange(2, dtype=np.int64)[:, None], (2, 3))
+    h_idx = np.broadcast_to(np.arange(3, dtype=np.int64), (2, 3))
+    table = np.zeros((4, 6), np.float32)[:, ::2]
+    mods = ScoreFunctions(softcap=7.5, mod_args={"t": table})
+    p = fwd_params(q, k, v, out, lse, scale=0.75, window_left=9, window_right=None, gqa_ratio=3,
+                   terms=ScoreOperands(mods=mods, coords=(b_idx, h_idx, None), mod_args=(table,)))
+    assert p["softcap"] == 7.5
+    assert list(p["coord"]) == [b_idx.ctypes.data, h_idx.ctypes.data, 0]
+    assert p["coord_strides"].tolist() == [[1, 0], [0, 1], [0, 0]]
+    assert list(p["mod_args"]) == [table.ctypes.data, 0, 0, 0]
+    assert p["mod_shape"][0].tolist() == [4, 3, 0, 0] and p["mod_strides"][0].tolist() == [6, 2, 0, 0]
 
 
 def test_params_from_kernel_views_equal_params_from_the_arrays():

@@ -19,9 +19,10 @@ from hypothesis import strategies as st
 
 import cupyflash
 from cupyflash import _expr
-from cupyflash.reference import naive_attention, naive_attention_backward
+from cupyflash.reference import _probabilities, naive_attention, naive_attention_backward
 
-from _util import assert_close, assert_grad_close, assert_lse_close, random_array
+from _util import (HALF_FORWARD_FACTOR, HALF_UNIT_ROUNDOFF, assert_close, assert_grad_close, assert_lse_close,
+                   random_array)
 
 B, H, LQ, LK, D = 2, 4, 19, 27, 8
 
@@ -30,12 +31,12 @@ def _rng(*key):
     return np.random.default_rng([zlib.crc32(str(k).encode()) for k in key])
 
 
-def _inputs(key, lq=LQ, lk=LK, hkv=H, dtype=np.float64):
+def _inputs(key, lq=LQ, lk=LK, hkv=H, dtype=np.float64, d=D):
     rng = _rng(key)
-    q = random_array(rng, (B, H, lq, D), dtype)
-    k = random_array(rng, (B, hkv, lk, D), dtype)
-    v = random_array(rng, (B, hkv, lk, D), dtype)
-    dout = random_array(rng, (B, H, lq, D), dtype)
+    q = random_array(rng, (B, H, lq, d), dtype)
+    k = random_array(rng, (B, hkv, lk, d), dtype)
+    v = random_array(rng, (B, hkv, lk, d), dtype)
+    dout = random_array(rng, (B, H, lq, d), dtype)
     return q, k, v, dout
 
 
@@ -129,7 +130,8 @@ SCORE_MODS = {   # name: (expression, mod_args, NumPy function, its derivative)
         "where(score > 0, sqrt(score + 1) - 1, 0.5 * sigmoid(score) - 0.25) + exp(-abs(score)) / 4", {},
         lambda s, b, h, i, j: np.where(s > 0, np.sqrt(np.maximum(s, 0) + 1) - 1, 0.5 / (1 + np.exp(-s)) - 0.25)
         + np.exp(-np.abs(s)) / 4,
-        lambda s, b, h, i, j: np.where(s > 0, 0.5 / np.sqrt(np.maximum(s, 0) + 1), 0.5 * np.exp(-s) / (1 + np.exp(-s)) ** 2)
+        lambda s, b, h, i, j: np.where(s > 0, 0.5 / np.sqrt(np.maximum(s, 0) + 1),
+                                       0.5 * np.exp(-s) / (1 + np.exp(-s)) ** 2)
         - np.sign(s) * np.exp(-np.abs(s)) / 4),
 }
 
@@ -310,12 +312,152 @@ def test_an_index_out_of_bounds_raises_index_error():
         cupyflash.attention(q, k, v, score_mod="score + rel[h, q_idx - kv_idx]", mod_args={"rel": _REL})
 
 
-def test_the_kernels_refuse_score_functions_until_a_family_takes_them():
-    q, k, v, _ = _inputs("kernels", dtype=np.float32)
-    for kw in (dict(softcap=5.0), dict(alibi_slopes=np.ones(H)), dict(score_mod="score * 2"),
-               dict(mask_mod="q_idx >= kv_idx")):
-        with pytest.raises(NotImplementedError, match="NumPy backend"):
-            cupyflash.attention(q, k, v, backend="emulator", **kw)
+# ---- the kernels, on the emulator ---------------------------------------------------------------
+
+KERNEL_FAMILIES = [   # id, arch, KernelOptions, dtype, precision, the forward family
+    ("simt-f32", 80, {}, np.float32, "ieee", "fwd_simt"),
+    ("mma-f16", 80, {}, np.float16, "ieee", "fwd_mma"),
+    ("wgmma-f16", 90, {"wgmma": True}, np.float16, "ieee", "fwd_wgmma"),
+    ("tf32x3", 80, {}, np.float32, "tf32x3", "fwd_tf32"),
+    ("dmma-f64", 80, {"dmma": {"float64"}}, np.float64, "ieee", "fwd_dmma"),
+]
+
+
+@pytest.fixture
+def emulate(monkeypatch):
+    from cupyflash import _dispatch
+    from cupyflash._options import KernelOptions
+    from cupyflash.emulator import EmulatorExecutor
+
+    from _util import LaunchSpy
+
+    def use(arch, **options):
+        spy = LaunchSpy(EmulatorExecutor(arch=arch, seed=arch, shuffle=True, race_check=True))
+        monkeypatch.setattr(_dispatch, "executor_for", lambda backend: spy)
+        chosen = KernelOptions(**options)
+        monkeypatch.setattr(KernelOptions, "from_environment", classmethod(lambda cls, environ=None: chosen))
+        return spy
+    return use
+
+
+def _kernel_case(dtype, hkv=2):
+    """q, k, v, dout of GQA 2:1 and the keywords of every modification at once, with the
+    oracle's: softcap, a bias, ALiBi, a score_mod reading a table, a mask_mod reading one."""
+    q, k, v, dout = _inputs(f"kernel-{np.dtype(dtype).name}", hkv=hkv, dtype=dtype, d=64)
+    slopes = 2.0 ** -np.arange(1, H + 1)
+    bias = random_array(_rng("kernel-bias"), (B, 1, 1, LK), np.float32)
+    text, args, fn, grad = SCORE_MODS["distance kernel"]
+    mtext, margs, mfn = MASK_MODS["documents"]
+    api = dict(softcap=4.0, bias=bias, alibi_slopes=slopes, score_mod=text, mask_mod=mtext, mod_args={**args, **margs})
+    oracle = dict(softcap=4.0, bias=bias, alibi_slopes=slopes, score_mod=fn, mask_mod=mfn)
+    return q, k, v, dout, api, oracle
+
+
+@pytest.mark.parametrize("fid, arch, options, dtype, precision, family", KERNEL_FAMILIES,
+                         ids=[c[0] for c in KERNEL_FAMILIES])
+def test_forward_kernels_take_every_modification(emulate, fid, arch, options, dtype, precision, family):
+    spy = emulate(arch, **options)
+    q, k, v, _, api, oracle = _kernel_case(dtype)
+    common = dict(causal=True, enable_gqa=True)
+    out, lse = cupyflash.attention(q, k, v, backend="emulator", return_lse=True, precision=precision, **api,
+                                   **common)
+    assert {n.split("<")[0] for n in spy.launched} == {f"cf::{family}_kernel"}
+    ref, ref_lse = naive_attention(q, k, v, return_lse=True, **oracle, **common)
+    assert_lse_close(lse, ref_lse, dtype)
+    if np.dtype(dtype).itemsize == 2:
+        # the families' 16-bit rule (docs/testing.md): within HALF_FORWARD_FACTOR of the error
+        # of attention whose unnormalised P is rounded to the input dtype before P V, plus one
+        # rounding of the largest output -- here on the oracle's modified scores
+        s, _, _, o = _probabilities(q, k, v, **oracle, **common)
+        top = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
+        e = np.exp(s - np.where(np.isfinite(top), top, 0))
+        total = e.sum(axis=-1, keepdims=True)
+        naive = (e.astype(dtype).astype(np.float64) @ o.v) / np.where(total > 0, total, 1)
+        err = np.abs(out.astype(np.float64) - ref).max()
+        bound = (HALF_FORWARD_FACTOR * np.abs(naive - ref).max()
+                 + (HALF_UNIT_ROUNDOFF[np.dtype(dtype).name] + 2.0**-24) * np.abs(ref).max())
+        assert err <= bound, f"max error {err:.3g} > {bound:.3g}"
+    else:
+        assert_close(out, ref, np.float32 if precision != "ieee" else dtype)
+
+
+@pytest.mark.parametrize("fid, arch, options, dtype, precision, family", KERNEL_FAMILIES[:2] + KERNEL_FAMILIES[4:],
+                         ids=[c[0] for c in KERNEL_FAMILIES[:2] + KERNEL_FAMILIES[4:]])
+def test_backward_kernels_take_alibi_and_mask_mod(emulate, fid, arch, options, dtype, precision, family):
+    # the modifications whose gradient needs no factor of the chain rule: ALiBi is an
+    # additive term, mask_mod a mask (so the 16-bit yardstick can take them as such)
+    spy = emulate(arch, **options)
+    q, k, v, dout, api, oracle = _kernel_case(dtype)
+    keep = ("bias", "alibi_slopes", "mask_mod", "mod_args")
+    api = {n: x for n, x in api.items() if n in keep}
+    oracle = {n: x for n, x in oracle.items() if n in keep}
+    common = dict(causal=True, enable_gqa=True)
+    out, lse = cupyflash.attention(q, k, v, backend="numpy", return_lse=True, **api, **common)
+    grads = cupyflash.attention_backward(dout, q, k, v, out, lse, backend="emulator", **api, **common)
+    assert any(n.startswith(f"cf::bwd_{family.split('_')[1]}_dkdv") for n in spy.launched)
+    expected = naive_attention_backward(dout, q, k, v, **oracle, **common)
+    if np.dtype(dtype).itemsize == 2:
+        # the 16-bit yardstick (naive_half_backward) with ALiBi as the additive term it is and
+        # mask_mod as the mask it is: the families' rule
+        from _backward_util import assert_within_yardstick, backward_term_sizes, naive_half_backward
+
+        i, j = np.arange(LQ)[:, None], np.arange(LK)[None, :]
+        alibi = -api["alibi_slopes"][:, None, None] * np.abs(i + LK - LQ - j)
+        doc = api["mod_args"]["doc"]
+        documents = doc[:, None, :LQ, None] == doc[:, None, None, :LK]
+        half = naive_half_backward(dout, q, k, v, out, scale=1 / np.sqrt(q.shape[-1]), window=(None, 0),
+                                   gqa_ratio=2, lse=lse, bias=(api["bias"], alibi), mask=documents)
+        sizes = backward_term_sizes(dout, q, k, v, bias=(api["bias"], alibi), mask=documents, **common)
+        for name, g, e, h, size in zip(("dq", "dk", "dv"), grads, expected, half, sizes):
+            assert_within_yardstick(g, e, h, sizes=size, what=name)
+    else:
+        for name, g, e in zip(("dq", "dk", "dv"), grads, expected):
+            assert_grad_close(g, e, dtype, what=name)
+    looser = np.float32 if np.dtype(dtype).itemsize == 8 else dtype     # the bias term is float32
+    assert_grad_close(grads[3], expected[3], looser, what="dbias")
+
+
+@pytest.mark.parametrize("fid, arch, options, dtype, precision, family", KERNEL_FAMILIES,
+                         ids=[c[0] for c in KERNEL_FAMILIES])
+def test_backward_kernels_carry_the_chain_rule(emulate, fid, arch, options, dtype, precision, family):
+    # softcap and score_mod: dS times score_mod's derivative, then dbias, then times the
+    # softcap's.  Against the oracle with the dtype's table (assert_grad_close): the
+    # 16-bit yardstick has no score_mod, so 16-bit inputs get the table's (looser) rule
+    # here; the yardstick checks them in the ALiBi / mask_mod test above
+    spy = emulate(arch, **options)
+    q, k, v, dout, api, oracle = _kernel_case(dtype)
+    mod = "where(score > 0, score * score / 4, 0.5 * score)"
+    api = dict(softcap=3.0, bias=api["bias"], score_mod=mod)
+    oracle = dict(softcap=3.0, bias=oracle["bias"], score_mod=lambda s, *_: np.where(s > 0, s * s / 4, 0.5 * s),
+                  score_mod_grad=lambda s, *_: np.where(s > 0, s / 2, 0.5))
+    common = dict(causal=True, enable_gqa=True)
+    out, lse = cupyflash.attention(q, k, v, backend="numpy", return_lse=True, **api, **common)
+    grads = cupyflash.attention_backward(dout, q, k, v, out, lse, backend="emulator", precision=precision,
+                                         **api, **common)
+    assert any(n.startswith(f"cf::bwd_{family.split('_')[1]}_dkdv") for n in spy.launched)
+    expected = naive_attention_backward(dout, q, k, v, **oracle, **common)
+    accuracy = np.float32 if precision != "ieee" or np.dtype(dtype).itemsize == 8 else dtype
+    for name, g, e in zip(("dq", "dk", "dv", "dbias"), grads, expected):
+        assert_grad_close(g, e, dtype if name != "dbias" else accuracy, what=name)
+
+
+def test_kernel_coordinates_follow_each_sequence(emulate):
+    # per-sequence launches (lengths) and the batch loop keep b the caller's flat batch index
+    emulate(80)
+    q, k, v, dout, api, oracle = _kernel_case(np.float64, hkv=H)
+    lens = dict(q_lengths=np.array([19, 8]), kv_lengths=np.array([20, 27]))
+    out, lse = cupyflash.attention(q, k, v, backend="emulator", return_lse=True, **api, **lens)
+    ref, ref_lse = cupyflash.attention(q, k, v, backend="numpy", return_lse=True, **api, **lens)
+    assert_close(out, ref, np.float64)
+    assert_lse_close(lse, ref_lse, np.float64)
+
+
+def test_an_index_out_of_bounds_on_the_emulator_raises_index_error(emulate):
+    emulate(80)
+    q, k, v, _ = _inputs("kernel-index", dtype=np.float32)
+    with pytest.raises(IndexError, match="outside its array"):
+        cupyflash.attention(q, k, v, backend="emulator", score_mod="score + g[q_idx - kv_idx]",
+                            mod_args={"g": np.ones(LQ + LK)})
 
 
 _TOKENS = st.sampled_from(["score", "b", "h", "q_idx", "kv_idx", "g", "tab", "tanh", "where", "min", "floor",

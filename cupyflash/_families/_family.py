@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 from .._dtypes import CXX_TYPE
 
-__all__ = ["Instantiation", "Family", "Call", "Sizes", "MAX_GRID_X", "MAX_SPLITS", "FORWARD", "COMBINE", "DELTA", "DKDV",
+__all__ = ["Instantiation", "Family", "Call", "Sizes", "FEATURES", "SCORE_FEATURES", "BACKWARD_SCORE_FEATURES",
+           "MAX_GRID_X", "MAX_SPLITS", "FORWARD", "COMBINE", "DELTA", "DKDV",
            "DQ"]
 
 # What a kernel of a family computes (Instantiation.role).
@@ -114,8 +115,11 @@ class Call:
 
 
 # The score features the API knows; a family lists those its kernels take in
-# Family.takes (every forward and backward family takes both; fwd_v1 neither).
+# Family.takes: every forward and backward family all of them (score.cuh's
+# score_epilogue, probability_epilogue and gradient_epilogue), fwd_v1 none.
 FEATURES = ("bias", "mask", "softcap", "alibi", "score_mod", "mask_mod")
+SCORE_FEATURES = FEATURES
+BACKWARD_SCORE_FEATURES = FEATURES
 
 
 @dataclass(frozen=True)
