@@ -5,7 +5,9 @@ rows without: what a call with a bias and a mask costs each kernel (NVRTC, offli
 
 The terms compiled are two biases (float16 and float32) and a mask: the most a
 representative call reads (each further bias is one more load per element).
-Every family's rows of the given head dims are compiled (``--family`` narrows).
+``--score-mod EXPR`` compiles a score_mod instead (with its derivative, reading a
+float64 ``gamma`` of one axis if it names it).  Every family's rows of the given head dims
+are compiled (``--family`` narrows).
 """
 
 from __future__ import annotations
@@ -20,7 +22,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 TERMS = "cf::ScoreTerms<true, __half, float>"
 
 
-def report(archs, head_dims, families=None) -> list[dict]:
+def _defines(score_mod):
+    if score_mod is None:
+        return (("CF_SCORE_TERMS", TERMS),)
+    import numpy as np
+
+    from cupyflash._terms import ScoreOperands
+    from cupyflash._validation import check_score_functions
+
+    args = {"gamma": np.ones(8)} if "gamma" in score_mod else None
+    mods = check_score_functions(None, None, score_mod, None, args, kind="numpy", device=None, batch_shape=(1, 8))
+    return ScoreOperands(mods=mods).defines()
+
+
+def report(archs, head_dims, families=None, score_mod=None) -> list[dict]:
     from cupyflash._families import FAMILIES
     from cupyflash._loader import module_source
     from cupyflash._report import compile_report
@@ -39,7 +54,7 @@ def report(archs, head_dims, families=None) -> list[dict]:
                 continue
             names = [r.name_expression for r in picked]
             plain = compile_report(module_source(family.entry), names, target, sass=False)
-            with_terms = compile_report(module_source(Variant(family.entry, (("CF_SCORE_TERMS", TERMS),))),
+            with_terms = compile_report(module_source(Variant(family.entry, _defines(score_mod))),
                                         names, target, sass=False)
             for name in names:
                 a, b = plain.functions[name], with_terms.functions[name]
@@ -56,9 +71,10 @@ def main() -> int:
     ap.add_argument("--arch", action="append", default=[])
     ap.add_argument("--head-dim", action="append", type=int, default=[])
     ap.add_argument("--family", action="append", default=[])
+    ap.add_argument("--score-mod")
     ap.add_argument("-o", "--output")
     a = ap.parse_args()
-    rows = report(a.arch or ["sm_80"], set(a.head_dim or [64, 128]), set(a.family))
+    rows = report(a.arch or ["sm_80"], set(a.head_dim or [64, 128]), set(a.family), a.score_mod)
     if a.output:
         Path(a.output).write_text(json.dumps(rows, indent=1) + "\n")
     return 0
