@@ -18,8 +18,6 @@ Prints one line per case and a summary; exits 1 on any failure.
 from __future__ import annotations
 
 import sys
-import time
-import traceback
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +33,7 @@ from cupyflash.emulator import EmulatorExecutor  # noqa: E402
 from cupyflash.reference import naive_attention, naive_attention_backward  # noqa: E402
 
 from _util import LaunchSpy, assert_close, assert_grad_close, assert_lse_close, random_array  # noqa: E402
-from terms_sweep import CONFIGS, _rng  # noqa: E402
+from terms_sweep import _rng, sweep  # noqa: E402
 from test_score_mods import B, H, LK, LQ, MASK_MODS, SCORE_MODS  # noqa: E402
 
 
@@ -92,27 +90,7 @@ def run_case(case, config, dtype):
 
 
 def main(argv) -> int:
-    words = argv[1:]
-    configs = [c for c in CONFIGS if not words or any(w in c[0] for w in words)]
-    failures = ran = 0
-    start = time.perf_counter()
-    for config in configs:
-        for dtype in config[3]:
-            for case in cases():
-                t = time.perf_counter()
-                try:
-                    families = run_case(case, config, dtype)
-                    status = "ok    "
-                except Exception:  # noqa: BLE001 - report and go on
-                    failures += 1
-                    families = []
-                    status = "FAILED"
-                    traceback.print_exc()
-                ran += 1
-                print(f"{status} {config[0]:13s} {dtype.name:9s} {case[0]:36s} {', '.join(families):60s} "
-                      f"{time.perf_counter() - t:5.1f} s", flush=True)
-    print(f"{ran} cases, {failures} failed, {time.perf_counter() - start:.0f} s")
-    return 1 if failures else 0
+    return sweep(argv, cases, run_case, width=36)
 
 
 if __name__ == "__main__":

@@ -110,17 +110,21 @@ def run_case(name, sizes, make_terms, kw, config, dtype):
     return sorted({n.split("<")[0].removeprefix("cf::") for n in spy.launched})
 
 
-def main(argv) -> int:
+def sweep(argv, cases, run_case, width=32) -> int:
+    """Run ``run_case(case, config, dtype)`` for every configuration whose name contains one
+    of the words in ``argv[1:]`` (all without), every dtype and every case of ``cases()``
+    (tuples whose first item is the name); print a line per case and a summary; 1 on any
+    failure."""
     words = argv[1:]
     configs = [c for c in CONFIGS if not words or any(w in c[0] for w in words)]
     failures = ran = 0
     start = time.perf_counter()
     for config in configs:
         for dtype in config[3]:
-            for name, sizes, make_terms, kw in cases():
+            for case in cases():
                 t = time.perf_counter()
                 try:
-                    families = run_case(name, sizes, make_terms, kw, config, dtype)
+                    families = run_case(case, config, dtype)
                     status = "ok    "
                 except Exception:  # noqa: BLE001 - report and go on
                     failures += 1
@@ -128,10 +132,14 @@ def main(argv) -> int:
                     status = "FAILED"
                     traceback.print_exc()
                 ran += 1
-                print(f"{status} {config[0]:13s} {dtype.name:9s} {name:32s} {', '.join(families):60s} "
+                print(f"{status} {config[0]:13s} {dtype.name:9s} {case[0]:{width}s} {', '.join(families):60s} "
                       f"{time.perf_counter() - t:5.1f} s", flush=True)
     print(f"{ran} cases, {failures} failed, {time.perf_counter() - start:.0f} s")
     return 1 if failures else 0
+
+
+def main(argv) -> int:
+    return sweep(argv, cases, lambda case, config, dtype: run_case(*case, config, dtype))
 
 
 if __name__ == "__main__":
