@@ -21,7 +21,7 @@ from _util import to_tf32, visible, with_terms
 
 
 def naive_half_backward(dout, q, k, v, out, *, scale, window=(None, None), gqa_ratio=1, lse=None, bias=(),
-                        mask=None):
+                        mask=None, softcap=None, score_fn=None, score_fn_grad=None):
     """(dq, dk, dv) in float32, computed as a flash backward in half precision does.
 
     q, dout, out ``(..., Hq, Lq, ·)``; k, v ``(..., Hkv, Lk, ·)`` with
@@ -36,7 +36,9 @@ def naive_half_backward(dout, q, k, v, out, *, scale, window=(None, None), gqa_r
     broadcast along, in float32.  Not rounded to the half dtype at the end: a caller
     comparing half results allows for that one rounding itself.  ``bias`` (a tuple of
     terms) and ``mask`` enter the scores as the kernels' epilogue adds them
-    (tests/_util.py's with_terms).
+    (tests/_util.py's with_terms); ``softcap`` before them and ``score_fn(s)`` after
+    (with its derivative ``score_fn_grad``), in float32, and dS takes their derivatives
+    in float32 before its rounding to half, as the kernels' gradient epilogue does.
     """
     dtype = np.dtype(q.dtype)
 
@@ -56,7 +58,17 @@ def naive_half_backward(dout, q, k, v, out, *, scale, window=(None, None), gqa_r
 
     k32, v32 = per_query_head(k), per_query_head(v)
     s = (q32 @ np.swapaxes(k32, -1, -2)) * np.float32(scale)
-    s = with_terms(s, visible(q32.shape[-2], k32.shape[-2], window), bias, mask)
+    d_cap = d_mod = None
+    if softcap is not None:
+        t = np.tanh(s / np.float32(softcap))
+        s, d_cap = (np.float32(softcap) * t).astype(np.float32), (1 - t * t).astype(np.float32)
+    if score_fn is not None:      # after the bias: with_terms adds it, then the function, then the mask
+        s = with_terms(s, np.ones(s.shape[-2:], bool), bias, None)
+        d_mod = np.asarray(score_fn_grad(s), np.float32)
+        s = np.asarray(score_fn(s), np.float32)
+        s = with_terms(s, visible(q32.shape[-2], k32.shape[-2], window), (), mask)
+    else:
+        s = with_terms(s, visible(q32.shape[-2], k32.shape[-2], window), bias, mask)
     if lse is None:
         m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -68,6 +80,9 @@ def naive_half_backward(dout, q, k, v, out, *, scale, window=(None, None), gqa_r
     dv = np.swapaxes(half(p), -1, -2) @ do
     dp = do @ np.swapaxes(v32, -1, -2)
     ds = (p * (dp - np.sum(do * o, axis=-1, keepdims=True))).astype(np.float32)
+    for factor in (d_mod, d_cap):
+        if factor is not None:
+            ds = np.where(p > 0, ds * factor, np.float32(0)).astype(np.float32)
     dq = half(ds) @ k32 * np.float32(scale)
     dk = np.swapaxes(half(ds), -1, -2) @ q32 * np.float32(scale)
 
@@ -179,17 +194,24 @@ def backward_term_sizes(dout, q, k, v, *, unit_probabilities=False, **kw):
 
     ``unit_probabilities``: the same sums with every admissible P replaced by 1 (and
     |O| by the largest |V| of the row's keys): multiplied by float32's smallest normal,
-    a bound on what probabilities flushed to zero (below it) take from a gradient."""
+    a bound on what probabilities flushed to zero (below it) take from a gradient.
+
+    With score modifications (the oracle's softcap, alibi_slopes, score_mod and its
+    score_mod_grad, mask_mod), |dS| also takes the chain rule's factors |d_mod d_cap|."""
     from cupyflash.reference import _probabilities, _reduce_to
 
-    kw = {n: x for n, x in kw.items() if n in ("scale", "causal", "window", "enable_gqa", "bias", "mask")}
-    _, p, _, o = _probabilities(q, k, v, **kw)
+    kw = {n: x for n, x in kw.items() if n in ("scale", "causal", "window", "enable_gqa", "bias", "mask", "softcap",
+                                               "alibi_slopes", "score_mod", "mask_mod", "score_mod_grad")}
+    _, p, _, o, (d_cap, d_mod) = _probabilities(q, k, v, chain=True, **kw)
     do = np.abs(np.broadcast_to(np.asarray(dout, np.float64), p.shape[:-1] + (o.v.shape[-1],)))
     out = np.abs(p @ o.v)
     if unit_probabilities:
         p = np.broadcast_to(o.visible, p.shape).astype(np.float64)
         out = np.broadcast_to(np.abs(o.v).max(axis=-2, keepdims=True, initial=0.0), out.shape)
     ds = p * (do @ np.swapaxes(np.abs(o.v), -1, -2) + np.sum(do * out, axis=-1, keepdims=True))
+    for factor in (d_mod, d_cap):
+        if factor is not None:
+            ds = ds * np.where(p > 0, np.abs(np.nan_to_num(factor)), 0.0)
     dq = ds @ np.abs(o.k) * abs(o.scale)
     dk = np.swapaxes(ds, -1, -2) @ np.abs(o.q) * abs(o.scale)
     dv = np.swapaxes(p, -1, -2) @ do
