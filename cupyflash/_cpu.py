@@ -278,7 +278,7 @@ class _ScoreTerms:
         """Where the mask or mask_mod hides a pair of the block (None: neither)."""
         hidden = None if self.mask is None else ~_block_of(self.mask, i0, i1, j0, j1)
         if self.mods is not None and self.mods.mask_mod is not None:
-            out = ~self.mods.admits(self.coords, np.arange(i0, i1)[:, None], np.arange(j0, j1)[None, :])
+            out = ~self.mods.admits(self.coords, np.arange(i0, i1)[:, None], np.arange(j0, j1)[None, :], self.acc_t)
             hidden = out if hidden is None else hidden | out
         return hidden
 

@@ -79,10 +79,11 @@ class ScoreFunctions:
             s[...] = _expr.evaluate(self.score_mod, env, self.mod_args, acc_t)
         return d_cap, d_mod
 
-    def admits(self, coords, rows, keys):
-        """mask_mod on the block (None without one): bool, True = may attend."""
+    def admits(self, coords, rows, keys, acc_t):
+        """mask_mod on the block (None without one): bool, True = may attend; its float
+        arithmetic in the accumulator type ``acc_t``, as the kernels do it."""
         if self.mask_mod is None:
             return None
         b_idx, h_idx, _ = coords
         env = {"b": b_idx, "h": h_idx, "q_idx": rows, "kv_idx": keys}
-        return _expr.evaluate(self.mask_mod, env, self.mod_args, np.float64)
+        return _expr.evaluate(self.mask_mod, env, self.mod_args, acc_t)
