@@ -283,8 +283,13 @@ class _ScoreTerms:
         return hidden
 
     def sees_none(self, i0, i1, j0, j1) -> bool:
-        """Whether the mask hides the whole block (then it is skipped)."""
-        return self.mask is not None and not _block_of(self.mask, i0, i1, j0, j1).any()
+        """Whether the mask and mask_mod hide the whole block (then it is skipped)."""
+        return _hides_all(self.hidden(i0, i1, j0, j1))
+
+
+def _hides_all(hidden) -> bool:
+    """Whether ``hidden`` (a block's hidden pairs, None: none) hides every pair."""
+    return hidden is not None and bool(hidden.all())
 
 
 _NO_TERMS = _ScoreTerms((), None, None)
@@ -346,9 +351,10 @@ def _with_ones(vf):
 _LAZY_LIMIT = 2.0**32
 
 
-def _scores(qf, kf, j0, j1, i0, i1, kind, rows, out, mask_args, terms):
+def _scores(qf, kf, j0, j1, i0, i1, kind, rows, out, mask_args, terms, hidden=None):
     """The scores of key block [j0, j1) as a ``rows + (j1 - j0,)`` array: the (already
-    scaled) products plus the bias terms, -inf where the window or the mask hides a pair;
+    scaled) products plus the bias terms, -inf where the window or the mask hides a pair
+    (``hidden``: the terms' hidden pairs of the block, as ``terms.hidden`` gives them);
     into ``out`` when given (a full block)."""
     kt = np.swapaxes(kf[..., j0:j1, :], -1, -2)
     if out is not None:
@@ -359,7 +365,6 @@ def _scores(qf, kf, j0, j1, i0, i1, kind, rows, out, mask_args, terms):
             s = np.broadcast_to(s, rows + (j1 - j0,)).copy()
     if terms:
         terms.transform(s, i0, i1, j0, j1)
-        hidden = terms.hidden(i0, i1, j0, j1)
         if hidden is not None:
             np.copyto(s, -np.inf, where=hidden)
     if kind == "partial":
@@ -395,10 +400,13 @@ def _query_block(qf, kf, vf_ones, dv, i0, i1, vec_shape, bc, mask_args, acc_t, t
     for j0 in range(first, stop, bc):
         j1 = min(j0 + bc, stop)
         kind = block_bounds(i0, i1, j0, j1, *mask_args)
-        if kind == "empty" or terms.sees_none(i0, i1, j0, j1):
+        if kind == "empty":
+            continue
+        hidden = terms.hidden(i0, i1, j0, j1) if terms else None   # once per block: mask_mod evaluates
+        if _hides_all(hidden):
             continue
         out = s_full if direct and j1 - j0 == bc else None
-        s = _scores(qf, kf, j0, j1, i0, i1, kind, rows, out, mask_args, terms)
+        s = _scores(qf, kf, j0, j1, i0, i1, kind, rows, out, mask_args, terms, hidden)
         if not np.isneginf(m).any():
             # Every row has a finite running max: exponentiate against it and skip
             # this block's max pass.  Kept unless a row's new weights sum past
@@ -411,7 +419,7 @@ def _query_block(qf, kf, vf_ones, dv, i0, i1, vec_shape, bc, mask_args, acc_t, t
                 l += pv_block[..., dv]
                 acc += pv_block[..., :dv]
                 continue
-            s = _scores(qf, kf, j0, j1, i0, i1, kind, rows, out, mask_args, terms)
+            s = _scores(qf, kf, j0, j1, i0, i1, kind, rows, out, mask_args, terms, hidden)
         m_new = np.maximum(m, s.max(axis=-1))
         m_safe = np.where(np.isneginf(m_new), 0, m_new)       # rows with no key yet
         s -= m_safe[..., None]
