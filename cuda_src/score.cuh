@@ -106,11 +106,6 @@ using Terms = CF_SCORE_TERMS;
 // already times scale * log2(e), kRaw as q.k.
 enum class Units { kLog2, kRaw };
 
-// The scale a forward kernel's softmax multiplies raw scores by: scale *
-// log2(e), or 1 where the epilogue has applied it (a module with a bias).
-template <typename Acc>
-__device__ __forceinline__ Acc softmax_scale_log2(const FwdParams& p);
-
 // One term's view within a score tile: element (q0 + a, k0 + key0 + b) --
 // a, b the offsets within the tile, below 2^16 -- at base[a * row + b * key].
 // The host keeps |row| + |key| below 2^23 elements for every term
@@ -342,6 +337,9 @@ __device__ __forceinline__ ChainRule<Acc, R, C> chain_for(const Acc (&)[R][C]) {
 constexpr bool kEpilogueScales = Terms::kBias || Mods::kScores;
 constexpr bool kAnyTerms = Terms::kAny || Mods::kAny;
 
+// The scale a forward kernel's softmax multiplies raw scores by: scale *
+// log2(e), or 1 where the epilogue has applied it (a bias, or a modification
+// that changes the scores).
 template <typename Acc>
 __device__ __forceinline__ Acc softmax_scale_log2(const FwdParams& p) {
     return kEpilogueScales ? Acc(1) : static_cast<Acc>(p.scale_log2);

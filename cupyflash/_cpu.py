@@ -211,16 +211,8 @@ def _coordinates(problem: Problem):
     """The score modifications' per-head operands, scores-shaped views like a bias term's
     (``_scores_view``): the flat batch index ``b`` (over the dims before the head axis),
     the query head ``h`` and the ALiBi slopes (None without them)."""
-    batch = problem.batch_shape
-    if batch:
-        seq, heads = batch[:-1], batch[-1]
-        b = np.arange(int(np.prod(seq)), dtype=np.int64).reshape(seq + (1, 1, 1))
-        h = np.arange(heads, dtype=np.int64).reshape(heads, 1, 1)
-    else:
-        b = h = np.zeros((1, 1), dtype=np.int64)
-    slopes = problem.mods.alibi_slopes
-    slopes = None if slopes is None else slopes.reshape(tuple(slopes.shape) + (1, 1))
-    return tuple(None if x is None else _scores_view(problem, x) for x in (b, h, slopes))
+    return tuple(None if x is None else _scores_view(problem, x.reshape(tuple(x.shape) + (1, 1)))
+                 for x in problem.mods.coordinates(problem.batch_shape))
 
 
 def _terms_of(problem: Problem, idx, bias5, mask5, coords5, acc_t, offset) -> "_ScoreTerms":

@@ -191,16 +191,9 @@ def _mod_coordinates(problem: Problem) -> tuple:
     if problem.mod_coords:
         return problem.mod_coords
     xp = _xp(problem.kind)
-    batch = problem.batch_shape
-    if batch:
-        seq = batch[:-1]
-        b = xp.arange(int(np.prod(seq)), dtype=np.int64).reshape(seq + (1,))
-        h = xp.arange(batch[-1], dtype=np.int64)
-    else:
-        b = h = xp.zeros((), dtype=np.int64)
-    slopes = problem.mods.alibi_slopes
+    b, h, slopes = problem.mods.coordinates(problem.batch_shape, xp)
     slopes = None if slopes is None else slopes.astype(np.float64)
-    return tuple(None if x is None else _broadcast_to(xp, x, batch) for x in (b, h, slopes))
+    return tuple(None if x is None else _broadcast_to(xp, x, problem.batch_shape) for x in (b, h, slopes))
 
 
 def run_forward_v1(problem: Problem, sram_size: int, return_lse: bool):

@@ -48,6 +48,18 @@ class ScoreFunctions:
     def __bool__(self) -> bool:
         return bool(self.features)
 
+    def coordinates(self, batch_shape: tuple, xp=np) -> tuple:
+        """``(b, h, slopes)`` as arrays of ``xp`` that broadcast to ``batch_shape``: the
+        flat batch index over the dims before the head axis (C order) and the query head
+        (int64), and the ALiBi slopes as given (None without them)."""
+        if batch_shape:
+            seq = tuple(batch_shape[:-1])
+            b = xp.arange(int(np.prod(seq)), dtype=np.int64).reshape(seq + (1,))
+            h = xp.arange(batch_shape[-1], dtype=np.int64)
+        else:
+            b = h = xp.zeros((), dtype=np.int64)
+        return b, h, self.alibi_slopes
+
     # ---- the CPU path's blocks ---------------------------------------------------------------
 
     def transform(self, s, coords, rows, keys, offset, bias_terms=(), grad=False):

@@ -21,10 +21,10 @@ import functools
 from dataclasses import dataclass, field
 
 from .._dtypes import CXX_TYPE
+from .._mods import FEATURES as MOD_FEATURES
 
-__all__ = ["Instantiation", "Family", "Call", "Sizes", "FEATURES", "SCORE_FEATURES", "BACKWARD_SCORE_FEATURES",
-           "MAX_GRID_X", "MAX_SPLITS", "FORWARD", "COMBINE", "DELTA", "DKDV",
-           "DQ"]
+__all__ = ["Instantiation", "Family", "Call", "Sizes", "FEATURES", "MAX_GRID_X", "MAX_SPLITS", "FORWARD", "COMBINE",
+           "DELTA", "DKDV", "DQ"]
 
 # What a kernel of a family computes (Instantiation.role).
 FORWARD, COMBINE, DELTA, DKDV, DQ = "forward", "combine", "delta", "dkdv", "dq"
@@ -117,9 +117,7 @@ class Call:
 # The score features the API knows; a family lists those its kernels take in
 # Family.takes: every forward and backward family all of them (score.cuh's
 # score_epilogue, probability_epilogue and gradient_epilogue), fwd_v1 none.
-FEATURES = ("bias", "mask", "softcap", "alibi", "score_mod", "mask_mod")
-SCORE_FEATURES = FEATURES
-BACKWARD_SCORE_FEATURES = FEATURES
+FEATURES = ("bias", "mask") + MOD_FEATURES
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ bwd_simt's delta kernel, then the dK/dV and dQ kernels, whatever
 
 from __future__ import annotations
 
-from ._family import BACKWARD_SCORE_FEATURES, DKDV, DQ, Call, Family, Sizes
+from ._family import DKDV, DQ, FEATURES, Call, Family, Sizes
 from .bwd_simt import BWD_SIMT
 from .fwd_dmma import DMMA_DTYPES, dmma_bucket, dtype_tail
 
@@ -17,7 +17,7 @@ __all__ = ["BWD_DMMA"]
 class BwdDmma(Family):
     name = "bwd_dmma"
     entry = "bwd_dmma.cu"
-    takes = frozenset(BACKWARD_SCORE_FEATURES)   # score.cuh: probability_epilogue, bias_gradient
+    takes = frozenset(FEATURES)   # score.cuh: probability_epilogue, gradient_epilogue
     direction = "backward"
     # Per head dim (own rows, streamed rows, warps) of both kernels -- dK/dV owns keys
     # and streams query rows, dQ owns query rows and streams keys.  Per lane: the own

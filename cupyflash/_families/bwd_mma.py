@@ -10,7 +10,7 @@ kernel: the launch computing dK adds dQ to a zeroed dq by float atomics.
 from __future__ import annotations
 
 from .._arch import TILE_CLASS_ARCH, tile_class
-from ._family import BACKWARD_SCORE_FEATURES, DKDV, DQ, Call, Family, Sizes
+from ._family import DKDV, DQ, FEATURES, Call, Family, Sizes
 from .bwd_simt import BWD_SIMT
 from .fwd_mma import MMA_DTYPES, MMA_HEAD_DIMS, mma_bucket, whole_blocks
 
@@ -35,7 +35,7 @@ def mma_bwd_shared_bytes(head_dim: int, own: int, streamed: int, needs_v: bool, 
 class BwdMma(Family):
     name = "bwd_mma"
     entry = "bwd_mma.cu"
-    takes = frozenset(BACKWARD_SCORE_FEATURES)   # score.cuh: probability_epilogue, bias_gradient
+    takes = frozenset(FEATURES)   # score.cuh: probability_epilogue, gradient_epilogue
     direction = "backward"
     own = 64
     warps = 4

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 
 from .._dtypes import DTYPES, accumulator_dtype, accumulator_name
-from ._family import BACKWARD_SCORE_FEATURES, DELTA, DKDV, DQ, Call, Family, Sizes
+from ._family import DELTA, DKDV, DQ, FEATURES, Call, Family, Sizes
 from .fwd_simt import HEAD_DIM_BUCKETS, simt_bucket
 
 __all__ = ["BWD_SIMT"]
@@ -23,7 +23,7 @@ __all__ = ["BWD_SIMT"]
 class BwdSimt(Family):
     name = "bwd_simt"
     entry = "bwd_simt.cu"
-    takes = frozenset(BACKWARD_SCORE_FEATURES)   # score.cuh: probability_epilogue, bias_gradient
+    takes = frozenset(FEATURES)   # score.cuh: probability_epilogue, gradient_epilogue
     direction = "backward"
     threads = 128
     delta_rows = 16     # bwd_simt_dot_do_o_kernel: 128 threads, 8 lanes per query row

@@ -8,7 +8,7 @@ any strides): bwd_simt's delta kernel, then the dK/dV and dQ kernels, whatever
 
 from __future__ import annotations
 
-from ._family import BACKWARD_SCORE_FEATURES, DKDV, DQ, Call, Family, Sizes
+from ._family import DKDV, DQ, FEATURES, Call, Family, Sizes
 from .bwd_simt import BWD_SIMT
 from .fwd_tf32 import TF32_PASSES, tf32_bucket
 
@@ -18,7 +18,7 @@ __all__ = ["BWD_TF32"]
 class BwdTf32(Family):
     name = "bwd_tf32"
     entry = "bwd_tf32.cu"
-    takes = frozenset(BACKWARD_SCORE_FEATURES)   # score.cuh: probability_epilogue, bias_gradient
+    takes = frozenset(FEATURES)   # score.cuh: probability_epilogue, gradient_epilogue
     direction = "backward"
     # Per head dim (own rows, streamed rows, warps) of both kernels -- dK/dV owns keys
     # and streams query rows, dQ owns query rows and streams keys; 4 warps of one m16

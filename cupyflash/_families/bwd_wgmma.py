@@ -11,7 +11,7 @@ atomics.
 from __future__ import annotations
 
 from .._arch import WGMMA_ARCH
-from ._family import BACKWARD_SCORE_FEATURES, DKDV, DQ, Call, Family, Sizes
+from ._family import DKDV, DQ, FEATURES, Call, Family, Sizes
 from .bwd_mma import BWD_GRAD_DK, BWD_GRAD_DQ_ATOMIC, BWD_GRAD_DV
 from .bwd_simt import BWD_SIMT
 from .fwd_mma import MMA_DTYPES, mma_bucket, whole_blocks
@@ -30,7 +30,7 @@ def wgmma_bwd_shared_bytes(head_dim: int, own: int, streamed: int, needs_v: bool
 class BwdWgmma(Family):
     name = "bwd_wgmma"
     entry = "bwd_wgmma.cu"
-    takes = frozenset(BACKWARD_SCORE_FEATURES)   # score.cuh: probability_epilogue, bias_gradient
+    takes = frozenset(FEATURES)   # score.cuh: probability_epilogue, gradient_epilogue
     direction = "backward"
     arch_specific = {"sm_90": "sm_90a"}
     # Per head dim: (the dK/dV launches as (kGrads, streamed query rows), warpgroups,

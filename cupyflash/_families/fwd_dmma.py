@@ -11,7 +11,7 @@ head dim.
 from __future__ import annotations
 
 from .._arch import DMMA_ARCHS
-from ._family import FORWARD, SCORE_FEATURES, Call, Family, Sizes, smallest_fit
+from ._family import FEATURES, FORWARD, Call, Family, Sizes, smallest_fit
 
 __all__ = ["FWD_DMMA", "DMMA_HEAD_DIMS", "DMMA_DTYPES", "dmma_bucket"]
 
@@ -38,7 +38,7 @@ class FwdDmma(Family):
     name = "fwd_dmma"
     entry = "fwd_dmma.cu"
     split_kv = True
-    takes = frozenset(SCORE_FEATURES)   # score.cuh's terms and modifications, through score_epilogue
+    takes = frozenset(FEATURES)   # score.cuh's terms and modifications, through score_epilogue
     # (block_m, block_n, warps) per head dim: 4 warps of 16 query rows (two m8 tiles,
     # so each K/V fragment feeds two DMMA); shared memory (Q + K + V) x 8 bytes.
     # Registers from the static report (NVRTC 13.5, sm_80 / sm_90), no spills;

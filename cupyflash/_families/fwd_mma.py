@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from .._arch import TILE_CLASS_ARCH, tile_class
-from ._family import FORWARD, SCORE_FEATURES, Call, Family, Sizes, smallest_fit
+from ._family import FEATURES, FORWARD, Call, Family, Sizes, smallest_fit
 
 __all__ = ["FWD_MMA", "MMA_HEAD_DIMS", "MMA_DTYPES", "mma_bucket", "folds_scale", "whole_blocks"]
 
@@ -60,7 +60,7 @@ class FwdMma(Family):
     name = "fwd_mma"
     entry = "fwd_mma.cu"
     split_kv = True
-    takes = frozenset(SCORE_FEATURES)   # score.cuh's terms and modifications, through score_epilogue
+    takes = frozenset(FEATURES)   # score.cuh's terms and modifications, through score_epilogue
 
     # (block_m, block_n, warps, kv_stages, lazy_rescale) per architecture class
     # and head dim; each warp owns block_m / warps query rows (16 per m16 tile),

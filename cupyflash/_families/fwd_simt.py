@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 
 from .._dtypes import DTYPES, accumulator_dtype, accumulator_name
-from ._family import FORWARD, SCORE_FEATURES, Call, Family, Sizes, smallest_fit
+from ._family import FEATURES, FORWARD, Call, Family, Sizes, smallest_fit
 
 __all__ = ["FWD_SIMT", "HEAD_DIM_BUCKETS", "simt_bucket"]
 
@@ -44,7 +44,7 @@ class FwdSimt(Family):
     name = "fwd_simt"
     entry = "fwd_simt.cu"
     split_kv = True
-    takes = frozenset(SCORE_FEATURES)   # score.cuh's terms and modifications, through score_epilogue
+    takes = frozenset(FEATURES)   # score.cuh's terms and modifications, through score_epilogue
     threads = 128
     # (block_m, block_n) per accumulator type and bucket.  128 threads; 8 lanes
     # share a query row, so a thread holds block_m/16 rows, its block_n/8 keys of

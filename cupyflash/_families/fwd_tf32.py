@@ -10,7 +10,7 @@ word).  It takes precedence over fwd_dmma.
 
 from __future__ import annotations
 
-from ._family import FORWARD, SCORE_FEATURES, Call, Family, Sizes, smallest_fit
+from ._family import FEATURES, FORWARD, Call, Family, Sizes, smallest_fit
 from .fwd_mma import folds_scale
 
 __all__ = ["FWD_TF32", "TF32_HEAD_DIMS", "TF32_PASSES", "tf32_bucket"]
@@ -34,7 +34,7 @@ class FwdTf32(Family):
     name = "fwd_tf32"
     entry = "fwd_tf32.cu"
     split_kv = True
-    takes = frozenset(SCORE_FEATURES)   # score.cuh's terms and modifications, through score_epilogue
+    takes = frozenset(FEATURES)   # score.cuh's terms and modifications, through score_epilogue
     # (block_m, block_n, warps) per head dim, both precisions: 4 warps of 16 query
     # rows (one m16 tile each); shared memory (Q + K + V) x 4 bytes, plus the small
     # TF32 parts of K and V (else of V alone) with three passes, within 80 KB (two

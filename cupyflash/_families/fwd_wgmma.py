@@ -9,7 +9,7 @@ has checked it).  Built for the architecture-specific target sm_90a only.
 from __future__ import annotations
 
 from .._arch import WGMMA_ARCH
-from ._family import FORWARD, SCORE_FEATURES, Call, Family, Sizes
+from ._family import FEATURES, FORWARD, Call, Family, Sizes
 from .fwd_mma import MMA_DTYPES, folds_scale, mma_bucket, whole_blocks
 
 __all__ = ["FWD_WGMMA", "WGMMA_HEAD_DIMS"]
@@ -24,7 +24,7 @@ class FwdWgmma(Family):
     name = "fwd_wgmma"
     entry = "fwd_wgmma.cu"
     split_kv = True
-    takes = frozenset(SCORE_FEATURES)   # score.cuh's terms and modifications, through score_epilogue
+    takes = frozenset(FEATURES)   # score.cuh's terms and modifications, through score_epilogue
     # wgmma and the "a" target run on 9.0 devices only (H100, H200, GH200).
     arch_specific = {"sm_90": "sm_90a"}
     # (block_n, warpgroups, lazy_rescale) per head dim.  A CTA owns 64 query rows
