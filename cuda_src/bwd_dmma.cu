@@ -183,6 +183,12 @@ struct DmmaBwdTraits {
 
     // bwd_tc_loops.cuh's interface: the accumulators are DMMA's (row g of m8 tile r).
     using Fragment = M8n8Fragment;
+    // At d = 128 with score terms or modifications, dV's product before dP's:
+    // the dK/dV kernel spilled 12-16 B with a score_mod after dP's, none before.
+    // Elsewhere after: without terms, before took 8.8 % more main-loop
+    // instructions at d = 128 (254 -> 238 registers, sm_80); d = 32 with two
+    // biases and a mask spilled 20 B before.
+    static constexpr bool kDvFirst = kAnyTerms && kHeadDim_ >= 128;
     __device__ static void row_products(double (&x)[kRows][kSCols], const double* sX, const double* sY, int row0) {
         dmma_row_products<DmmaBwdTraits>(x, sX, sY, row0);
     }

@@ -10,6 +10,7 @@
 //   kRows, kSCols, kGCols, kAsync  (shapes; kAsync: cp.async and two stages of
 //                      the streamed tiles, else converting loads and one)
 //   Fragment           the accumulators' coordinate trait (fragment.cuh)
+//   kDvFirst           dK/dV: dV's product issued before dP's (else after)
 //   row_products(x, sX, sY, row0)   x = X Y^T: the warp's own rows by every streamed row
 //   accumulate(g, x, sZ)            g += X Z: x in row_products' shape, Z streamed
 //   store_rows(dst, stride, g, factor, row0, rows_valid, cols_valid)
@@ -144,8 +145,11 @@ __device__ __forceinline__ void bwd_dkdv_loop(const BwdParams& params) {
             s, typename Tr::Fragment{}, mask, p, ScoreTile{tile.batch, head, m0, block.n0, row0, kOwn},
             [&] { return block.needs_mask(p, mask, m0, kStream, kOwn); }, [&](int, int c) { return lse_log2[c]; },
             scale_log2, chain);
-        Tr::row_products(dp, sV, sdO, row0);  // dP^T = V dO^T
-        Tr::accumulate(dv, s, sdO);           // dV += P^T dO
+        // dV += P^T dO before or after dP^T = V dO^T (Tr::kDvFirst), whichever the
+        // family's registers prefer: the same sums either way.
+        if constexpr (Tr::kDvFirst) Tr::accumulate(dv, s, sdO);
+        Tr::row_products(dp, sV, sdO, row0);
+        if constexpr (!Tr::kDvFirst) Tr::accumulate(dv, s, sdO);
         score_gradient<Tr>(dp, s, [&](int, int c) { return delta[c]; });  // dS^T
         gradient_epilogue<Out>(dp, s, chain, typename Tr::Fragment{}, params,
                                ScoreTile{tile.batch, head, m0, block.n0, row0, kOwn});

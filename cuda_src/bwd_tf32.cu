@@ -96,6 +96,8 @@ struct Tf32BwdTraits {
 
     // bwd_tc_loops.cuh's interface: the accumulators are mma_tile.cuh's register tiles.
     using Fragment = M16n8Fragment;
+    // dV's product after dP's: before, tf32x3's d = 128 dK/dV kernel spilled 8 B.
+    static constexpr bool kDvFirst = false;
     // x = X Y^T, 32 columns per unrolled iteration (16 at d = 32): fully unrolled,
     // the dK/dV kernels' fragment loads spill 8-12 bytes on sm_80 at d = 64, and at
     // d = 32 the three-pass one spills 8-44 bytes (NVRTC 13.5, 13.0, 12.0).

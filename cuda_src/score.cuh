@@ -202,6 +202,13 @@ struct TermTiles<Acc, ScoreTerms<kMask, Bias...>> {
 #ifndef CF_SCORE_MOD_GRAD  // d score_mod / d score (cupyflash/_expr.py's derivative)
 #define CF_SCORE_MOD_GRAD(Acc, ctx, score, b, h, q_idx, kv_idx) (static_cast<Acc>(1))
 #endif
+// 1 where that derivative is a number (score + a position bias: 1; a bias that
+// ignores the score: 0): the backward multiplies dS by it instead of keeping
+// one factor per score element (bwd_dmma's d = 128 dK/dV kernel spilled 16 B
+// with `score - gamma[h] * abs(q_idx - kv_idx)` when it kept them).
+#ifndef CF_SCORE_MOD_GRAD_CONST
+#define CF_SCORE_MOD_GRAD_CONST 0
+#endif
 #ifdef CF_MASK_MOD
 #define CF_HAS_MASK_MOD 1
 #else
@@ -212,6 +219,7 @@ struct TermTiles<Acc, ScoreTerms<kMask, Bias...>> {
 struct Mods {
     static constexpr bool kSoftcap = CF_SOFTCAP != 0, kAlibi = CF_ALIBI != 0;
     static constexpr bool kScoreMod = CF_HAS_SCORE_MOD != 0, kMaskMod = CF_HAS_MASK_MOD != 0;
+    static constexpr bool kModGradConst = kScoreMod && CF_SCORE_MOD_GRAD_CONST != 0;
     static constexpr bool kScores = kSoftcap || kAlibi || kScoreMod;  // they change the scores
     static constexpr bool kAny = kScores || kMaskMod;
 };
@@ -297,10 +305,11 @@ struct ModTile {
 // The backward's chain rule through the modifications: per element of a score
 // fragment, score_mod's derivative (d_mod) and the softcap's (d_cap), kept from
 // probability_epilogue (where the scores are) to the dS they multiply
-// (gradient_epilogue); no registers without those modifications.
+// (gradient_epilogue); no registers without those modifications, nor for a
+// score_mod whose derivative is a number (Mods::kModGradConst: dS times it).
 template <typename Acc, int R, int C>
 struct ChainRule {
-    static constexpr bool kMod = Mods::kScoreMod, kCap = Mods::kSoftcap;
+    static constexpr bool kMod = Mods::kScoreMod && !Mods::kModGradConst, kCap = Mods::kSoftcap;
     Acc mod[kMod ? R : 1][kMod ? C : 1];
     Acc cap[kCap ? R : 1][kCap ? C : 1];
 
@@ -316,6 +325,15 @@ struct ChainRule {
 #pragma unroll
                 for (int c = 0; c < C; ++c) ds[r][c] = prob[r][c] == Acc(0) ? Acc(0) : ds[r][c] * mod[r][c];
         }
+#if CF_SCORE_MOD_GRAD_CONST  // the macro names no context then
+        if constexpr (Mods::kModGradConst) {
+            const Acc d_mod = static_cast<Acc>(CF_SCORE_MOD_GRAD(Acc, 0, 0, 0, 0, 0, 0));
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int c = 0; c < C; ++c) ds[r][c] = prob[r][c] == Acc(0) ? Acc(0) : ds[r][c] * d_mod;
+        }
+#endif
     }
     __device__ __forceinline__ void through_cap(Acc (&ds)[R][C]) const {
         if constexpr (kCap) {

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Node", "parse", "evaluate", "derivative", "normalised", "COORDINATES", "FUNCTIONS"]
+__all__ = ["Node", "parse", "evaluate", "derivative", "constant", "normalised", "COORDINATES", "FUNCTIONS"]
 
 COORDINATES = ("b", "h", "q_idx", "kv_idx")
 FUNCTIONS = {"tanh": 1, "exp": 1, "log": 1, "sqrt": 1, "sigmoid": 1, "abs": 1, "floor": 1, "min": 2, "max": 2,
@@ -422,6 +422,14 @@ def _mul(a, b):
 
 def _call(name, *args):
     return Node("call", "float", name, tuple(args))
+
+
+def constant(node: Node | None) -> bool:
+    """Whether the tree names nothing (no score, coordinate or array): one value everywhere
+    (None, derivative()'s identically 0, counts)."""
+    if node is None or node.kind == "num":
+        return True
+    return node.kind not in ("name", "index") and all(constant(a) for a in node.args)
 
 
 def derivative(node: Node) -> Node | None:

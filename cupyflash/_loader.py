@@ -204,7 +204,15 @@ class _CubinModule:
 
 def _compile_arch_specific(entry: str, name_expressions: tuple[str, ...], target: str) -> _CubinModule:
     """Compile ``name_expressions`` of ``cuda_src/<entry>`` for ``target`` (e.g. ``"sm_90a"``)
-    with NVRTC and load the cubin; cached on disk by source, options, NVRTC version and names."""
+    with NVRTC and load the cubin (:func:`cached_cubin`)."""
+    return _CubinModule(*cached_cubin(entry, name_expressions, target))
+
+
+def cached_cubin(entry, name_expressions: tuple[str, ...], target: str) -> tuple[str, dict[str, str]]:
+    """The path of the cubin of ``name_expressions`` of ``entry`` (a file of cuda_src/ or a
+    :class:`~cupyflash._source.Variant`) for ``target``, and its lowered names: read from
+    the disk cache (keyed by source, options, NVRTC version and names), else compiled
+    with NVRTC and stored there.  Needs no GPU."""
     import hashlib
     import json
 
@@ -236,7 +244,7 @@ def _compile_arch_specific(entry: str, name_expressions: tuple[str, ...], target
             with open(tmp, "wb") as f:
                 f.write(data)
             os.replace(tmp, path)
-    return _CubinModule(cubin_path, lowered)
+    return cubin_path, lowered
 
 
 def _compile_rawmodule(device_id: int) -> Callable[[str, tuple[str, ...]], object]:

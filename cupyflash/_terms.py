@@ -76,7 +76,7 @@ class ScoreOperands:
         out = [("CF_SCORE_TERMS", self.terms_type())]
         m = self.mods
         if m:
-            from ._expr import cuda
+            from ._expr import constant, cuda
 
             arrays = dict(m.mod_args)
             out += [("CF_SOFTCAP", "1" if m.softcap is not None else "0"),
@@ -85,6 +85,8 @@ class ScoreOperands:
                 out.append(("CF_SCORE_MOD(Acc, ctx, score, b, h, q_idx, kv_idx)", cuda(m.score_mod, arrays)))
                 grad = "static_cast<Acc>(0)" if m.score_mod_grad is None else cuda(m.score_mod_grad, arrays)
                 out.append(("CF_SCORE_MOD_GRAD(Acc, ctx, score, b, h, q_idx, kv_idx)", grad))
+                if constant(m.score_mod_grad):   # no factor per element (score.cuh's ChainRule)
+                    out.append(("CF_SCORE_MOD_GRAD_CONST", "1"))
             if m.mask_mod is not None:
                 out.append(("CF_MASK_MOD(Acc, ctx, b, h, q_idx, kv_idx)", cuda(m.mask_mod, arrays)))
         return tuple(out)

@@ -5,6 +5,8 @@ per family)::
 
     python tests/mods_sweep.py            # every configuration and case
     python tests/mods_sweep.py mma        # configurations whose name contains a word
+    python tests/mods_sweep.py --head-dim 128   # at another head dim (default 64): d = 128
+                                                # runs the families' feature tiles
 
 For each dispatch configuration of tests/terms_sweep.py, every case of issue 29 -- softcap
 5, 30 and 50; ALiBi with Lq != Lk, causal, GQA; the score_mods and mask_mods of
@@ -62,6 +64,9 @@ def cases():
     return out
 
 
+HEAD_DIM = [64]
+
+
 def run_case(case, config, dtype):
     name, hkv, lq, lk, api, oracle, common = case
     _, arch, options, _, precision = config
@@ -70,7 +75,7 @@ def run_case(case, config, dtype):
     chosen = KernelOptions(**options)
     KernelOptions.from_environment = classmethod(lambda cls, environ=None: chosen)
     rng = _rng("mods", name, config[0], dtype.name)
-    d = 64
+    d = HEAD_DIM[0]
     q = random_array(rng, (B, H, lq, d), dtype)
     k = random_array(rng, (B, hkv, lk, d), dtype)
     v = random_array(rng, (B, hkv, lk, d), dtype)
@@ -90,6 +95,11 @@ def run_case(case, config, dtype):
 
 
 def main(argv) -> int:
+    argv = list(argv)
+    if "--head-dim" in argv:
+        at = argv.index("--head-dim")
+        HEAD_DIM[0] = int(argv[at + 1])
+        del argv[at:at + 2]
     return sweep(argv, cases, run_case, width=36)
 
 

@@ -78,16 +78,20 @@ CATALOGUE = {
     "fwd_v1": (4, ALL, EVERY_ARCH, True),
     "fwd_combine": (4, ALL, EVERY_ARCH, True),
     "fwd_mma": (None, HALF_SET, SM80_ON, False),                    # each arch class its tiles
-    "fwd_wgmma": (2 * 3 * len(WGMMA_HEAD_DIMS), HALF_SET, {90}, True),   # two dtypes; split-KV and whole-KV rows
-    "fwd_dmma": (len(DMMA_HEAD_DIMS) * len(DMMA_DTYPES), DMMA_SET, set(DMMA_ARCHS), True),
-    "fwd_tf32": (len(TF32_HEAD_DIMS) * len(TF32_PASSES), TF32_SET, SM80_ON, True),
+    # two dtypes; split-KV and whole-KV rows; each family's other tile at d = 128 for calls
+    # with score features (feature_tiles)
+    "fwd_wgmma": (2 * 3 * (len(WGMMA_HEAD_DIMS) + 1), HALF_SET, {90}, True),
+    "fwd_dmma": ((len(DMMA_HEAD_DIMS) + 1) * len(DMMA_DTYPES), DMMA_SET, set(DMMA_ARCHS), True),
+    "fwd_tf32": ((len(TF32_HEAD_DIMS) + 1) * len(TF32_PASSES), TF32_SET, SM80_ON, True),
     "bwd_simt": (None, ALL, EVERY_ARCH, True),
     "bwd_mma": (None, HALF_SET, SM80_ON, False),
     # per dtype and head dim: dK/dV (deterministic and atomic-dQ) and dQ, or (192, 256) dV,
-    # dK and dQ -- and the dQ kernel's whole-stream row
-    "bwd_wgmma": (2 * len(WGMMA_HEAD_DIMS) * 4, HALF_SET, {90}, True),
+    # dK and dQ -- and the dQ kernel's whole-stream row; at d = 128, for calls with score
+    # features, a dQ kernel of 64-key blocks (and its whole-stream row) and dV, dK apart
+    "bwd_wgmma": (2 * (len(WGMMA_HEAD_DIMS) * 4 + 4), HALF_SET, {90}, True),
     "bwd_dmma": (2 * len(DMMA_HEAD_DIMS) * len(DMMA_DTYPES), DMMA_SET, set(DMMA_ARCHS), True),   # dK/dV, dQ
-    "bwd_tf32": (2 * len(TF32_HEAD_DIMS) * len(TF32_PASSES), TF32_SET, SM80_ON, True),
+    # dK/dV and dQ per head dim and pass count, and d = 128's for calls with score features
+    "bwd_tf32": (2 * (len(TF32_HEAD_DIMS) + 1) * len(TF32_PASSES), TF32_SET, SM80_ON, True),
 }
 # Compile targets the static report and the loader build an entry for (None: no kernels there).
 TARGETS = {"fwd_wgmma": {"sm_90": "sm_90a", "sm_80": None, "sm_86": None},
@@ -139,9 +143,9 @@ def _wgmma_bwd(row):
 
 
 def _tf32_fwd(row):
-    # three passes: K and V (d = 128: V alone) as TF32 big and small parts, where two
-    # CTAs still fit an sm_80 SM
-    planes = 2 if row.passes == 1 else 4 if row.head_dim < 128 else 3
+    # three passes: K and V (d = 128's 32-key tile: V alone) as TF32 big and small parts,
+    # where two CTAs still fit an sm_80 SM
+    planes = 2 if row.passes == 1 else 4 if row.head_dim < 128 or row.block_n <= 16 else 3
     return (row.block_m + planes * row.block_n) * row.head_dim * 4
 
 
@@ -716,7 +720,18 @@ FORWARD_RUNS = {
     "fwd_tf32": ForwardRun(_tails, lambda r: r.head_dim, (CAUSAL, FULL),
                            precision=lambda r: next(p for p, n in TF32_PASSES.items() if n == r.passes)),
 }
-FORWARD_ROWS = [r for f in FORWARD for r in f.rows]
+
+
+def plain_call_rows(family):
+    """The family's rows a call without score features can run: its rows less those of its
+    feature tiles (which tests/test_score_mods.py runs at d = 128, and tests/mods_sweep.py
+    and tests/terms_sweep.py at every head dim)."""
+    tables = {t: {} for t in ("feature_tiles", "mod_tiles") if hasattr(family, t)}
+    plain = {r.name_expression for r in family.with_tiles(**tables).rows} if tables else None
+    return [r for r in family.rows if plain is None or r.name_expression in plain]
+
+
+FORWARD_ROWS = [r for f in FORWARD for r in plain_call_rows(f)]
 
 
 def _row_id(row):

@@ -187,6 +187,7 @@ def test_without_lse_and_growing_row_maxima(ex90):
 def test_wgmma_rows_are_in_the_catalogue_table():
     rows = FWD_WGMMA.rows
     assert set(FWD_WGMMA.tiles) == set(WGMMA_HEAD_DIMS) == {r.head_dim for r in rows}
-    # each split-KV and whole-KV row, per dtype and head dim
-    assert sum(r.split for r in rows) == sum(r.whole_kv for r in rows) == 2 * len(WGMMA_HEAD_DIMS)
+    # each split-KV and whole-KV row, per dtype and head dim (and d = 128's feature tile)
+    assert (sum(r.split for r in rows) == sum(r.whole_kv for r in rows)
+            == 2 * (len(WGMMA_HEAD_DIMS) + len(FWD_WGMMA.feature_tiles)))
     assert not any(r.split and r.whole_kv for r in rows)

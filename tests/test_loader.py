@@ -377,25 +377,63 @@ def test_launchable_is_what_the_dispatchers_pick_on_each_architecture():
         keep = {r.name_expression for r in launchable(arch)}
         everywhere |= keep
         picked = set()
-        for dtype in ("float16", "bfloat16", "float32", "float64"):
-            for d in MMA_HEAD_DIMS:
-                for split in (False, True):   # the split-KV rows too
-                    picked |= forward(dtype, d, arch, split=split)
-                # fwd_mma's whole-KV rows (Lk a multiple of every block_n)
-                picked |= forward(dtype, d, arch, seqlen_k=4096)
-                if d <= 128:   # fwd_dmma, opt-in; fwd_tf32 where precision allows TF32
-                    picked |= forward(dtype, d, arch, dmma)
-                    for precision in ("tf32", "tf32x3"):
-                        picked |= forward(dtype, d, arch, precision=precision)
-                for deterministic in (True, False):
-                    for options in (off, dmma):   # bwd_dmma, opt-in
-                        picked |= backward(dtype, d, arch, options, deterministic=deterministic)
-                    # bwd_mma's whole-stream rows (Lq and Lk multiples of every streamed block)
-                    picked |= backward(dtype, d, arch, deterministic=deterministic, seqlen_q=4096, seqlen_k=4096)
-                    for precision in ("tf32", "tf32x3"):   # bwd_tf32
-                        picked |= backward(dtype, d, arch, deterministic=deterministic, precision=precision)
+        # calls with score features too (the families' feature tiles: a bias or mask, a modification)
+        for features in (frozenset(), frozenset({"mask"}), frozenset({"score_mod"})):
+            for dtype in ("float16", "bfloat16", "float32", "float64"):
+                for d in MMA_HEAD_DIMS:
+                    for split in (False, True):   # the split-KV rows too
+                        picked |= forward(dtype, d, arch, split=split, features=features)
+                    # fwd_mma's whole-KV rows (Lk a multiple of every block_n)
+                    picked |= forward(dtype, d, arch, seqlen_k=4096, features=features)
+                    if d <= 128:   # fwd_dmma, opt-in; fwd_tf32 where precision allows TF32
+                        picked |= forward(dtype, d, arch, dmma, features=features)
+                        for precision in ("tf32", "tf32x3"):
+                            picked |= forward(dtype, d, arch, precision=precision, features=features)
+                    for deterministic in (True, False):
+                        for options in (off, dmma):   # bwd_dmma, opt-in
+                            picked |= backward(dtype, d, arch, options, deterministic=deterministic,
+                                               features=features)
+                        # bwd_mma's whole-stream rows (Lq and Lk multiples of every streamed block)
+                        picked |= backward(dtype, d, arch, deterministic=deterministic, seqlen_q=4096,
+                                           seqlen_k=4096, features=features)
+                        for precision in ("tf32", "tf32x3"):   # bwd_tf32
+                            picked |= backward(dtype, d, arch, deterministic=deterministic, precision=precision,
+                                               features=features)
         assert picked <= keep, (arch, sorted(picked - keep)[:3])
         mma = {n for n in keep if "_mma_" in n}
         assert mma == {n for n in picked if "_mma_" in n}, arch   # no other class's tiles
         assert (arch < 80) == (not mma)
     assert everywhere == {r.name_expression for r in catalogue()}
+
+
+def test_cached_cubin_compiles_once_then_reads_the_disk_cache(tmp_path, monkeypatch):
+    # the architecture-specific loader's disk cache (issue 29: a second process loads a
+    # compiled expression from it): a second request, in this process or another, finds
+    # the cubin by its key and never calls NVRTC; another expression is another key
+    from cupyflash import _nvrtc
+    from cupyflash._terms import ScoreOperands
+    from cupyflash._validation import check_score_functions
+
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
+    compiles = []
+    real = _nvrtc.compiler()
+
+    class Spy:
+        version = real.version
+
+        def compile(self, *a, **kw):
+            compiles.append(a[1])
+            return real.compile(*a, **kw)
+
+    monkeypatch.setattr(_nvrtc, "compiler", lambda: Spy())
+
+    def entry(text):
+        mods = check_score_functions(None, None, text, None, None, kind="numpy", device=None, batch_shape=(1, 2))
+        return ScoreOperands(mods=mods).entry(FWD_SIMT.entry)
+
+    name = (FWD_SIMT.rows[0].name_expression,)
+    first = _loader.cached_cubin(entry("score * 0.5"), name, "sm_80")
+    assert len(compiles) == 1 and Path(first[0]).is_file() and set(first[1]) == set(name)
+    assert _loader.cached_cubin(entry("score * 0.5"), name, "sm_80") == first and len(compiles) == 1
+    other = _loader.cached_cubin(entry("score * 0.25"), name, "sm_80")
+    assert other[0] != first[0] and len(compiles) == 2

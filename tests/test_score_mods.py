@@ -340,10 +340,10 @@ def emulate(monkeypatch):
     return use
 
 
-def _kernel_case(dtype, hkv=2):
+def _kernel_case(dtype, hkv=2, d=64):
     """q, k, v, dout of GQA 2:1 and the keywords of every modification at once, with the
     oracle's: softcap, a bias, ALiBi, a score_mod reading a table, a mask_mod reading one."""
-    q, k, v, dout = _inputs(f"kernel-{np.dtype(dtype).name}", hkv=hkv, dtype=dtype, d=64)
+    q, k, v, dout = _inputs(f"kernel-{np.dtype(dtype).name}-{d}", hkv=hkv, dtype=dtype, d=d)
     slopes = 2.0 ** -np.arange(1, H + 1)
     bias = random_array(_rng("kernel-bias"), (B, 1, 1, LK), np.float32)
     text, args, fn, grad = SCORE_MODS["distance kernel"]
@@ -353,15 +353,39 @@ def _kernel_case(dtype, hkv=2):
     return q, k, v, dout, api, oracle
 
 
+# Where a call with score features runs other tiles at d = 128 (the families' feature_tiles,
+# and bwd_dmma's order of products: none spills there): a piece of each kernel it launches.
+FEATURE_TILE_KERNELS = {   # forward family: (its kernel, the backward's kernels)
+    "fwd_mma": ("fwd_mma_kernel<__half, 128, 128, 32, 4, 1, true", ("bwd_mma_dkdv_kernel<__half, 128, 64, 32, 4, 1, ",
+                                                                   "bwd_mma_dkdv_kernel<__half, 128, 64, 32, 4, 2, ")),
+    "fwd_wgmma": ("fwd_wgmma_kernel<__half, 128, 64, 2, true", ("bwd_wgmma_dkdv_kernel<__half, 128, 128, 64, 2, 1>",
+                                                               "bwd_wgmma_dkdv_kernel<__half, 128, 128, 64, 2, 2>",
+                                                               "bwd_wgmma_dq_kernel<__half, 128, 128, 64, 2")),
+    "fwd_tf32": ("fwd_tf32_kernel<128, 64, 16, 4, 3>", ("bwd_tf32_dkdv_kernel<128, 64, 8, 4, 3>",
+                                                       "bwd_tf32_dq_kernel<128, 64, 8, 4, 3>")),
+    "fwd_dmma": ("fwd_dmma_kernel<128, 64, 8, 4>", ("bwd_dmma_dkdv_kernel<128, 32, 8, 4>",)),
+    "fwd_simt": ("fwd_simt_kernel<float, 128, ", ("bwd_simt_dkdv_kernel<float, 128, ",)),
+}
+HEAD_DIMS = pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+
+
+def _launched(spy, pieces):
+    missing = [p for p in pieces if not any(p in n for n in spy.launched)]
+    assert not missing, (missing, spy.launched)
+
+
+@HEAD_DIMS
 @pytest.mark.parametrize("fid, arch, options, dtype, precision, family", KERNEL_FAMILIES,
                          ids=[c[0] for c in KERNEL_FAMILIES])
-def test_forward_kernels_take_every_modification(emulate, fid, arch, options, dtype, precision, family):
+def test_forward_kernels_take_every_modification(emulate, fid, arch, options, dtype, precision, family, d):
     spy = emulate(arch, **options)
-    q, k, v, _, api, oracle = _kernel_case(dtype)
+    q, k, v, _, api, oracle = _kernel_case(dtype, d=d)
     common = dict(causal=True, enable_gqa=True)
     out, lse = cupyflash.attention(q, k, v, backend="emulator", return_lse=True, precision=precision, **api,
                                    **common)
     assert {n.split("<")[0] for n in spy.launched} == {f"cf::{family}_kernel"}
+    if d == 128:
+        _launched(spy, FEATURE_TILE_KERNELS[family][:1])
     ref, ref_lse = naive_attention(q, k, v, return_lse=True, **oracle, **common)
     assert_lse_close(lse, ref_lse, dtype)
     if np.dtype(dtype).itemsize == 2:
@@ -417,32 +441,47 @@ def test_backward_kernels_take_alibi_and_mask_mod(emulate, fid, arch, options, d
     assert_grad_close(grads[3], expected[3], looser, what="dbias")
 
 
+@HEAD_DIMS
 @pytest.mark.parametrize("fid, arch, options, dtype, precision, family", KERNEL_FAMILIES,
                          ids=[c[0] for c in KERNEL_FAMILIES])
-def test_backward_kernels_carry_the_chain_rule(emulate, fid, arch, options, dtype, precision, family):
+def test_backward_kernels_carry_the_chain_rule(emulate, fid, arch, options, dtype, precision, family, d):
     # softcap and score_mod: dS times score_mod's derivative, then dbias, then times the
     # softcap's.  float32 / float64 (and tf32x3) against the oracle with the table;
     # 16-bit inputs within HALF_YARDSTICK_FACTOR of naive_half_backward's error, which
-    # applies the same softcap, bias and function in float32 (the families' rule)
+    # applies the same softcap, bias and function in float32 (the families' rule).  d = 64:
+    # a derivative kept per score element; d = 128 (the feature tiles): the distance kernel,
+    # whose derivative is the number 1 (CF_SCORE_MOD_GRAD_CONST), with a mask_mod
     spy = emulate(arch, **options)
-    q, k, v, dout, api, oracle = _kernel_case(dtype)
-    mod = "where(score > 0, score * score / 4, 0.5 * score)"
-    api = dict(softcap=3.0, bias=api["bias"], score_mod=mod)
-    oracle = dict(softcap=3.0, bias=oracle["bias"], score_mod=lambda s, *_: np.where(s > 0, s * s / 4, 0.5 * s),
-                  score_mod_grad=lambda s, *_: np.where(s > 0, s / 2, 0.5))
+    q, k, v, dout, api, oracle = _kernel_case(dtype, d=d)
+    if d == 64:
+        mod = "where(score > 0, score * score / 4, 0.5 * score)"
+        api = dict(softcap=3.0, bias=api["bias"], score_mod=mod)
+        oracle = dict(softcap=3.0, bias=oracle["bias"],
+                      score_mod=lambda s, *_: np.where(s > 0, s * s / 4, 0.5 * s),
+                      score_mod_grad=lambda s, *_: np.where(s > 0, s / 2, 0.5))
+    else:
+        text, args, fn, grad = SCORE_MODS["distance kernel"]
+        api = dict(softcap=3.0, bias=api["bias"], score_mod=text, mod_args=args)
+        oracle = dict(softcap=3.0, bias=oracle["bias"], score_mod=fn, score_mod_grad=grad)
     common = dict(causal=True, enable_gqa=True)
     out, lse = cupyflash.attention(q, k, v, backend="numpy", return_lse=True, **api, **common)
     grads = cupyflash.attention_backward(dout, q, k, v, out, lse, backend="emulator", precision=precision,
                                          **api, **common)
     assert any(n.startswith(f"cf::bwd_{family.split('_')[1]}_dkdv") for n in spy.launched)
+    if d == 128:
+        _launched(spy, FEATURE_TILE_KERNELS[family][1])
     expected = naive_attention_backward(dout, q, k, v, **oracle, **common)
     accuracy = np.float32 if precision != "ieee" or np.dtype(dtype).itemsize == 8 else dtype
     if np.dtype(dtype).itemsize == 2:
         from _backward_util import assert_within_yardstick, backward_term_sizes, naive_half_backward
 
+        # the oracle's (b, h, q_idx, kv_idx), broadcast over the scores (B, H, Lq, Lk)
+        coords = (np.arange(B)[:, None, None, None], np.arange(H)[None, :, None, None],
+                  np.arange(LQ)[:, None], np.arange(LK)[None, :])
         half = naive_half_backward(dout, q, k, v, out, scale=1 / np.sqrt(q.shape[-1]), window=(None, 0),
                                    gqa_ratio=2, lse=lse, bias=(api["bias"],), softcap=3.0,
-                                   score_fn=oracle["score_mod"], score_fn_grad=oracle["score_mod_grad"])
+                                   score_fn=lambda x: oracle["score_mod"](x, *coords),
+                                   score_fn_grad=lambda x: oracle["score_mod_grad"](x, *coords))
         sizes = backward_term_sizes(dout, q, k, v, **oracle, **common)
         for name, g, e, h, size in zip(("dq", "dk", "dv"), grads, expected, half, sizes):
             assert_within_yardstick(g, e, h, sizes=size, what=name)

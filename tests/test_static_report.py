@@ -446,3 +446,30 @@ def test_report_tests_share_one_xdist_worker(tmp_path):
     assert {(test, group) for _, test, group in ran} == {("test_uses_report", "@static-report"),
                                                          ("test_other", "")}
     assert len({worker for worker, test, _ in ran if test == "test_uses_report"}) == 1
+
+
+# ---- issue 29: the kernels a call with a score modification runs, at d = 128 ---------------------
+
+# (example, cuda_src entry, arch) where a row spilled before the families took their feature
+# tiles (and bwd_dmma its order of products): tools/mods_report.py compiles every example for
+# every family (16 minutes on two cores, benchmarks/results/terms/); these are its worst cases
+REPO = Path(__file__).resolve().parents[1]
+SPILLED_BEFORE = [
+    ("distance kernel", "bwd_dmma.cu", 80), ("distance kernel", "bwd_tf32.cu", 80),
+    ("relative-position table", "fwd_wgmma.cu", 90), ("relative-position table", "fwd_tf32.cu", 90),
+    ("temperature per batch", "fwd_dmma.cu", 90), ("softcap=", "bwd_mma.cu", 90),
+    ("T5 buckets", "bwd_wgmma.cu", 90),
+]
+
+
+@pytest.mark.parametrize("example, entry, arch", SPILLED_BEFORE, ids=[f"{e}-{a}" for _, e, a in SPILLED_BEFORE])
+def test_rows_planned_for_a_score_modification_do_not_spill(example, entry, arch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mods_report", REPO / "tools" / "mods_report.py")
+    mods_report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mods_report)
+    rows = mods_report.report([arch], [example], entries={entry}, quiet=True)
+    assert rows
+    spilled = [(r["kernel"], r["spill_stores"], r["stack"]) for r in rows if r["spill_stores"] or r["stack"]]
+    assert not spilled, spilled

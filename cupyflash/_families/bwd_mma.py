@@ -71,6 +71,11 @@ class BwdMma(Family):
     # else one.  sm90 stops at 100 KB: the d = 224 dK kernel with two stages (112.5
     # KB) spills 4 bytes under NVRTC 13.0.
     two_cta_shared = {"sm80": 81 * 1024, "sm86": 49 * 1024, "sm90": 100 * 1024}
+    # A call with score features at d = 128 launches dV and dK apart: together, the dK/dV
+    # kernel spilled 4-12 B on sm_90 with softcap, ALiBi or a softcap by hand, and 4 B
+    # with two biases and a mask (NVRTC 13.5; apart 168-246 registers, no spills;
+    # benchmarks/results/terms/).
+    feature_tiles = {128: (32, False)}
 
     def streamed(self, head_dim: int) -> tuple[int, int]:
         """Rows per streamed block of the dK/dV kernels (query rows) and of the dQ kernel
@@ -79,18 +84,20 @@ class BwdMma(Family):
         return streamed, (dq_streamed[0] if dq_streamed else streamed)
 
     def kernels(self, dtype: str, head_dim: int, arch: int, deterministic: bool = True,
-                whole_q: bool = False, whole_k: bool = False) -> tuple:
+                whole_q: bool = False, whole_k: bool = False, features: bool = False) -> tuple:
         """The dK/dV launches (or dV, then dK) and the dQ kernel for ``dtype`` and ``head_dim``
         on ``arch``, in launch order.  Not ``deterministic``: the launch computing dK also
         adds dQ by float atomics and there is no dQ kernel -- except at d = 256, whose
         atomic dK kernel would pass the 99 KB of shared memory every row keeps within.
         ``whole_q`` / ``whole_k``: the dK/dV / dQ kernels' whole-stream instantiations
-        (``kWholeStream``: streamed copies without bounds)."""
+        (``kWholeStream``: streamed copies without bounds).  ``features``: a call's with
+        score features (:attr:`feature_tiles`)."""
         cls = tile_class(arch)
         if cls is None or head_dim not in self.tiles:
             raise ValueError(f"bwd_mma has no kernel for head_dim={head_dim} on sm_{arch}")
         own, warps = self.own, self.warps
-        streamed, together, *_ = self.tiles[head_dim]
+        streamed, together, *_ = (self.feature_tiles if features else self.tiles).get(head_dim,
+                                                                                   self.tiles[head_dim])
         streamed_dq = self.streamed(head_dim)[1]
 
         def stages(rows: int, needs_v: bool, atomic_dq: bool = False) -> int:
@@ -116,16 +123,18 @@ class BwdMma(Family):
         return tuple(rows)
 
     def build_rows(self):
-        return [r for dtype in MMA_DTYPES for d in self.tiles for arch in TILE_CLASS_ARCH.values()
-                for deterministic in (True, False) for whole in (False, True)
-                for r in self.kernels(dtype, d, arch, deterministic, whole, whole)]
+        return list(dict.fromkeys(
+            r for dtype in MMA_DTYPES for d in self.tiles for arch in TILE_CLASS_ARCH.values()
+            for deterministic in (True, False) for whole in (False, True) for features in (False, True)
+            for r in self.kernels(dtype, d, arch, deterministic, whole, whole, features)))
 
     def launchable(self, arch: int):
         if tile_class(arch) is None:
             return ()
         return tuple(dict.fromkeys(r for dtype in MMA_DTYPES for d in MMA_HEAD_DIMS
                                    for deterministic in (True, False) for whole in (False, True)
-                                   for r in self.kernels(dtype, d, arch, deterministic, whole, whole)))
+                                   for features in (False, True)
+                                   for r in self.kernels(dtype, d, arch, deterministic, whole, whole, features)))
 
     def applies(self, call: Call, arch: int, options) -> bool:
         return mma_bucket(call, arch) is not None
@@ -136,7 +145,8 @@ class BwdMma(Family):
         return (BWD_SIMT.delta(call),) + self.kernels(
             call.dtype, bucket, arch, call.deterministic,
             whole_q=whole_blocks(call.seqlen_q, streamed, call.head_dim, bucket, options),
-            whole_k=whole_blocks(call.seqlen_k, streamed_dq, call.head_dim, bucket, options))
+            whole_k=whole_blocks(call.seqlen_k, streamed_dq, call.head_dim, bucket, options),
+            features=bool(call.features))
 
     def shared_bytes(self, row, sizes: Sizes | None = None) -> int:
         # MmaBwdTraits::kSmemBytes (V only when the dK/dV kernel computes dK) and the dS

@@ -32,13 +32,18 @@ class BwdTf32(Family):
         64: (64, 32, 4),    # 64 KB
         128: (64, 16, 4),   # 96 KB: two CTAs per SM on sm_90, one on sm_80 (32 streamed rows: 128 KB)
     }
+    # A call with score features (bias, mask, modifications) at d = 128 streams 8 rows:
+    # with 16, tf32x3's dK/dV kernel spills 24-60 B with a score_mod and 40 B with two
+    # biases and a mask on sm_80 (8: 223-255 registers, no spills; 80 KB; NVRTC 13.5,
+    # benchmarks/results/terms/).
+    feature_tiles = {128: (64, 8, 4)}
 
-    def kernels(self, head_dim: int, passes: int) -> tuple:
+    def kernels(self, head_dim: int, passes: int, features: bool = False) -> tuple:
         """``bwd_tf32_dkdv_kernel`` and ``bwd_tf32_dq_kernel`` ``<head_dim, own, streamed,
-        warps, passes>``, in launch order."""
+        warps, passes>``, in launch order (``features``: a call's with score features)."""
         if head_dim not in self.tiles:
             raise ValueError(f"bwd_tf32 has no kernel for head_dim={head_dim}")
-        own, streamed, warps = self.tiles[head_dim]
+        own, streamed, warps = (self.feature_tiles if features else self.tiles).get(head_dim, self.tiles[head_dim])
         common = dict(dtype="float32", head_dim=head_dim, head_dim_v=head_dim, threads=32 * warps, kv_stages=2,
                       passes=passes)
         args = (head_dim, own, streamed, warps, passes)
@@ -46,8 +51,8 @@ class BwdTf32(Family):
                 self.row("bwd_tf32_dq_kernel", *args, role=DQ, block_m=own, block_n=streamed, **common))
 
     def build_rows(self):
-        return [r for passes in sorted(set(TF32_PASSES.values())) for d in self.tiles
-                for r in self.kernels(d, passes)]
+        return list(dict.fromkeys(r for passes in sorted(set(TF32_PASSES.values())) for d in self.tiles
+                                  for features in (False, True) for r in self.kernels(d, passes, features)))
 
     def launchable(self, arch: int):
         return self.rows if int(arch) >= 80 else ()
@@ -56,7 +61,8 @@ class BwdTf32(Family):
         return tf32_bucket(call, arch) is not None
 
     def plan(self, call: Call, arch: int, options):
-        return (BWD_SIMT.delta(call),) + self.kernels(tf32_bucket(call, arch), TF32_PASSES[call.precision])
+        return (BWD_SIMT.delta(call),) + self.kernels(tf32_bucket(call, arch), TF32_PASSES[call.precision],
+                                                      bool(call.features))
 
     def shared_bytes(self, row, sizes: Sizes | None = None) -> int:
         # Tf32BwdTraits::kSmemBytes: two own tiles and two stages of two streamed tiles of

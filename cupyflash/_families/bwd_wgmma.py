@@ -11,7 +11,7 @@ atomics.
 from __future__ import annotations
 
 from .._arch import WGMMA_ARCH
-from ._family import DKDV, DQ, FEATURES, Call, Family, Sizes
+from ._family import DKDV, DQ, FEATURES, MOD_FEATURES, Call, Family, Sizes
 from .bwd_mma import BWD_GRAD_DK, BWD_GRAD_DQ_ATOMIC, BWD_GRAD_DV
 from .bwd_simt import BWD_SIMT
 from .fwd_mma import MMA_DTYPES, mma_bucket, whole_blocks
@@ -52,6 +52,13 @@ class BwdWgmma(Family):
         192: (((BWD_GRAD_DV, 64), (BWD_GRAD_DK, 64)), 2, 64),    # dV 254 regs, 146 KB; dK 254, 194 KB; dQ 215, 194 KB
         256: (((BWD_GRAD_DV, 64), (BWD_GRAD_DK, 32)), 2, 32),    # dV 255 regs, 194 KB; dK 254, 194 KB; dQ 210, 194 KB
     }
+    # A call with score features at d = 128 (NVRTC 13.5, sm_90a; benchmarks/results/terms/):
+    # the dQ kernel streams 64 keys (with 128 it spilled 12-20 B), dQ is never added by
+    # atomics (those dK launches spilled 4-272 B), and with a modification (softcap,
+    # ALiBi, score_mod, mask_mod) dV and dK are launched apart (together they spilled
+    # 4-84 B; apart none of the issue's twelve examples spills: 217-255 registers).
+    feature_tiles = {128: (((BWD_GRAD_DV | BWD_GRAD_DK, 64),), 2, 64)}
+    mod_tiles = {128: (((BWD_GRAD_DV, 64), (BWD_GRAD_DK, 64)), 2, 64)}
 
     def _atomic_dq(self, head_dim: int, streamed: int, groups: int) -> bool:
         """Whether a dK launch streaming ``streamed`` rows can add dQ by atomics: each
@@ -62,20 +69,25 @@ class BwdWgmma(Family):
         cols = head_dim // (groups // (streamed // 64))
         return cols % 64 == 0 and wgmma_bwd_shared_bytes(head_dim, 64 * groups, streamed, True, True) <= 227 * 1024
 
-    def dq_keys(self, head_dim: int) -> int:
-        """Keys per block of the dQ kernel at compile-time ``head_dim``."""
-        return self.tiles[head_dim][2]
+    def dq_keys(self, head_dim: int, features: frozenset = frozenset()) -> int:
+        """Keys per block of the dQ kernel at compile-time ``head_dim`` (for a call with
+        score ``features``)."""
+        return (self.feature_tiles if features else self.tiles).get(head_dim, self.tiles[head_dim])[2]
 
-    def kernels(self, dtype: str, head_dim: int, deterministic: bool = True, whole_k: bool = False) -> tuple:
+    def kernels(self, dtype: str, head_dim: int, deterministic: bool = True, whole_k: bool = False,
+                features: frozenset = frozenset()) -> tuple:
         """The dK/dV launches (or dV, then dK), then dQ -- or, not ``deterministic`` where
         the dK launch can (:meth:`_atomic_dq`), no dQ kernel.  ``whole_k``: the dQ
         kernel's whole-stream instantiation (``kWholeStream``).  The dK/dV kernels have
         none: at 255 registers, ptxas spent more instructions without their bounds than
-        with them."""
+        with them.  ``features``: the call's score features (:attr:`feature_tiles`,
+        :attr:`mod_tiles`)."""
         if head_dim not in self.tiles:
             raise ValueError(f"bwd_wgmma has no kernel for head_dim={head_dim}")
-        launches, groups, streamed_dq = self.tiles[head_dim]
+        table = (self.mod_tiles if features & set(MOD_FEATURES) else self.feature_tiles) if features else {}
+        launches, groups, streamed_dq = table.get(head_dim, self.tiles[head_dim])
         own = 64 * groups
+        deterministic = deterministic or head_dim in table
         atomic = not deterministic and all(self._atomic_dq(head_dim, streamed, groups)
                                            for grads, streamed in launches if grads & BWD_GRAD_DK)
         common = dict(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim, threads=128 * groups, kv_stages=2)
@@ -92,8 +104,10 @@ class BwdWgmma(Family):
         return tuple(rows)
 
     def build_rows(self):
-        return [r for dtype in MMA_DTYPES for d in self.tiles for deterministic in (True, False)
-                for whole in (False, True) for r in self.kernels(dtype, d, deterministic, whole)]
+        return list(dict.fromkeys(
+            r for dtype in MMA_DTYPES for d in self.tiles for deterministic in (True, False)
+            for whole in (False, True) for features in ((), ("mask",), ("score_mod",))
+            for r in self.kernels(dtype, d, deterministic, whole, frozenset(features))))
 
     def applies(self, call: Call, arch: int, options) -> bool:
         return options.wgmma and int(arch) == WGMMA_ARCH and mma_bucket(call, arch) in self.tiles
@@ -102,7 +116,8 @@ class BwdWgmma(Family):
         bucket = mma_bucket(call, arch)
         return (BWD_SIMT.delta(call),) + self.kernels(
             call.dtype, bucket, call.deterministic or not call.dq_aligned,
-            whole_k=whole_blocks(call.seqlen_k, self.dq_keys(bucket), call.head_dim, bucket, options))
+            whole_k=whole_blocks(call.seqlen_k, self.dq_keys(bucket, call.features), call.head_dim, bucket, options),
+            features=call.features)
 
     def shared_bytes(self, row, sizes: Sizes | None = None) -> int:
         # WgmmaBwdTraits::kSmemBytes; the dK/dV kernel needs V only for dK

@@ -49,16 +49,24 @@ class FwdDmma(Family):
         64: (64, 32, 4),    # 215 / 216 regs, 64 KB
         128: (64, 16, 4),   # 246 / 246 regs, 96 KB: 1 CTA on sm_80, 2 on sm_90 (64 x 32 would take 128 KB)
     }
+    # A call with score features at d = 128 takes 8-key blocks: with 16, float64 spilled
+    # 24-32 B on sm_90 with a T5 bucket table, a temperature per batch or a prefix-LM
+    # mask_mod (NVRTC 13.5; 8 keys: 240-252 registers, no spills, with two biases and a
+    # mask too; benchmarks/results/terms/).
+    feature_tiles = {128: (64, 8, 4)}
 
-    def make_row(self, dtype: str, head_dim: int):
-        """``fwd_dmma_kernel<head_dim, block_m, block_n, warps[, float]>``."""
-        block_m, block_n, warps = self.tiles[head_dim]
+    def make_row(self, dtype: str, head_dim: int, features: bool = False):
+        """``fwd_dmma_kernel<head_dim, block_m, block_n, warps[, float]>`` (``features``: a
+        call's with score features)."""
+        block_m, block_n, warps = (self.feature_tiles if features else self.tiles).get(head_dim,
+                                                                                     self.tiles[head_dim])
         return self.row("fwd_dmma_kernel", head_dim, block_m, block_n, warps, *dtype_tail(dtype), role=FORWARD,
                         dtype=dtype, head_dim=head_dim, head_dim_v=head_dim, threads=32 * warps,
                         block_m=block_m, block_n=block_n)
 
     def build_rows(self):
-        return [self.make_row(dtype, d) for dtype in DMMA_DTYPES for d in self.tiles]
+        return list(dict.fromkeys(self.make_row(dtype, d, features) for dtype in DMMA_DTYPES for d in self.tiles
+                                  for features in (False, True)))
 
     def launchable(self, arch: int):
         return self.rows if int(arch) in DMMA_ARCHS else ()
@@ -67,7 +75,7 @@ class FwdDmma(Family):
         return dmma_bucket(call, arch, options) is not None
 
     def plan(self, call: Call, arch: int, options):
-        return (self.make_row(call.dtype, dmma_bucket(call, arch, options)),)
+        return (self.make_row(call.dtype, dmma_bucket(call, arch, options), bool(call.features)),)
 
     def shared_bytes(self, row, sizes: Sizes | None = None) -> int:
         # DmmaFwdTraits::kSmemBytes: Q, K and V tiles of doubles (float32 inputs, widened

@@ -169,10 +169,12 @@ class FwdMma(Family):
         if tiles is None:
             return ()
         split = self.class_tiles(arch, True)
+        terms = {d: self.terms_tiles.get(d, t) for d, t in tiles.items()}   # calls with score features
         return tuple(dict.fromkeys(
             r for dtype in MMA_DTYPES for d in MMA_HEAD_DIMS
             for r in (self.make_row(dtype, d, tiles[d]), self.make_row(dtype, d, tiles[d], whole_kv=True),
-                      self.make_row(dtype, d, split[d], split=True))))
+                      self.make_row(dtype, d, split[d], split=True), self.make_row(dtype, d, terms[d]),
+                      self.make_row(dtype, d, terms[d], whole_kv=True))))
 
     def applies(self, call: Call, arch: int, options) -> bool:
         return folds_scale(call.scale) and mma_bucket(call, arch) is not None

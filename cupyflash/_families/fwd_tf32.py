@@ -47,16 +47,24 @@ class FwdTf32(Family):
         64: (64, 64, 4),    # 48 KB (tf32x3: 80 KB)
         128: (64, 32, 4),   # 64 KB (tf32x3: 80 KB, V's small plane only); 64 keys: 96 KB
     }
+    # A call with score features at d = 128 takes 16-key blocks: with 32, one pass (held
+    # to 168 registers, three CTAs per SM) spilled 12-28 B with mod_args tables (a
+    # relative-position table, document ids, a prefix per batch) or two biases and a
+    # mask (NVRTC 13.5, sm_80 / sm_90; 16 keys: no spills; benchmarks/results/terms/).
+    feature_tiles = {128: (64, 16, 4)}
 
-    def make_row(self, head_dim: int, passes: int):
-        """``fwd_tf32_kernel<head_dim, block_m, block_n, warps, passes>``."""
-        block_m, block_n, warps = self.tiles[head_dim]
+    def make_row(self, head_dim: int, passes: int, features: bool = False):
+        """``fwd_tf32_kernel<head_dim, block_m, block_n, warps, passes>`` (``features``: a
+        call's with score features)."""
+        block_m, block_n, warps = (self.feature_tiles if features else self.tiles).get(head_dim,
+                                                                                     self.tiles[head_dim])
         return self.row("fwd_tf32_kernel", head_dim, block_m, block_n, warps, passes, role=FORWARD,
                         dtype="float32", head_dim=head_dim, head_dim_v=head_dim, threads=32 * warps,
                         block_m=block_m, block_n=block_n, passes=passes)
 
     def build_rows(self):
-        return [self.make_row(d, passes) for passes in sorted(set(TF32_PASSES.values())) for d in self.tiles]
+        return list(dict.fromkeys(self.make_row(d, passes, features) for passes in sorted(set(TF32_PASSES.values()))
+                                  for d in self.tiles for features in (False, True)))
 
     def launchable(self, arch: int):
         return self.rows if int(arch) >= 80 else ()
@@ -65,7 +73,7 @@ class FwdTf32(Family):
         return folds_scale(call.scale) and tf32_bucket(call, arch) is not None
 
     def plan(self, call: Call, arch: int, options):
-        return (self.make_row(tf32_bucket(call, arch), TF32_PASSES[call.precision]),)
+        return (self.make_row(tf32_bucket(call, arch), TF32_PASSES[call.precision], bool(call.features)),)
 
     def shared_bytes(self, row, sizes: Sizes | None = None) -> int:
         # Tf32FwdTraits::kSmemBytes: Q, K and V tiles of floats; with three passes a second

@@ -43,12 +43,23 @@ class FwdWgmma(Family):
         192: (64, 2, True),     # 194 regs, 145 KB
         256: (64, 2, True),     # 222 regs, 193 KB (O is 128 floats per thread)
     }
+    # A call with score features at d = 128 takes 64-key blocks: with 128, the kernel
+    # spilled 16-116 B with a relative-position table or document ids (NVRTC 13.5,
+    # sm_90a; 64 keys: no spills with any of issue 29's examples, nor with two biases
+    # and a mask; benchmarks/results/terms/).
+    feature_tiles = {128: (64, 2, True)}
 
-    def make_row(self, dtype: str, head_dim: int, split: bool = False, whole_kv: bool = False):
+    def tile(self, head_dim: int, features: bool = False) -> tuple:
+        """(block_n, warpgroups, lazy_rescale) at compile-time ``head_dim`` (for a call with
+        score features: :attr:`feature_tiles`)."""
+        return (self.feature_tiles if features else self.tiles).get(head_dim, self.tiles[head_dim])
+
+    def make_row(self, dtype: str, head_dim: int, split: bool = False, whole_kv: bool = False,
+                 features: bool = False):
         """``fwd_wgmma_kernel<T, head_dim, block_n, warpgroups, lazy_rescale[, split[, whole_kv]]>``."""
         if split and whole_kv:
             raise ValueError("fwd_wgmma has no split-KV instantiation with whole K/V blocks")
-        block_n, groups, lazy = self.tiles[head_dim]
+        block_n, groups, lazy = self.tile(head_dim, features)
         tail = (True,) if split else (False, True) if whole_kv else ()
         return self.row("fwd_wgmma_kernel", dtype, head_dim, block_n, groups, lazy, *tail, role=FORWARD,
                         dtype=dtype, head_dim=head_dim, head_dim_v=head_dim, threads=128 * groups,
@@ -56,9 +67,10 @@ class FwdWgmma(Family):
                         whole_kv=whole_kv)
 
     def build_rows(self):
-        return [self.make_row(dtype, d, split, whole_kv)
-                for split, whole_kv in ((False, False), (True, False), (False, True))
-                for dtype in MMA_DTYPES for d in self.tiles]
+        return list(dict.fromkeys(self.make_row(dtype, d, split, whole_kv, features)
+                                  for features in (False, True)
+                                  for split, whole_kv in ((False, False), (True, False), (False, True))
+                                  for dtype in MMA_DTYPES for d in self.tiles))
 
     def applies(self, call: Call, arch: int, options) -> bool:
         return (options.wgmma and int(arch) == WGMMA_ARCH and folds_scale(call.scale)
@@ -66,9 +78,10 @@ class FwdWgmma(Family):
 
     def plan(self, call: Call, arch: int, options):
         bucket = mma_bucket(call, arch)
-        whole_kv = not call.split and whole_blocks(call.seqlen_k, self.tiles[bucket][0], call.head_dim, bucket,
-                                                   options)
-        return (self.make_row(call.dtype, bucket, call.split, whole_kv),)
+        features = bool(call.features)
+        whole_kv = not call.split and whole_blocks(call.seqlen_k, self.tile(bucket, features)[0], call.head_dim,
+                                                   bucket, options)
+        return (self.make_row(call.dtype, bucket, call.split, whole_kv, features),)
 
     def shared_bytes(self, row, sizes: Sizes | None = None) -> int:
         # WgmmaFwdTraits::kSmemBytes: Q, then 2 x (K, V), 16-bit elements, and 1 KB
