@@ -361,3 +361,13 @@ def guarded_array(shape, dtype, guard_bytes=1 << 20):
     _GUARDED.append(addr)
     buffer = (ctypes.c_char * nbytes).from_address(addr + data - nbytes)
     return np.frombuffer(buffer, dtype=dtype).reshape(shape)
+
+
+def plain_call_rows(family):
+    """The family's rows a call without score features can run: its rows less those of its
+    feature tiles (tests/test_score_mods.py runs those at d = 128, tests/mods_sweep.py and
+    tests/terms_sweep.py at every head dim): what a test running each row through plain
+    dispatch can reach."""
+    tables = {t: {} for t in ("feature_tiles", "mod_tiles") if hasattr(family, t)}
+    plain = {r.name_expression for r in family.with_tiles(**tables).rows} if tables else None
+    return [r for r in family.rows if plain is None or r.name_expression in plain]

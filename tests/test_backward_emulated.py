@@ -42,7 +42,7 @@ from cupyflash.reference import naive_attention_backward
 from _backward_util import assert_within_term_bound, backward_term_sizes
 from _kernel_util import Case, needs_emulator, qkv
 from _util import (DTYPE_IDS, DTYPES, HALF, accum_dtype, assert_grad_close, cxx_struct_layout, logit_rounding,
-                   poisoned, random_array)
+                   plain_call_rows, poisoned, random_array)
 
 
 def _select(dtype, d, dv, arch, **call):
@@ -397,7 +397,7 @@ def test_simt_atomic_dq_matches_oracle_and_leaves_dk_dv_alone(executor, dtype, h
 
 # ---- bwd_mma: tensor cores -------------------------------------------------------------------------
 
-MMA_ROWS = BWD_MMA.rows
+MMA_ROWS = plain_call_rows(BWD_MMA)   # the feature tiles' rows: tests/test_score_mods.py
 
 
 def _families(case: Case, arch=80):

@@ -48,7 +48,7 @@ from cupyflash._options import KernelOptions
 from cupyflash.emulator import EmulatorExecutor
 
 from _kernel_util import Case, needs_emulator, numpy_dtype, qkv, run_half_forward
-from _util import DTYPES, HALF, LaunchSpy, forward_against_oracle
+from _util import DTYPES, HALF, LaunchSpy, forward_against_oracle, plain_call_rows
 
 NAMES = {f.name: f for f in FAMILIES}
 DEFAULT = KernelOptions()
@@ -720,15 +720,6 @@ FORWARD_RUNS = {
     "fwd_tf32": ForwardRun(_tails, lambda r: r.head_dim, (CAUSAL, FULL),
                            precision=lambda r: next(p for p, n in TF32_PASSES.items() if n == r.passes)),
 }
-
-
-def plain_call_rows(family):
-    """The family's rows a call without score features can run: its rows less those of its
-    feature tiles (which tests/test_score_mods.py runs at d = 128, and tests/mods_sweep.py
-    and tests/terms_sweep.py at every head dim)."""
-    tables = {t: {} for t in ("feature_tiles", "mod_tiles") if hasattr(family, t)}
-    plain = {r.name_expression for r in family.with_tiles(**tables).rows} if tables else None
-    return [r for r in family.rows if plain is None or r.name_expression in plain]
 
 
 FORWARD_ROWS = [r for f in FORWARD for r in plain_call_rows(f)]

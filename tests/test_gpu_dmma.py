@@ -28,14 +28,14 @@ from cupyflash._options import DMMA_ENV
 from cupyflash.reference import naive_attention
 
 from _backward_util import check_gradients
-from _util import assert_close, assert_lse_close, random_array
+from _util import assert_close, assert_lse_close, plain_call_rows, random_array
 
 cp = pytest.importorskip("cupy")
 
 pytestmark = pytest.mark.gpu
 
-DMMA_ROWS = FWD_DMMA.rows
-BWD_ROWS = BWD_DMMA.rows
+DMMA_ROWS = plain_call_rows(FWD_DMMA)
+BWD_ROWS = plain_call_rows(BWD_DMMA)
 
 
 @pytest.fixture(scope="module", autouse=True)

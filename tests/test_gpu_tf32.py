@@ -31,13 +31,13 @@ from cupyflash.reference import naive_attention, naive_attention_backward
 
 from _backward_util import (TF32_YARDSTICK_FACTOR, assert_within_term_bound, assert_within_yardstick,
                             backward_term_sizes, naive_tf32_backward)
-from _util import naive_tf32_attention, random_array
+from _util import naive_tf32_attention, plain_call_rows, random_array
 
 cp = pytest.importorskip("cupy")
 
 pytestmark = pytest.mark.gpu
 
-TF32_ROWS = FWD_TF32.rows
+TF32_ROWS = plain_call_rows(FWD_TF32)
 PRECISIONS = tuple(TF32_PASSES)
 
 
@@ -151,7 +151,7 @@ def check_backward(q, k, v, *, precision, window=(None, None), gqa_ratio=1, dete
             assert_within_yardstick(g, e, n, factor=TF32_YARDSTICK_FACTOR, sizes=size, what=name)
 
 
-BWD_ROWS = [r for r in BWD_TF32.rows if r.role == "dkdv"]
+BWD_ROWS = [r for r in plain_call_rows(BWD_TF32) if r.role == "dkdv"]
 
 
 @pytest.mark.parametrize("inst", BWD_ROWS, ids=lambda r: f"x{r.passes}-d{r.head_dim}")
