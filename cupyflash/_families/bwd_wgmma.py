@@ -56,7 +56,7 @@ class BwdWgmma(Family):
     # the dQ kernel streams 64 keys (with 128 it spilled 12-20 B), dQ is never added by
     # atomics (those dK launches spilled 4-272 B), and with a modification (softcap,
     # ALiBi, score_mod, mask_mod) dV and dK are launched apart (together they spilled
-    # 4-84 B; apart none of the issue's twelve examples spills: 217-255 registers).
+    # 4-84 B; apart none of issue 29's eleven examples spills: 183-255 registers).
     feature_tiles = {128: (((BWD_GRAD_DV | BWD_GRAD_DK, 64),), 2, 64)}
     mod_tiles = {128: (((BWD_GRAD_DV, 64), (BWD_GRAD_DK, 64)), 2, 64)}
 
