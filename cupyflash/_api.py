@@ -281,7 +281,10 @@ def attention_backward(dout, q, k, v, out, lse, /, *, scale=None, causal=False, 
     a fixed order, so the results are bit-identical from run to run; the
     price is that the scores and their gradient are computed twice (7 block
     products per pair of query and key blocks instead of 5).  With
-    ``deterministic=False`` the GPU path skips the dq kernel: the kernel that
+    ``deterministic=False`` the GPU path skips the dq kernel where the kernels
+    allow it (not in the TF32 backward, at d = 256, nor on Hopper's wgmma
+    kernels for a call with score terms or modifications at d = 128, whose
+    atomic launch would spill registers): the kernel that
     owns blocks of keys also adds each pair's dq contribution with atomics
     (float32; float64 for float64 inputs), whose order, and hence the last
     bits of dq, changes from run to run (dk and dv stay bit-identical).  The
