@@ -282,7 +282,7 @@ def attention_backward(dout, q, k, v, out, lse, /, *, scale=None, causal=False, 
     price is that the scores and their gradient are computed twice (7 block
     products per pair of query and key blocks instead of 5).  With
     ``deterministic=False`` the GPU path skips the dq kernel where the kernels
-    allow it (not in the TF32 backward, at d = 256, nor on Hopper's wgmma
+    allow it (not in the TF32 and DMMA backwards, at d = 256, nor on Hopper's wgmma
     kernels for a call with score terms or modifications at d = 128, whose
     atomic launch would spill registers): the kernel that
     owns blocks of keys also adds each pair's dq contribution with atomics
