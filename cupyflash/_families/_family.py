@@ -149,6 +149,9 @@ class Family:
     entry: str = ""
     direction: str = "forward"       # "forward" or "backward"
     tiles: dict = {}
+    # Per head dim, the tile (in the format of the family's tiles) a call with score
+    # features takes where the usual one spills with them: :meth:`tile`.
+    feature_tiles: dict = {}
     # Compile targets other than the arch itself: {"sm_90": "sm_90a"}; an entry
     # listed here has no kernels for the archs not listed.
     arch_specific: dict | None = None
@@ -174,6 +177,11 @@ class Family:
     @functools.cached_property
     def by_name(self) -> dict[str, Instantiation]:
         return {r.name_expression: r for r in self.rows}
+
+    def tile(self, head_dim: int, features: bool = False):
+        """``tiles[head_dim]`` -- for a call with score ``features``, its :attr:`feature_tiles`
+        entry where there is one (families whose tiles map head dims to tiles)."""
+        return self.feature_tiles.get(head_dim, self.tiles[head_dim]) if features else self.tiles[head_dim]
 
     def row(self, kernel: str, *args, **props) -> Instantiation:
         """An :class:`Instantiation` of this family (``props``: its other fields)."""

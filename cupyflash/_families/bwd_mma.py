@@ -96,8 +96,7 @@ class BwdMma(Family):
         if cls is None or head_dim not in self.tiles:
             raise ValueError(f"bwd_mma has no kernel for head_dim={head_dim} on sm_{arch}")
         own, warps = self.own, self.warps
-        streamed, together, *_ = (self.feature_tiles if features else self.tiles).get(head_dim,
-                                                                                   self.tiles[head_dim])
+        streamed, together, *_ = self.tile(head_dim, features)
         streamed_dq = self.streamed(head_dim)[1]
 
         def stages(rows: int, needs_v: bool, atomic_dq: bool = False) -> int:
@@ -123,10 +122,9 @@ class BwdMma(Family):
         return tuple(rows)
 
     def build_rows(self):
-        return list(dict.fromkeys(
-            r for dtype in MMA_DTYPES for d in self.tiles for arch in TILE_CLASS_ARCH.values()
-            for deterministic in (True, False) for whole in (False, True) for features in (False, True)
-            for r in self.kernels(dtype, d, arch, deterministic, whole, whole, features)))
+        return [r for dtype in MMA_DTYPES for d in self.tiles for arch in TILE_CLASS_ARCH.values()
+                for deterministic in (True, False) for whole in (False, True) for features in (False, True)
+                for r in self.kernels(dtype, d, arch, deterministic, whole, whole, features)]
 
     def launchable(self, arch: int):
         if tile_class(arch) is None:

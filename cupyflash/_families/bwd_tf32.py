@@ -43,7 +43,7 @@ class BwdTf32(Family):
         warps, passes>``, in launch order (``features``: a call's with score features)."""
         if head_dim not in self.tiles:
             raise ValueError(f"bwd_tf32 has no kernel for head_dim={head_dim}")
-        own, streamed, warps = (self.feature_tiles if features else self.tiles).get(head_dim, self.tiles[head_dim])
+        own, streamed, warps = self.tile(head_dim, features)
         common = dict(dtype="float32", head_dim=head_dim, head_dim_v=head_dim, threads=32 * warps, kv_stages=2,
                       passes=passes)
         args = (head_dim, own, streamed, warps, passes)
@@ -51,8 +51,8 @@ class BwdTf32(Family):
                 self.row("bwd_tf32_dq_kernel", *args, role=DQ, block_m=own, block_n=streamed, **common))
 
     def build_rows(self):
-        return list(dict.fromkeys(r for passes in sorted(set(TF32_PASSES.values())) for d in self.tiles
-                                  for features in (False, True) for r in self.kernels(d, passes, features)))
+        return [r for passes in sorted(set(TF32_PASSES.values())) for d in self.tiles for features in (False, True)
+                for r in self.kernels(d, passes, features)]
 
     def launchable(self, arch: int):
         return self.rows if int(arch) >= 80 else ()

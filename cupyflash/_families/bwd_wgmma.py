@@ -72,7 +72,7 @@ class BwdWgmma(Family):
     def dq_keys(self, head_dim: int, features: frozenset = frozenset()) -> int:
         """Keys per block of the dQ kernel at compile-time ``head_dim`` (for a call with
         score ``features``)."""
-        return (self.feature_tiles if features else self.tiles).get(head_dim, self.tiles[head_dim])[2]
+        return self.tile(head_dim, bool(features))[2]
 
     def kernels(self, dtype: str, head_dim: int, deterministic: bool = True, whole_k: bool = False,
                 features: frozenset = frozenset()) -> tuple:
@@ -84,10 +84,11 @@ class BwdWgmma(Family):
         :attr:`mod_tiles`)."""
         if head_dim not in self.tiles:
             raise ValueError(f"bwd_wgmma has no kernel for head_dim={head_dim}")
-        table = (self.mod_tiles if features & set(MOD_FEATURES) else self.feature_tiles) if features else {}
-        launches, groups, streamed_dq = table.get(head_dim, self.tiles[head_dim])
+        modified = bool(features & set(MOD_FEATURES))
+        launches, groups, streamed_dq = (self.mod_tiles[head_dim] if modified and head_dim in self.mod_tiles
+                                         else self.tile(head_dim, bool(features)))
         own = 64 * groups
-        deterministic = deterministic or head_dim in table
+        deterministic = deterministic or (bool(features) and head_dim in self.feature_tiles)
         atomic = not deterministic and all(self._atomic_dq(head_dim, streamed, groups)
                                            for grads, streamed in launches if grads & BWD_GRAD_DK)
         common = dict(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim, threads=128 * groups, kv_stages=2)
@@ -104,10 +105,9 @@ class BwdWgmma(Family):
         return tuple(rows)
 
     def build_rows(self):
-        return list(dict.fromkeys(
-            r for dtype in MMA_DTYPES for d in self.tiles for deterministic in (True, False)
-            for whole in (False, True) for features in ((), ("mask",), ("score_mod",))
-            for r in self.kernels(dtype, d, deterministic, whole, frozenset(features))))
+        return [r for dtype in MMA_DTYPES for d in self.tiles for deterministic in (True, False)
+                for whole in (False, True) for features in ((), ("mask",), ("score_mod",))
+                for r in self.kernels(dtype, d, deterministic, whole, frozenset(features))]
 
     def applies(self, call: Call, arch: int, options) -> bool:
         return options.wgmma and int(arch) == WGMMA_ARCH and mma_bucket(call, arch) in self.tiles

@@ -58,15 +58,14 @@ class FwdDmma(Family):
     def make_row(self, dtype: str, head_dim: int, features: bool = False):
         """``fwd_dmma_kernel<head_dim, block_m, block_n, warps[, float]>`` (``features``: a
         call's with score features)."""
-        block_m, block_n, warps = (self.feature_tiles if features else self.tiles).get(head_dim,
-                                                                                     self.tiles[head_dim])
+        block_m, block_n, warps = self.tile(head_dim, features)
         return self.row("fwd_dmma_kernel", head_dim, block_m, block_n, warps, *dtype_tail(dtype), role=FORWARD,
                         dtype=dtype, head_dim=head_dim, head_dim_v=head_dim, threads=32 * warps,
                         block_m=block_m, block_n=block_n)
 
     def build_rows(self):
-        return list(dict.fromkeys(self.make_row(dtype, d, features) for dtype in DMMA_DTYPES for d in self.tiles
-                                  for features in (False, True)))
+        return [self.make_row(dtype, d, features) for dtype in DMMA_DTYPES for d in self.tiles
+                for features in (False, True)]
 
     def launchable(self, arch: int):
         return self.rows if int(arch) in DMMA_ARCHS else ()

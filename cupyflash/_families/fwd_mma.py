@@ -128,10 +128,11 @@ class FwdMma(Family):
     # d = 128 with 64-key blocks, 20-88 B on every arch (NVRTC 13.5) -- which takes
     # 32-key blocks instead (sm86's tile: 247 / 244 registers on sm_80 / sm_90, no spills).
     split_tiles = {128: (128, 32, 4, 1, True)}
-    # A call with score terms (bias, mask: score.cuh's terms module) at d = 128: the
-    # 64-key tiles spill 40-144 B there (NVRTC 13.5, sm_80 and sm_90), the 32-key tile
-    # none (246 / 250 registers; benchmarks/results/terms/).
-    terms_tiles = {128: (128, 32, 4, 1, True)}
+    # A call with score features (bias, mask, modifications) at d = 128, every arch class
+    # (not Family.tile: these tiles are per class): the 64-key tiles spill 40-144 B with
+    # terms (NVRTC 13.5, sm_80 and sm_90), the 32-key tile none (246 / 250 registers;
+    # benchmarks/results/terms/).
+    feature_tiles = {128: (128, 32, 4, 1, True)}
 
     def class_tiles(self, arch: int, split: bool = False) -> dict | None:
         """``{head_dim: (block_m, block_n, warps, kv_stages, lazy_rescale)}`` on ``arch`` (the
@@ -169,7 +170,7 @@ class FwdMma(Family):
         if tiles is None:
             return ()
         split = self.class_tiles(arch, True)
-        terms = {d: self.terms_tiles.get(d, t) for d, t in tiles.items()}   # calls with score features
+        terms = {d: self.feature_tiles.get(d, t) for d, t in tiles.items()}   # calls with score features
         return tuple(dict.fromkeys(
             r for dtype in MMA_DTYPES for d in MMA_HEAD_DIMS
             for r in (self.make_row(dtype, d, tiles[d]), self.make_row(dtype, d, tiles[d], whole_kv=True),
@@ -183,7 +184,7 @@ class FwdMma(Family):
         bucket = mma_bucket(call, arch)
         tile = self.class_tiles(arch, call.split)[bucket]
         if call.features and not call.split:
-            tile = self.terms_tiles.get(bucket, tile)
+            tile = self.feature_tiles.get(bucket, tile)
         whole_kv = not call.split and whole_blocks(call.seqlen_k, tile[1], call.head_dim, bucket, options)
         return (self.make_row(call.dtype, bucket, tile, call.split, whole_kv),)
 

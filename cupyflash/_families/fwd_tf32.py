@@ -56,15 +56,14 @@ class FwdTf32(Family):
     def make_row(self, head_dim: int, passes: int, features: bool = False):
         """``fwd_tf32_kernel<head_dim, block_m, block_n, warps, passes>`` (``features``: a
         call's with score features)."""
-        block_m, block_n, warps = (self.feature_tiles if features else self.tiles).get(head_dim,
-                                                                                     self.tiles[head_dim])
+        block_m, block_n, warps = self.tile(head_dim, features)
         return self.row("fwd_tf32_kernel", head_dim, block_m, block_n, warps, passes, role=FORWARD,
                         dtype="float32", head_dim=head_dim, head_dim_v=head_dim, threads=32 * warps,
                         block_m=block_m, block_n=block_n, passes=passes)
 
     def build_rows(self):
-        return list(dict.fromkeys(self.make_row(d, passes, features) for passes in sorted(set(TF32_PASSES.values()))
-                                  for d in self.tiles for features in (False, True)))
+        return [self.make_row(d, passes, features) for passes in sorted(set(TF32_PASSES.values()))
+                for d in self.tiles for features in (False, True)]
 
     def launchable(self, arch: int):
         return self.rows if int(arch) >= 80 else ()

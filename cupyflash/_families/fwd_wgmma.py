@@ -49,11 +49,6 @@ class FwdWgmma(Family):
     # and a mask; benchmarks/results/terms/).
     feature_tiles = {128: (64, 2, True)}
 
-    def tile(self, head_dim: int, features: bool = False) -> tuple:
-        """(block_n, warpgroups, lazy_rescale) at compile-time ``head_dim`` (for a call with
-        score features: :attr:`feature_tiles`)."""
-        return (self.feature_tiles if features else self.tiles).get(head_dim, self.tiles[head_dim])
-
     def make_row(self, dtype: str, head_dim: int, split: bool = False, whole_kv: bool = False,
                  features: bool = False):
         """``fwd_wgmma_kernel<T, head_dim, block_n, warpgroups, lazy_rescale[, split[, whole_kv]]>``."""
@@ -67,10 +62,9 @@ class FwdWgmma(Family):
                         whole_kv=whole_kv)
 
     def build_rows(self):
-        return list(dict.fromkeys(self.make_row(dtype, d, split, whole_kv, features)
-                                  for features in (False, True)
-                                  for split, whole_kv in ((False, False), (True, False), (False, True))
-                                  for dtype in MMA_DTYPES for d in self.tiles))
+        return [self.make_row(dtype, d, split, whole_kv, features) for features in (False, True)
+                for split, whole_kv in ((False, False), (True, False), (False, True))
+                for dtype in MMA_DTYPES for d in self.tiles]
 
     def applies(self, call: Call, arch: int, options) -> bool:
         return (options.wgmma and int(arch) == WGMMA_ARCH and folds_scale(call.scale)
