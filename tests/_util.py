@@ -368,6 +368,6 @@ def plain_call_rows(family):
     feature tiles (tests/test_score_mods.py runs those at d = 128, tests/mods_sweep.py and
     tests/terms_sweep.py at every head dim): what a test running each row through plain
     dispatch can reach."""
-    tables = {t: {} for t in ("feature_tiles", "mod_tiles") if hasattr(family, t)}
-    plain = {r.name_expression for r in family.with_tiles(**tables).rows} if tables else None
-    return [r for r in family.rows if plain is None or r.name_expression in plain]
+    tables = {t: {} for t in ("feature_tiles", "mod_tiles") if hasattr(family, t)}   # every family: the first
+    plain = {r.name_expression for r in family.with_tiles(**tables).rows}
+    return [r for r in family.rows if r.name_expression in plain]
