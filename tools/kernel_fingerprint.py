@@ -16,7 +16,10 @@ kernel here that is the loop over key (or streamed) blocks.
 whose kernel name matches (a quick check after one
 kernel changed; ``--compare`` then reports the rows absent from the part as
 gone).  Each row also carries ``sass_sha``, a digest of its instructions without
-addresses: equal digests mean the kernel's code did not change at all.
+addresses: equal digests mean the kernel's code did not change at all; and
+``sass_sha_params``, the same with every kernel-parameter operand
+(``c[0x0][...]``) masked: equal there, the code is the same but for where the
+parameters lie (a field added to the params struct moves those after it).
 """
 
 from __future__ import annotations
@@ -72,8 +75,17 @@ def fingerprint(archs, families=None, match=None) -> list[dict]:
                         stack_bytes=r["stack_bytes"], shared_bytes=r["shared_bytes"],
                         instructions=len(sass_instructions(text)),
                         main_loop=max(spans, default=0),
-                        sass_sha=hashlib.sha256("\n".join(sass_instructions(text)).encode()).hexdigest()[:16]))
+                        sass_sha=_digest(sass_instructions(text)),
+                        sass_sha_params=_digest(_PARAM_OPERAND.sub("c[0x0][P]", i) for i in sass_instructions(text))))
     return out
+
+
+# A kernel-parameter operand (constant bank 0) in SASS.
+_PARAM_OPERAND = re.compile(r"c\[0x0\]\[0x[0-9a-f]+\]")
+
+
+def _digest(lines) -> str:
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
 
 def compare(before: list[dict], after: list[dict], threshold: float) -> int:
@@ -99,6 +111,13 @@ def compare(before: list[dict], after: list[dict], threshold: float) -> int:
     if hashed:
         same = sum(1 for r, o in hashed if r["sass_sha"] == o["sass_sha"])
         print(f"sass identical: {same} of {len(hashed)} rows")
+        masked = [(r, o) for r, o in hashed if "sass_sha_params" in r and "sass_sha_params" in o]
+        if masked:
+            same = sum(1 for r, o in masked if r["sass_sha_params"] == o["sass_sha_params"])
+            print(f"sass identical but for parameter offsets: {same} of {len(masked)} rows")
+            for r, o in masked:
+                if r["sass_sha_params"] != o["sass_sha_params"]:
+                    print(f"  code differs: {r['arch']} {r['name']}")
     for r, o in moved:
         if r["registers"] != o["registers"] or r["main_loop"] != o["main_loop"]:
             print(f"MOVED {r['arch']} {r['name']}: registers {o['registers']} -> {r['registers']}, "
