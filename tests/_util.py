@@ -269,6 +269,49 @@ class LaunchSpy:
         self.inner.launch(entry, name_expression, grid, block, shared_mem, params)
 
 
+# Every kernel family the dispatcher can pick, each forced in turn on the emulator (the
+# conftest's ``emulate`` fixture): (id, arch, KernelOptions, dtype, precision, the family
+# expected to run).  A feature's emulator tests run one representative shape per row.
+EMULATED_FAMILIES = [
+    ("simt-f32", 80, {}, np.float32, "ieee", "simt"),
+    ("simt-f64", 80, {}, np.float64, "ieee", "simt"),
+    ("mma-f16", 80, {}, np.float16, "ieee", "mma"),
+    ("mma-bf16", 80, {}, bfloat16, "ieee", "mma"),
+    ("tf32x3", 80, {}, np.float32, "tf32x3", "tf32"),
+    ("dmma-f64", 80, {"dmma": {"float64"}}, np.float64, "ieee", "dmma"),
+    ("wgmma-f16", 90, {"wgmma": True}, np.float16, "ieee", "wgmma"),
+]
+
+
+def family_params(cases):
+    """pytest params of EMULATED_FAMILIES-shaped rows (the id as the test id; a row of
+    bfloat16 skipped without ml_dtypes)."""
+    import pytest
+
+    return [pytest.param(*c[1:], id=c[0], marks=pytest.mark.skipif(c[3] is None, reason="no ml_dtypes"))
+            for c in cases]
+
+
+def gpu_variant_options(cp, variant: str, dtype):
+    """KernelOptions of a GPU-tier test's ``variant`` ("default", "wgmma", "dmma") on the
+    current device, or a pytest skip where the device or the dtype has no such kernels."""
+    import pytest
+
+    from cupyflash._options import KernelOptions
+
+    arch = int(cp.cuda.Device().compute_capability)
+    options = KernelOptions.from_environment()
+    if variant == "wgmma":
+        if dtype.itemsize != 2 or arch != 90:
+            pytest.skip("fwd_wgmma/bwd_wgmma: float16/bfloat16 on an sm_90 GPU")
+        return options.replace(wgmma=True)
+    if variant == "dmma":
+        if dtype.itemsize == 2 or arch not in (80, 90):
+            pytest.skip("the FP64 tensor cores: float32/float64 on sm_80 or sm_90")
+        return options.replace(dmma={"float64", "float32"})
+    return options
+
+
 def forward_against_oracle(executor, q, k, v, *, window=(None, None), gqa_ratio=1, out=None,
                            with_lse=True, precision="ieee", options=None):
     """:func:`cupyflash._run.forward` of q, k, v on ``executor`` (dispatch ``options``,

@@ -91,6 +91,27 @@ def cuda_spy(monkeypatch):
 
 
 @pytest.fixture
+def emulate(monkeypatch):
+    """``emulate(arch, seed=None, **options)``: cupyflash's emulator backend at that arch's
+    dispatch (shuffled warps, race checks; the warp order seeded by ``seed``, default the
+    arch) with those KernelOptions, through a LaunchSpy (tests/_util.py) it returns."""
+    from cupyflash import _dispatch
+    from cupyflash._options import KernelOptions
+    from cupyflash.emulator import EmulatorExecutor
+
+    from _util import LaunchSpy
+
+    def use(arch, seed=None, **options):
+        spy = LaunchSpy(EmulatorExecutor(arch=arch, seed=arch if seed is None else seed, shuffle=True,
+                                         race_check=True))
+        monkeypatch.setattr(_dispatch, "executor_for", lambda backend: spy)
+        chosen = KernelOptions(**options)
+        monkeypatch.setattr(KernelOptions, "from_environment", classmethod(lambda cls, environ=None: chosen))
+        return spy
+    return use
+
+
+@pytest.fixture
 def rng(request):
     """A generator seeded by the test's name: fresh inputs per test, the same on every run.
 

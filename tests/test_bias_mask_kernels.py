@@ -19,33 +19,17 @@ import numpy as np
 import pytest
 
 import cupyflash
-from cupyflash import _dispatch
-from cupyflash._options import KernelOptions
-from cupyflash.emulator import EmulatorExecutor
 from cupyflash.reference import naive_attention, naive_attention_backward
 
 from _terms_util import assert_dbias_close, check_backward, check_forward, dbias_bound
-from _util import LaunchSpy, assert_close, assert_grad_close, assert_lse_close, bfloat16, guarded_array, random_array
+from _util import (EMULATED_FAMILIES, assert_close, assert_grad_close, assert_lse_close, family_params, guarded_array,
+                   random_array)
 
 B, HQ, HKV, LQ, LK = 2, 4, 2, 45, 70
 
 
 def _rng(*key):
     return np.random.default_rng([zlib.crc32(str(k).encode()) for k in key])
-
-
-@pytest.fixture
-def emulate(monkeypatch):
-    """``emulate(arch, **options)``: cupyflash's emulator backend at that arch's dispatch
-    (shuffled warps, race checks) with those KernelOptions, through a LaunchSpy."""
-    def use(arch, seed=None, **options):
-        spy = LaunchSpy(EmulatorExecutor(arch=arch, seed=arch if seed is None else seed, shuffle=True,
-                                         race_check=True))
-        monkeypatch.setattr(_dispatch, "executor_for", lambda backend: spy)
-        chosen = KernelOptions(**options)
-        monkeypatch.setattr(KernelOptions, "from_environment", classmethod(lambda cls, environ=None: chosen))
-        return spy
-    return use
 
 
 def _inputs(key, dtype, d=64, dv=None):
@@ -62,28 +46,14 @@ def _inputs(key, dtype, d=64, dv=None):
     return q, k, v, dout, bias, mask
 
 
-# (id, arch, KernelOptions, dtype, precision, the families expected to run)
-FAMILIES = [
-    ("simt-f32", 80, {}, np.float32, "ieee", "simt"),
-    ("simt-f64", 80, {}, np.float64, "ieee", "simt"),
-    ("mma-f16", 80, {}, np.float16, "ieee", "mma"),
-    ("mma-bf16", 80, {}, bfloat16, "ieee", "mma"),
-    ("tf32x3", 80, {}, np.float32, "tf32x3", "tf32"),
-    ("dmma-f64", 80, {"dmma": {"float64"}}, np.float64, "ieee", "dmma"),
-    ("wgmma-f16", 90, {"wgmma": True}, np.float16, "ieee", "wgmma"),
-]
-
-
-def _params(cases):
-    return [pytest.param(*c[1:], id=c[0], marks=pytest.mark.skipif(c[3] is None, reason="no ml_dtypes"))
-            for c in cases]
+FAMILIES = EMULATED_FAMILIES
 
 
 def _launched(spy, direction):
     return {n.split("<")[0].removeprefix("cf::") for n in spy.launched if n.startswith(f"cf::{direction}_")}
 
 
-@pytest.mark.parametrize("arch, options, dtype, precision, family", _params(FAMILIES))
+@pytest.mark.parametrize("arch, options, dtype, precision, family", family_params(FAMILIES))
 def test_forward_families_match_the_oracle(emulate, arch, options, dtype, precision, family):
     spy = emulate(arch, **options)
     q, k, v, _, bias, mask = _inputs("forward", dtype)
@@ -94,7 +64,7 @@ def test_forward_families_match_the_oracle(emulate, arch, options, dtype, precis
     assert (out[0, :, 5] == 0).all() and np.isneginf(lse[0, :, 5]).all()
 
 
-@pytest.mark.parametrize("arch, options, dtype, precision, family", _params(
+@pytest.mark.parametrize("arch, options, dtype, precision, family", family_params(
     FAMILIES + [("mma-f16-atomic-dq", 80, {}, np.float16, "ieee", "mma")]))
 def test_backward_families_match_the_oracle(emulate, request, arch, options, dtype, precision, family):
     deterministic = "atomic" not in request.node.callspec.id

@@ -16,9 +16,8 @@ import numpy as np
 import pytest
 
 from cupyflash._api import run_attention, run_attention_backward
-from cupyflash._options import KernelOptions
 
-from _util import dtype_named, random_array
+from _util import dtype_named, gpu_variant_options, random_array
 from _terms_util import check_backward, check_forward
 
 cp = pytest.importorskip("cupy")
@@ -31,16 +30,7 @@ pytestmark = pytest.mark.gpu
                                                   ("float64", 64)])
 def test_families_with_bias_and_mask_match_the_oracle(cuda_spy, variant, dtype_name, head_dim):
     dtype = dtype_named(dtype_name)
-    arch = int(cp.cuda.Device().compute_capability)
-    options = KernelOptions.from_environment()
-    if variant == "wgmma":
-        if dtype.itemsize != 2 or arch != 90:
-            pytest.skip("fwd_wgmma/bwd_wgmma: float16/bfloat16 on an sm_90 GPU")
-        options = options.replace(wgmma=True)
-    if variant == "dmma":
-        if dtype.itemsize == 2 or arch not in (80, 90):
-            pytest.skip("the FP64 tensor cores: float32/float64 on sm_80 or sm_90")
-        options = options.replace(dmma={"float64", "float32"})
+    options = gpu_variant_options(cp, variant, dtype)
     rng = np.random.default_rng([zlib.crc32(f"{variant}{dtype_name}".encode())])
     B, HQ, HKV, LQ, LK = 2, 4, 2, 300, 517
     q = random_array(rng, (B, HQ, LQ, head_dim), dtype)

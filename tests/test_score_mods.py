@@ -323,23 +323,6 @@ KERNEL_FAMILIES = [   # id, arch, KernelOptions, dtype, precision, the forward f
 ]
 
 
-@pytest.fixture
-def emulate(monkeypatch):
-    from cupyflash import _dispatch
-    from cupyflash._options import KernelOptions
-    from cupyflash.emulator import EmulatorExecutor
-
-    from _util import LaunchSpy
-
-    def use(arch, **options):
-        spy = LaunchSpy(EmulatorExecutor(arch=arch, seed=arch, shuffle=True, race_check=True))
-        monkeypatch.setattr(_dispatch, "executor_for", lambda backend: spy)
-        chosen = KernelOptions(**options)
-        monkeypatch.setattr(KernelOptions, "from_environment", classmethod(lambda cls, environ=None: chosen))
-        return spy
-    return use
-
-
 def _kernel_case(dtype, hkv=2, d=64):
     """q, k, v, dout of GQA 2:1 and the keywords of every modification at once, with the
     oracle's: softcap, a bias, ALiBi, a score_mod reading a table, a mask_mod reading one."""
@@ -492,7 +475,7 @@ def test_backward_kernels_carry_the_chain_rule(emulate, fid, arch, options, dtyp
 
 
 def test_kernel_coordinates_follow_each_sequence(emulate):
-    # per-sequence launches (lengths) and the batch loop keep b the caller's flat batch index
+    # one launch over the sequences (lengths) keeps b each sequence's flat batch index
     emulate(80)
     q, k, v, dout, api, oracle = _kernel_case(np.float64, hkv=H)
     lens = dict(q_lengths=np.array([19, 8]), kv_lengths=np.array([20, 27]))
