@@ -12,6 +12,7 @@
 
 #include "mask.cuh"
 #include "params.cuh"
+#include "sequence.cuh"
 
 namespace cf {
 
@@ -101,16 +102,20 @@ struct SplitSlice {
     Acc* lse;
 
     __device__ SplitSlice(const FwdParams& p, int64_t batch, int64_t head, int64_t split) {
-        const int64_t first_row = ((split * p.batch + batch) * p.heads_q + head) * p.seqlen_q;
+        // Rows per (split, batch, head): the launch's seqlen_q (under lengths `p` is a
+        // CTA's sequence view, whose seqlen_q is its own).
+        const int64_t rows = kSeqLengths ? p.split_rows : p.seqlen_q;
+        const int64_t first_row = ((split * p.batch + batch) * p.heads_q + head) * rows;
         o = static_cast<Acc*>(p.ws_o) + first_row * p.head_dim_v;
         lse = static_cast<Acc*>(p.ws_l) + first_row;
     }
 };
 
 // The forward grids are one-dimensional: tile = (num_m_blocks - 1 - m_block)
-//     + num_m_blocks * (head + heads_q * batch),
-// so consecutive CTAs share a (batch, head) and hence its K/V in L2.  The
-// grid has fewer than 2^31 CTAs (launch_config checks), so 32-bit division.
+//     + num_m_blocks * (head + heads_q * slot),
+// so consecutive CTAs share a (batch, head) and hence its K/V in L2; slot s
+// runs batch entry slot_batch(s) (s itself without lengths).  The grid has
+// fewer than 2^31 CTAs (launch_config checks), so 32-bit division.
 struct TileIndex {
     int64_t batch, head, m_block;
 
@@ -124,7 +129,14 @@ struct TileIndex {
         m_block = num_m_blocks - 1 - tile % num_m_blocks;
         const unsigned bh = tile / num_m_blocks;
         head = bh % heads;
-        batch = bh / heads;
+        batch = slot_batch(p, bh / heads);
+    }
+
+    // Whether the block lies wholly past its sequence's query rows (`seq`: the
+    // CTA's sequence_params), under CF_SEQ_LENGTHS: the CTA then returns.  Called
+    // behind `if constexpr (kSeqLengths)`: without lengths the kernels compile as before.
+    __device__ __forceinline__ bool past_end(const FwdParams& seq, int block_m) const {
+        return m_block * block_m >= seq.seqlen_q;
     }
 };
 

@@ -39,7 +39,8 @@ struct GradSlice {
 };
 
 // The dK/dV kernels' one-dimensional grid: tile = n_block + num_n_blocks *
-// (head_kv + heads_kv * batch), consecutive CTAs sharing a kv head.
+// (head_kv + heads_kv * slot), consecutive CTAs sharing a kv head; slot s
+// runs batch entry slot_batch(s) (sequence.cuh).
 struct KeyTileIndex {
     int64_t batch, head_kv, n_block;
 
@@ -49,7 +50,14 @@ struct KeyTileIndex {
         n_block = tile % num_n_blocks;
         const unsigned bh = tile / num_n_blocks;
         head_kv = bh % heads_kv;
-        batch = bh / heads_kv;
+        batch = slot_batch(p, bh / heads_kv);
+    }
+
+    // Whether the block lies wholly past its sequence's keys (`seq`: the CTA's
+    // sequence_params), under CF_SEQ_LENGTHS: the CTA then returns.  Called
+    // behind `if constexpr (kSeqLengths)`: without lengths the kernels compile as before.
+    __device__ __forceinline__ bool past_end(const FwdParams& seq, int block_n) const {
+        return n_block * block_n >= seq.seqlen_k;
     }
 };
 

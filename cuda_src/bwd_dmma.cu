@@ -188,7 +188,7 @@ struct DmmaBwdTraits {
     // Elsewhere after: without terms, before took 8.8 % more main-loop
     // instructions at d = 128 (254 -> 238 registers, sm_80); d = 32 with two
     // biases and a mask spilled 20 B before.
-    static constexpr bool kDvFirst = kAnyTerms && kHeadDim_ >= 128;
+    static constexpr bool kDvFirst = (kAnyTerms || kSeqLengths) && kHeadDim_ >= 128;
     __device__ static void row_products(double (&x)[kRows][kSCols], const double* sX, const double* sY, int row0) {
         dmma_row_products<DmmaBwdTraits>(x, sX, sY, row0);
     }

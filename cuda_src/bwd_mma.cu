@@ -197,13 +197,17 @@ template <typename T, int kHeadDim, int kBlockN, int kBlockM, int kWarps, int kG
 __global__ void __launch_bounds__(
     (MmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarps, kGrads, kStages>::kThreads),
     (MmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarps, kGrads, kStages>::kMinBlocksPerSm))
-bwd_mma_dkdv_kernel(const BwdParams params) {
+bwd_mma_dkdv_kernel(const BwdParams launch) {
     using Tr = MmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarps, kGrads, kStages>;
     using Own = typename Tr::OwnTile;
     constexpr bool kDV = (kGrads & kGradDV) != 0, kDK = (kGrads & kGradDK) != 0;
-    const FwdParams& p = params.fwd;
 
-    const KeyTileIndex tile(p, kBlockN, blockIdx.x);
+    const KeyTileIndex tile(launch.fwd, kBlockN, blockIdx.x);
+    const BwdView params = sequence_params<T>(launch, tile.batch);  // sequence.cuh
+    if constexpr (kSeqLengths) {
+        if (tile.past_end(params.fwd, kBlockN)) return;
+    }
+    const FwdParams& p = params.fwd;
     const WindowMask mask(p);
     const KeyBlock block(p, mask, tile.n_block * kBlockN, kBlockN);
     const float scale_log2 = static_cast<float>(p.scale_log2);
@@ -321,12 +325,16 @@ template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kS
 __global__ void __launch_bounds__(
     (MmaBwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps, kGradDV | kGradDK, kStages>::kThreads),
     (MmaBwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps, kGradDV | kGradDK, kStages>::kMinBlocksPerSm))
-bwd_mma_dq_kernel(const BwdParams params) {
+bwd_mma_dq_kernel(const BwdParams launch) {
     using Tr = MmaBwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps, kGradDV | kGradDK, kStages>;
     using Own = typename Tr::OwnTile;
-    const FwdParams& p = params.fwd;
 
-    const TileIndex tile(p, kBlockM, blockIdx.x);
+    const TileIndex tile(launch.fwd, kBlockM, blockIdx.x);
+    const BwdView params = sequence_params<T>(launch, tile.batch);  // sequence.cuh
+    if constexpr (kSeqLengths) {
+        if (tile.past_end(params.fwd, kBlockM)) return;
+    }
+    const FwdParams& p = params.fwd;
     const HeadSlice<T, float> head(p, tile.batch, tile.head);
     const GradSlice<T, float> grad(params, tile.batch, tile.head);
     const WindowMask mask(p);

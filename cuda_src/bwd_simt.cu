@@ -351,11 +351,15 @@ __device__ __forceinline__ void add_dq_atomically(Acc* dq, int64_t row_stride, c
 // delta[i] = sum_c dout[i][c] * out[i][c] for kRows query rows per CTA (the
 // grid is fwd_simt's TileIndex with block_m = kRows).
 template <typename T, int kHeadDimV>
-__global__ void __launch_bounds__(128) bwd_simt_dot_do_o_kernel(const BwdParams params) {
+__global__ void __launch_bounds__(128) bwd_simt_dot_do_o_kernel(const BwdParams launch) {
     using Acc = acc_t<T>;
     constexpr int kLanes = 8, kRows = 128 / kLanes;
+    const TileIndex tile(launch.fwd, kRows, blockIdx.x);
+    const BwdView params = sequence_params<T>(launch, tile.batch);  // sequence.cuh
+    if constexpr (kSeqLengths) {
+        if (tile.past_end(params.fwd, kRows)) return;
+    }
     const FwdParams& p = params.fwd;
-    const TileIndex tile(p, kRows, blockIdx.x);
     const HeadSlice<T, Acc> head(p, tile.batch, tile.head);
     const GradSlice<T, Acc> grad(params, tile.batch, tile.head);
     const int64_t i = tile.m_block * kRows + static_cast<int>(threadIdx.x) / kLanes;
@@ -382,15 +386,19 @@ template <typename T, int kHeadDim, int kHeadDimV, int kBlockN, int kBlockM, boo
 __global__ void __launch_bounds__(
     (SimtBwdTraits<T, kHeadDim, kHeadDimV, kBlockN, kBlockM>::kThreads),
     (SimtBwdTraits<T, kHeadDim, kHeadDimV, kBlockN, kBlockM>::kMinBlocksPerSm))
-bwd_simt_dkdv_kernel(const BwdParams params) {
+bwd_simt_dkdv_kernel(const BwdParams launch) {
     using Tr = SimtBwdTraits<T, kHeadDim, kHeadDimV, kBlockN, kBlockM>;
     using Acc = typename Tr::Acc;
     using Layout = typename Tr::Layout;
     using LayoutV = typename Tr::LayoutV;
     constexpr int TR = Tr::kRowsPerThread, TC = Tr::kColsPerThread;
-    const FwdParams& p = params.fwd;
 
-    const KeyTileIndex tile(p, kBlockN, blockIdx.x);
+    const KeyTileIndex tile(launch.fwd, kBlockN, blockIdx.x);
+    const BwdView params = sequence_params<T>(launch, tile.batch);  // sequence.cuh
+    if constexpr (kSeqLengths) {
+        if (tile.past_end(params.fwd, kBlockN)) return;
+    }
+    const FwdParams& p = params.fwd;
     const WindowMask mask(p);
     const KeyBlock block(p, mask, tile.n_block * kBlockN, kBlockN);
     const SimtBwdThread<Tr> me;
@@ -490,15 +498,19 @@ template <typename T, int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN>
 __global__ void __launch_bounds__(
     (SimtBwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>::kThreads),
     (SimtBwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>::kMinBlocksPerSm))
-bwd_simt_dq_kernel(const BwdParams params) {
+bwd_simt_dq_kernel(const BwdParams launch) {
     using Tr = SimtBwdTraits<T, kHeadDim, kHeadDimV, kBlockM, kBlockN>;
     using Acc = typename Tr::Acc;
     using Layout = typename Tr::Layout;
     using LayoutV = typename Tr::LayoutV;
     constexpr int TR = Tr::kRowsPerThread, TC = Tr::kColsPerThread;
-    const FwdParams& p = params.fwd;
 
-    const TileIndex tile(p, kBlockM, blockIdx.x);
+    const TileIndex tile(launch.fwd, kBlockM, blockIdx.x);
+    const BwdView params = sequence_params<T>(launch, tile.batch);  // sequence.cuh
+    if constexpr (kSeqLengths) {
+        if (tile.past_end(params.fwd, kBlockM)) return;
+    }
+    const FwdParams& p = params.fwd;
     const HeadSlice<T, Acc> head(p, tile.batch, tile.head);
     const GradSlice<T, Acc> grad(params, tile.batch, tile.head);
     const WindowMask mask(p);

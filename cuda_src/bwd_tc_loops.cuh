@@ -80,14 +80,18 @@ struct TileStream {
 
 // dK, dV of Tr::kOwnRows keys of one (batch, kv head): the body of a dK/dV kernel.
 template <class Tr>
-__device__ __forceinline__ void bwd_dkdv_loop(const BwdParams& params) {
+__device__ __forceinline__ void bwd_dkdv_loop(const BwdParams& launch) {
     using T = typename Tr::T;
     using Acc = typename Tr::Acc;
     using Out = typename Tr::Out;
     constexpr int kOwn = Tr::kOwnRows, kStream = Tr::kStreamRows;
-    const FwdParams& p = params.fwd;
 
-    const KeyTileIndex tile(p, kOwn, blockIdx.x);
+    const KeyTileIndex tile(launch.fwd, kOwn, blockIdx.x);
+    const BwdView params = sequence_params<T>(launch, tile.batch);  // sequence.cuh
+    if constexpr (kSeqLengths) {
+        if (tile.past_end(params.fwd, kOwn)) return;
+    }
+    const FwdParams& p = params.fwd;
     const WindowMask mask(p);
     const KeyBlock block(p, mask, tile.n_block * kOwn, kOwn);
     const Acc scale_log2 = static_cast<Acc>(p.scale_log2);
@@ -168,14 +172,18 @@ __device__ __forceinline__ void bwd_dkdv_loop(const BwdParams& params) {
 
 // dQ of Tr::kOwnRows query rows of one (batch, query head): the body of a dQ kernel.
 template <class Tr>
-__device__ __forceinline__ void bwd_dq_loop(const BwdParams& params) {
+__device__ __forceinline__ void bwd_dq_loop(const BwdParams& launch) {
     using T = typename Tr::T;
     using Acc = typename Tr::Acc;
     using Out = typename Tr::Out;
     constexpr int kOwn = Tr::kOwnRows, kStream = Tr::kStreamRows;
-    const FwdParams& p = params.fwd;
 
-    const TileIndex tile(p, kOwn, blockIdx.x);
+    const TileIndex tile(launch.fwd, kOwn, blockIdx.x);
+    const BwdView params = sequence_params<T>(launch, tile.batch);  // sequence.cuh
+    if constexpr (kSeqLengths) {
+        if (tile.past_end(params.fwd, kOwn)) return;
+    }
+    const FwdParams& p = params.fwd;
     const HeadSlice<T, Out> head(p, tile.batch, tile.head);
     const GradSlice<T, Out> grad(params, tile.batch, tile.head);
     const WindowMask mask(p);

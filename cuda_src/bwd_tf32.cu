@@ -97,7 +97,9 @@ struct Tf32BwdTraits {
     // bwd_tc_loops.cuh's interface: the accumulators are mma_tile.cuh's register tiles.
     using Fragment = M16n8Fragment;
     // dV's product after dP's: before, tf32x3's d = 128 dK/dV kernel spilled 8 B.
-    static constexpr bool kDvFirst = false;
+    // With per-sequence lengths (sequence.cuh) that kernel spills 4 B after on
+    // sm_90 and 64 B before on sm_80, none the other way round: before on sm_90.
+    static constexpr bool kDvFirst = kSeqLengths && kHeadDim >= 128 && kPasses == 3 && kCompiledForSm90;
     // x = X Y^T, 32 columns per unrolled iteration (16 at d = 32): fully unrolled,
     // the dK/dV kernels' fragment loads spill 8-12 bytes on sm_80 at d = 64, and at
     // d = 32 the three-pass one spills 8-44 bytes (NVRTC 13.5, 13.0, 12.0).

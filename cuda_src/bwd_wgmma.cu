@@ -199,13 +199,17 @@ __device__ __forceinline__ void add_dq_atomically(float* dq, int64_t row_stride,
 // instructions than it saved (d = 128: 1,538 -> 1,631 per streamed block).
 template <typename T, int kHeadDim, int kBlockN, int kBlockM, int kWarpGroups, int kGrads>
 __global__ void __launch_bounds__((WgmmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarpGroups, kGrads>::kThreads), 1)
-bwd_wgmma_dkdv_kernel(const BwdParams params) {
+bwd_wgmma_dkdv_kernel(const BwdParams launch) {
     using Tr = WgmmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarpGroups, kGrads>;
     using Own = typename Tr::OwnTile;
     constexpr bool kDV = Tr::kDV, kDK = Tr::kDK, kAtomicDq = Tr::kAtomicDq;
-    const FwdParams& p = params.fwd;
 
-    const KeyTileIndex tile(p, kBlockN, blockIdx.x);
+    const KeyTileIndex tile(launch.fwd, kBlockN, blockIdx.x);
+    const BwdView params = sequence_params<T>(launch, tile.batch);  // sequence.cuh
+    if constexpr (kSeqLengths) {
+        if (tile.past_end(params.fwd, kBlockN)) return;
+    }
+    const FwdParams& p = params.fwd;
     const WindowMask mask(p);
     const KeyBlock block(p, mask, tile.n_block * kBlockN, kBlockN);
     const float scale_log2 = static_cast<float>(p.scale_log2);
@@ -333,12 +337,16 @@ constexpr int bwd_wgmma_dkdv_kernel_smem() {
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarpGroups, bool kWholeStream = false>
 __global__ void __launch_bounds__(
     (WgmmaBwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarpGroups, kGradDV | kGradDK>::kThreads), 1)
-bwd_wgmma_dq_kernel(const BwdParams params) {
+bwd_wgmma_dq_kernel(const BwdParams launch) {
     using Tr = WgmmaBwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarpGroups, kGradDV | kGradDK>;  // two own tiles
     using Own = typename Tr::OwnTile;
-    const FwdParams& p = params.fwd;
 
-    const TileIndex tile(p, kBlockM, blockIdx.x);
+    const TileIndex tile(launch.fwd, kBlockM, blockIdx.x);
+    const BwdView params = sequence_params<T>(launch, tile.batch);  // sequence.cuh
+    if constexpr (kSeqLengths) {
+        if (tile.past_end(params.fwd, kBlockM)) return;
+    }
+    const FwdParams& p = params.fwd;
     const HeadSlice<T, float> head(p, tile.batch, tile.head);
     const GradSlice<T, float> grad(params, tile.batch, tile.head);
     const WindowMask mask(p);

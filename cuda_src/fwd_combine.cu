@@ -7,16 +7,19 @@
 // it sees no key of).  With M = max_s lse_s and w_s = exp(lse_s - M),
 //     lse = M + log(sum_s w_s),   out = sum_s w_s o_s / sum_s w_s,
 // which is the attention over all the keys; a row that sees none (M = -inf)
-// gets zeros and lse = -inf, as from one launch.
+// gets zeros and lse = -inf, as from one p.
 //
 // One thread per 16-byte chunk of an output row (4 floats, 2 doubles): it
 // reads the row's S lse values (shared by the row's threads, from L1), then
 // its chunk of each o_s.  The arithmetic is in the accumulator type; out is
-// rounded once, at the end.
+// rounded once, at the end.  With per-sequence lengths (sequence.cuh) the
+// rows are those of the launch's seqlen_q (the longest sequence's); a row
+// past its own sequence's length has no partial results and is skipped.
 #pragma once
 
 #include "params.cuh"
 #include "ptx.cuh"
+#include "sequence.cuh"
 #include "softmax.cuh"
 #include "tile_io.cuh"
 
@@ -40,6 +43,9 @@ __global__ void __launch_bounds__(128) fwd_combine_kernel(const FwdParams p) {
     const int64_t i = row % p.seqlen_q;
     const int64_t head = (row / p.seqlen_q) % p.heads_q;
     const int64_t batch = row / (p.seqlen_q * p.heads_q);
+    // With lengths: the row of its sequence, from the sequence's first row (sequence.cuh)
+    if (kSeqLengths && i >= sequence_entry(p, kSeqQLen, batch)) return;
+    const int64_t r = kSeqStarts ? sequence_entry(p, kSeqQStart, batch) + i : i;
     const int splits = static_cast<int>(p.num_splits);
     const Acc* part_lse = static_cast<const Acc*>(p.ws_l) + row;
     const Acc* part_o = static_cast<const Acc*>(p.ws_o) + row * dv + col;
@@ -64,11 +70,11 @@ __global__ void __launch_bounds__(128) fwd_combine_kernel(const FwdParams p) {
         for (int e = 0; e < kVec; ++e) acc[e] /= total;
     }
     T* out = static_cast<T*>(p.out) + batch * p.out_batch_stride + head * p.out_head_stride +
-             i * p.out_row_stride + col;
+             r * p.out_row_stride + col;
     store_run(out, acc, static_cast<int>(dv) - col);
     if (p.lse != nullptr && col == 0) {
         Acc* lse = static_cast<Acc*>(p.lse) + batch * p.lse_batch_stride + head * p.lse_head_stride +
-                   i * p.lse_row_stride;
+                   r * p.lse_row_stride;
         *lse = m == neg_inf<Acc>() ? m : m + log_acc(total);
     }
 }

@@ -35,12 +35,16 @@ namespace cf {
 // The whole forward of one CTA: T the inputs' type; lse and a split's partial
 // results are of the call's accumulator type acc_t<T>.
 template <class Tr, typename T>
-__device__ __forceinline__ void fwd_tile_loop(const FwdParams& params) {
+__device__ __forceinline__ void fwd_tile_loop(const FwdParams& launch) {
     using Acc = typename Tr::Acc;  // the tiles' and products' type
     using Out = acc_t<T>;
     constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
 
-    const TileIndex tile(params, kBlockM, blockIdx.x);
+    const TileIndex tile(launch, kBlockM, blockIdx.x);
+    const FwdView params = sequence_params<T>(launch, tile.batch);  // sequence.cuh
+    if constexpr (kSeqLengths) {
+        if (tile.past_end(params, kBlockM)) return;
+    }
     const HeadSlice<T, Acc> head(params, tile.batch, tile.head);  // q, k, v for the tiles
     const HeadSlice<T, Out> io(params, tile.batch, tile.head);    // out, lse
     const WindowMask mask(params);

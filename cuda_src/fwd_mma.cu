@@ -119,14 +119,18 @@ template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kS
 __global__ void __launch_bounds__(
     (MmaFwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps, kStages, kLazyRescale>::kThreads),
     (MmaFwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps, kStages, kLazyRescale>::kMinBlocksPerSm))
-fwd_mma_kernel(const FwdParams params) {
+fwd_mma_kernel(const FwdParams launch) {
     using Tr = MmaFwdTraits<T, kHeadDim, kBlockM, kBlockN, kWarps, kStages, kLazyRescale>;
 
     // The main loop runs at the register limit, so only 32-bit indices and the
     // K/V pointers live across it; everything else is derived where it is used.
     // TileIndex hands out the last query blocks (the most keys under a causal
     // mask) first.
-    const TileIndex tile(params, kBlockM, blockIdx.x);
+    const TileIndex tile(launch, kBlockM, blockIdx.x);
+    const FwdView params = sequence_params<T>(launch, tile.batch);  // sequence.cuh
+    if constexpr (kSeqLengths) {
+        if (tile.past_end(params, kBlockM)) return;
+    }
     const int batch = static_cast<int>(tile.batch), head = static_cast<int>(tile.head);
     const int m_block = static_cast<int>(tile.m_block);
     const HeadSlice<T, float> in(params, batch, head);  // q, k, v (out and lse: after the loop)

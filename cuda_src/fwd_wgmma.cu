@@ -120,10 +120,14 @@ __device__ __forceinline__ void wgmma_pv(float (&o)[Tr::kRows][Tr::kOCols],
 template <typename T, int kHeadDim, int kBlockN, int kWarpGroups, bool kLazyRescale, bool kSplit = false,
           bool kWholeKV = false>
 __global__ void __launch_bounds__((WgmmaFwdTraits<T, kHeadDim, kBlockN, kWarpGroups, kLazyRescale>::kThreads), 1)
-fwd_wgmma_kernel(const FwdParams params) {
+fwd_wgmma_kernel(const FwdParams launch) {
     using Tr = WgmmaFwdTraits<T, kHeadDim, kBlockN, kWarpGroups, kLazyRescale>;
 
-    const TileIndex tile(params, Tr::kBlockM, blockIdx.x);
+    const TileIndex tile(launch, Tr::kBlockM, blockIdx.x);
+    const FwdView params = sequence_params<T>(launch, tile.batch);  // sequence.cuh
+    if constexpr (kSeqLengths) {
+        if (tile.past_end(params, Tr::kBlockM)) return;
+    }
     const int batch = static_cast<int>(tile.batch), head = static_cast<int>(tile.head);
     const int m_block = static_cast<int>(tile.m_block);
     const HeadSlice<T, float> in(params, batch, head);

@@ -96,6 +96,15 @@ struct FwdParams {
     const void* mod_args[4];
     int64_t mod_shape[4][4];
     int64_t mod_strides[4][4];
+
+    // Per-sequence lengths (sequence.cuh; read only by a module compiled with
+    // CF_SEQ_LENGTHS, null otherwise): a (5, batch) int32 table -- the launch
+    // order of the batch entries, then each entry's first query row, query
+    // rows, first key and keys.
+    const int32_t* sequences;
+    // Rows of ws_o / ws_l per (split, batch, query head): the launch's seqlen_q
+    // (a CTA's own seqlen_q is its sequence's under CF_SEQ_LENGTHS).
+    int64_t split_rows;
 };
 
 // Most additive bias terms one call takes (FwdParams::bias), and most mod_args arrays.
@@ -103,7 +112,7 @@ constexpr int kMaxBias = 4;
 constexpr int kMaxModArgs = 4;
 
 // The layout _params.py mirrors (tests compare every offset with the dtype's).
-static_assert(sizeof(FwdParams) == 108 * 8, "FwdParams: every field is 8 bytes, no padding");
+static_assert(sizeof(FwdParams) == 110 * 8, "FwdParams: every field is 8 bytes, no padding");
 // NVRTC 13.0 has no __builtin_offsetof (13.5 has): the offsets are asserted in
 // host builds (the emulator's g++), the size everywhere.
 #if !defined(__CUDACC_RTC__)
@@ -115,6 +124,7 @@ static_assert(__builtin_offsetof(FwdParams, bias) == 37 * 8, "FwdParams layout")
 static_assert(__builtin_offsetof(FwdParams, mask) == 57 * 8, "FwdParams layout");
 static_assert(__builtin_offsetof(FwdParams, softcap) == 62 * 8, "FwdParams layout");
 static_assert(__builtin_offsetof(FwdParams, mod_strides) == 92 * 8, "FwdParams layout");
+static_assert(__builtin_offsetof(FwdParams, sequences) == 108 * 8, "FwdParams layout");
 #endif
 
 }  // namespace cf

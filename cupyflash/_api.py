@@ -88,7 +88,8 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=F
         never reaches a result.  ``causal`` and ``window`` align to each
         sequence's own lengths: query ``i`` sits at key ``i + kv_len - q_len``.
         On CuPy arrays they are copied to the host once (a few bytes); the
-        kernel backends launch once per sequence, on its own rows and keys.
+        kernel backends run every sequence in one launch per kernel, each on
+        its own rows and keys (blocks past a length return at once).
     block_table : int32 or int64 array, shape (B, max_pages), optional
         k and v are then a paged KV cache, ``(num_pages, Hkv, page_size, d)``
         and ``(num_pages, Hkv, page_size, dv)``, and q is ``(B, Hq, Lq, d)``:

@@ -116,15 +116,35 @@ def run_forward(problem: Problem, out, return_lse: bool, options: KernelOptions 
 
 
 def _run_sequences_forward(problem: Problem, out, lse, options) -> None:
-    """The kernels' forward of a padded batch, one launch per sequence."""
-    for seq, sub in _sequences(problem):
-        computed = sub.seqlen_q if sub.seqlen_k else 0      # rows with no key: zeros, -inf
-        out[seq][..., computed:, :] = 0
-        if lse is not None:
-            lse[seq][..., computed:] = -np.inf
-        if computed:
-            _run_kernel(sub, out[seq][..., :computed, :], None if lse is None else lse[seq][..., :computed],
-                        sram_size=None, options=options)
+    """The kernels' forward of a padded batch with lengths: one launch over every
+    sequence (cuda_src/sequence.cuh), after zeros and lse = -inf in the rows past
+    each sequence's length, which no CTA writes."""
+    out[...] = 0
+    if lse is not None:
+        lse[...] = -np.inf
+    _run_kernel(problem, out, lse, sram_size=None, options=options, lengths=True)
+
+
+def _length_views(problem: Problem):
+    """The per-sequence lengths as host int64 arrays of ``batch_shape`` (each sequence's
+    lengths along its heads, stride 0 there), for :func:`_kernel_views` to cut into
+    launches with the other arrays."""
+    shape = problem.batch_shape
+    out = []
+    for given, full in ((problem.q_lengths, problem.seqlen_q), (problem.kv_lengths, problem.seqlen_k)):
+        per = np.full(problem.sequence_shape, full, np.int64) if given is None else \
+            np.ascontiguousarray(np.broadcast_to(given, problem.sequence_shape), dtype=np.int64)
+        out.append(np.broadcast_to(per.reshape(per.shape + (1,) * (len(shape) - per.ndim)), shape))
+    return out
+
+
+def _spans(q_lengths, kv_lengths) -> np.ndarray:
+    """A launch's ``(4, B)`` spans (:func:`cupyflash._run.sequence_table`) of a padded
+    batch: first rows 0, the lengths from the launch's (B, H) length views."""
+    q_len = np.asarray(q_lengths.array() if isinstance(q_lengths, KernelView) else q_lengths)[:, 0]
+    kv_len = np.asarray(kv_lengths.array() if isinstance(kv_lengths, KernelView) else kv_lengths)[:, 0]
+    zeros = np.zeros_like(q_len)
+    return np.stack([zeros, q_len, zeros, kv_len]).astype(np.int64)
 
 
 @contextlib.contextmanager
@@ -143,23 +163,6 @@ def _index_faults(problem: Problem):
 
 def _has_lengths(problem: Problem) -> bool:
     return problem.q_lengths is not None or problem.kv_lengths is not None
-
-
-def _sequences(problem: Problem):
-    """``(seq, sub)`` per sequence of a padded batch with lengths: ``seq`` its index in the
-    sequence dims (the batch dims before the head axis), ``sub`` the plain problem of its
-    own rows and keys (broadcast views, no copies) -- what the kernels run, one launch per
-    sequence, until a family takes lengths itself."""
-    q, k, v = _full_views(problem)
-    bias, mask = _full_terms(problem)
-    coords = _mod_coordinates(problem)
-    for seq in np.ndindex(*problem.sequence_shape):
-        q_len, kv_len = problem.lengths_of(seq)
-        own = tuple(b[seq][..., :q_len, :kv_len] for b in bias)
-        yield seq, problem.on(q[seq][..., :q_len, :], k[seq][..., :kv_len, :], v[seq][..., :kv_len, :],
-                              batch_shape=problem.batch_shape[len(seq):],
-                              terms=(own, None if mask is None else mask[seq][..., :q_len, :kv_len]),
-                              mod_coords=tuple(None if c is None else c[seq] for c in coords))
 
 
 def _full_views(problem: Problem, prepare=lambda x: x):
@@ -216,32 +219,8 @@ def run_backward(problem: Problem, dout, out, lse, *, deterministic: bool = True
         return _cpu.backward(problem, dout, out, lse)
     options = KernelOptions.from_environment() if options is None else options
     with _index_faults(problem):
-        if _has_lengths(problem):
-            return _run_backward_per_sequence(problem, dout, out, lse, deterministic, options)
-        return _run_backward_kernels(problem, dout, out, lse, deterministic, options)
-
-
-def _run_backward_per_sequence(problem: Problem, dout, out, lse, deterministic: bool, options):
-    """The kernels' backward of a padded batch, one sequence at a time (its own rows of
-    dout, out and lse; its own keys): gradients of the full broadcast shapes in the
-    accumulator type, zero in the padding, then summed onto q, k and v as the plain
-    backward does."""
-    xp = _xp(problem.kind)
-    acc = problem.accum_dtype
-    grads = tuple(xp.zeros(x.shape, dtype=acc) for x in _full_views(problem))
-    dbias, views = _bias_gradients(problem)
-    for seq, sub in _sequences(problem):
-        q_len, kv_len = sub.seqlen_q, sub.seqlen_k
-        if not (q_len and kv_len):
-            continue
-        own = tuple(None if g is None else g[seq][..., :q_len, :kv_len] for g in views)
-        parts = _run_backward_kernels(sub, dout[seq][..., :q_len, :], out[seq][..., :q_len, :],
-                                      lse[seq][..., :q_len], deterministic, options, finish=False, dbias=own)
-        for grad, part, rows in zip(grads, parts, (q_len, kv_len, kv_len)):
-            grad[seq][..., :rows, :] = part
-    grads = tuple(_sum_to_shape(grad, x.shape).astype(problem.dtype, copy=False)
-                  for grad, x in zip(grads, (problem.q, problem.k, problem.v)))
-    return grads + _finish_bias_gradients(problem, dbias)
+        return _run_backward_kernels(problem, dout, out, lse, deterministic, options,
+                                     lengths=_has_lengths(problem))
 
 
 def _bias_gradients(problem: Problem):
@@ -350,7 +329,9 @@ def _kernel_copy(x):
     return x if _kernel_ready(x) else x.copy(order="C")
 
 
-def _run_kernel(problem: Problem, out, lse, *, sram_size, options):
+def _run_kernel(problem: Problem, out, lse, *, sram_size, options, lengths: bool = False):
+    """The kernels' forward; ``lengths``: the problem's per-sequence lengths, one launch
+    over every sequence (``out`` and ``lse`` hold the caller's values past them)."""
     from . import _run
 
     xp = _xp(problem.kind)
@@ -358,14 +339,17 @@ def _run_kernel(problem: Problem, out, lse, *, sram_size, options):
     q, k, v = _full_views(problem, _kernel_copy)
     bias, mask = _full_terms(problem)
     coords = _mod_coordinates(problem) or (None, None, None)
-    target = out if _kernel_ready(out) else xp.empty(out.shape, dtype=out.dtype)
+    target = out if _kernel_ready(out) else out.copy() if lengths else xp.empty(out.shape, dtype=out.dtype)
     executor = executor_for(problem.backend)
-    for qv, kv, vv, ov, lv, *tv in _kernel_views(problem, [q, k, v, target, lse, *coords, *bias, mask]):
+    sizes = _length_views(problem) if lengths else [None, None]
+    for qv, kv, vv, ov, lv, qlen, kvlen, *tv in _kernel_views(problem, [q, k, v, target, lse, *sizes, *coords,
+                                                                      *bias, mask]):
         common = dict(scale=problem.scale, window_left=problem.window_left,
                       window_right=problem.window_right, gqa_ratio=g, executor=executor)
         if sram_size is None:
             terms = _operands(problem, tv[3:-1], tv[-1], tv[:3])
-            _run.forward(qv, kv, vv, ov, lv, precision=problem.precision, options=options, terms=terms, **common)
+            _run.forward(qv, kv, vv, ov, lv, precision=problem.precision, options=options, terms=terms,
+                         sequences=_spans(qlen, kvlen) if lengths else None, **common)
         else:
             _run.forward_v1(qv, kv, vv, ov, lv, sram_size=sram_size, **common)
     if target is not out:
@@ -382,11 +366,12 @@ def _sum_to_shape(x, shape):
 
 
 def _run_backward_kernels(problem: Problem, dout, out, lse, deterministic: bool, options, finish: bool = True,
-                          dbias=None):
-    """(dq, dk, dv) -- and with biases, dbias as :func:`_finish_bias_gradients` gives it --
-    of a problem without lengths.  ``finish=False``: the full broadcast shapes in the
-    accumulator type, the bias gradients added into ``dbias`` (the kernels' views,
-    :func:`_bias_gradients`), nothing returned for them."""
+                          dbias=None, lengths: bool = False):
+    """(dq, dk, dv) -- and with biases, dbias as :func:`_finish_bias_gradients` gives it.
+    ``finish=False``: the full broadcast shapes in the accumulator type, the bias
+    gradients added into ``dbias`` (the kernels' views, :func:`_bias_gradients`), nothing
+    returned for them.  ``lengths``: the problem's per-sequence lengths, one launch
+    group over every sequence; the gradient rows past them stay zero."""
     from . import _run
 
     xp = _xp(problem.kind)
@@ -403,24 +388,27 @@ def _run_backward_kernels(problem: Problem, dout, out, lse, deterministic: bool,
     # Gradients of the full broadcast shapes in the accumulator type: every
     # (batch, head) of the kernels owns its slice (a kv head's slice already
     # sums its GQA group); broadcast axes are summed below, then cast.
-    dq = xp.empty(q.shape, dtype=acc)
-    dk = xp.empty(k.shape, dtype=acc)
-    dv = xp.empty(v.shape, dtype=acc)
+    allocate = xp.zeros if lengths else xp.empty   # with lengths no CTA writes the rows past them
+    dq = allocate(q.shape, dtype=acc)
+    dk = allocate(k.shape, dtype=acc)
+    dv = allocate(v.shape, dtype=acc)
     executor = executor_for(problem.backend)
-    by_query = [q, out, dout, lse, dq, *coords, *bias, mask, *dbias]   # batch_shape's heads
+    sizes = _length_views(problem) if lengths else [None, None]
+    by_query = [q, out, dout, lse, dq, *sizes, *coords, *bias, mask, *dbias]   # batch_shape's heads
     by_key = [k, v, dk, dv]                                     # kv_batch_shape's
     n_terms = len(bias)
     for part, (qs, ks) in _disjoint_gradient_launches(problem, dbias):
         arrays = [None if a is None else a[qs] for a in by_query] + [a[ks] for a in by_key]
         for views in _kernel_views(part, arrays):
-            qv, ov, dov, lv, dqv, *rest = views[:-4]
+            qv, ov, dov, lv, dqv, qlen, kvlen, *rest = views[:-4]
             kv, vv, dkv, dvv = views[-4:]
             cv, rest = rest[:3], rest[3:]
             tv, mv, gv = tuple(rest[:n_terms]), rest[n_terms], tuple(rest[n_terms + 1:])
             _run.backward(dov, qv, kv, vv, ov, lv, dqv, dkv, dvv, scale=problem.scale,
                           window_left=problem.window_left, window_right=problem.window_right,
                           gqa_ratio=g, deterministic=deterministic, executor=executor, options=options,
-                          precision=problem.precision, terms=_operands(problem, tv, mv, cv), dbias=gv)
+                          precision=problem.precision, terms=_operands(problem, tv, mv, cv), dbias=gv,
+                          sequences=_spans(qlen, kvlen) if lengths else None)
     if not finish:      # the full broadcast shapes, in the accumulator type
         return dq, dk, dv
     grads = tuple(_sum_to_shape(grad, x.shape).astype(problem.dtype, copy=False)

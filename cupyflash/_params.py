@@ -44,13 +44,14 @@ FWD_PARAMS = np.dtype(
        ("mask", np.uint64), ("mask_strides", np.int64, (4,))]
     + [("softcap", np.float64), ("coord", np.uint64, (3,)), ("coord_strides", np.int64, (3, 2)),
        ("mod_args", np.uint64, (MAX_MOD_ARGS,)), ("mod_shape", np.int64, (MAX_MOD_ARGS, 4)),
-       ("mod_strides", np.int64, (MAX_MOD_ARGS, 4))],
+       ("mod_strides", np.int64, (MAX_MOD_ARGS, 4))]
+    + [("sequences", np.uint64), ("split_rows", np.int64)],
     align=True,
 )
-assert FWD_PARAMS.itemsize == 108 * 8
+assert FWD_PARAMS.itemsize == 110 * 8
 # The same fields as one struct.pack format (native byte order, as NumPy's dtype):
-# packing them in one call is ~7x faster than setting 108 fields of a NumPy scalar.
-_FWD_PACK = struct.Struct("=8Q27q2d4Q16qQ4qd3Q6q4Q16q16q")
+# packing them in one call is ~7x faster than setting 110 fields of a NumPy scalar.
+_FWD_PACK = struct.Struct("=8Q27q2d4Q16qQ4qd3Q6q4Q16q16qQq")
 assert _FWD_PACK.size == FWD_PARAMS.itemsize
 
 
@@ -116,7 +117,7 @@ def _window(bound) -> int:
 
 def fwd_params(q, k, v, out, lse, *, scale: float, window_left, window_right, gqa_ratio: int,
                workspace=(None, None, None), block_m: int = 0, block_n: int = 0,
-               num_splits: int = 1, terms=None) -> np.void:
+               num_splits: int = 1, terms=None, sequences=None) -> np.void:
     """Fill a :data:`FWD_PARAMS` scalar for one forward launch.
 
     Parameters
@@ -142,11 +143,15 @@ def fwd_params(q, k, v, out, lse, *, scale: float, window_left, window_right, gq
         Split-KV: runs each query block's keys are cut into (1: none).
     terms : cupyflash._terms.ScoreOperands, optional
         The biases and the mask, as ``(B, Hq, Lq, Lk)`` views (None: none).
+    sequences : array, optional
+        Per-sequence lengths: the ``(5, B)`` int32 table of ``cuda_src/sequence.cuh``
+        (launch order, first query row, query rows, first key, keys), on the
+        kernels' side (None: none; Lq and Lk are then every entry's).
     """
     return np.frombuffer(bytearray(_FWD_PACK.pack(*fwd_fields(
         q, k, v, out, lse, scale=scale, window_left=window_left, window_right=window_right,
         gqa_ratio=gqa_ratio, workspace=workspace, block_m=block_m, block_n=block_n,
-        num_splits=num_splits, terms=terms))), FWD_PARAMS)[0]
+        num_splits=num_splits, terms=terms, sequences=sequences))), FWD_PARAMS)[0]
 
 
 # The score-term fields of a call without terms.
@@ -186,7 +191,7 @@ def term_fields(bias=(), mask=None) -> tuple:
 
 def fwd_fields(q, k, v, out, lse, *, scale: float, window_left, window_right, gqa_ratio: int,
                workspace=(None, None, None), block_m: int = 0, block_n: int = 0,
-               num_splits: int = 1, terms=None) -> tuple:
+               num_splits: int = 1, terms=None, sequences=None) -> tuple:
     """:func:`fwd_params`'s values as a tuple, in :data:`FWD_PARAMS`'s field order."""
     ws_o, ws_l, ws_m = workspace
     strides = []
@@ -201,7 +206,8 @@ def fwd_fields(q, k, v, out, lse, *, scale: float, window_left, window_right, gq
             float(scale), float(scale) * math.log2(math.e),
             *(NO_TERMS if terms is None else term_fields(terms.bias, terms.mask)),
             *(NO_MODS if terms is None or terms.mods is None else
-              mod_fields(terms.mods.softcap, terms.coords, terms.mod_args)))
+              mod_fields(terms.mods.softcap, terms.coords, terms.mod_args)),
+            data_pointer(sequences), seqlen_q)
 
 
 # ---- backward ----------------------------------------------------------------------------------
@@ -222,7 +228,7 @@ assert _BWD_PACK.size == BWD_PARAMS.itemsize
 
 
 def bwd_params(dout, q, k, v, out, lse, dq, dk, dv, delta, *, scale: float, window_left,
-               window_right, gqa_ratio: int, terms=None, dbias=()) -> np.void:
+               window_right, gqa_ratio: int, terms=None, dbias=(), sequences=None) -> np.void:
     """Fill a :data:`BWD_PARAMS` scalar for the backward launches of one call.
 
     Parameters
@@ -242,6 +248,8 @@ def bwd_params(dout, q, k, v, out, lse, dq, dk, dv, delta, *, scale: float, wind
     dbias : tuple of arrays, optional
         One ``(B, Hq, Lq, Lk)`` view of the accumulator type per bias term (or none): the
         kernels add the bias gradients into them.
+    sequences : array, optional
+        As for :func:`fwd_params`.
 
     Every array has a unit-stride last axis (where it has one) and is NumPy
     for the emulator, CuPy for the GPU.
@@ -250,7 +258,7 @@ def bwd_params(dout, q, k, v, out, lse, dq, dk, dv, delta, *, scale: float, wind
     for a in (dout, dq, dk, dv, delta):
         strides += element_strides(a, 3)
     fields = fwd_fields(q, k, v, out, lse, scale=scale, window_left=window_left,
-                        window_right=window_right, gqa_ratio=gqa_ratio, terms=terms)
+                        window_right=window_right, gqa_ratio=gqa_ratio, terms=terms, sequences=sequences)
     pointers = (data_pointer(a) for a in (dout, dq, dk, dv, delta))
     gradients = term_fields(dbias)[:5 * MAX_BIAS]    # the bias part: pointers, strides
     return np.frombuffer(bytearray(_BWD_PACK.pack(*fields, *pointers, *strides, *gradients)), BWD_PARAMS)[0]

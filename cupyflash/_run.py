@@ -32,9 +32,52 @@ from ._families.fwd_v1 import v1_block_sizes
 from ._launch import num_splits
 from ._options import KernelOptions
 from ._params import KernelView, bwd_params, data_pointer, fwd_params
+from ._source import with_defines
 from ._terms import ScoreOperands
 
-__all__ = ["forward", "forward_v1", "backward", "forward_plan", "backward_plan", "rows_aligned"]
+__all__ = ["forward", "forward_v1", "backward", "forward_plan", "backward_plan", "rows_aligned",
+           "sequence_table", "sequence_defines", "PADDED_DEFINES", "PACKED_DEFINES"]
+
+# The macros of a module that reads per-sequence lengths (cuda_src/sequence.cuh): a padded
+# batch (lengths only) or packed sequences (lengths and first rows).
+PADDED_DEFINES = (("CF_SEQ_LENGTHS", "1"),)
+PACKED_DEFINES = (("CF_SEQ_LENGTHS", "2"),)
+
+
+def sequence_defines(spans) -> tuple:
+    """The module macros for a launch's ``(4, B)`` spans (None: no lengths, none): the
+    packed module only where a sequence starts past row or key 0."""
+    if spans is None:
+        return ()
+    return PACKED_DEFINES if spans[0].any() or spans[2].any() else PADDED_DEFINES
+
+
+def sequence_table(spans) -> np.ndarray:
+    """``cuda_src/sequence.cuh``'s ``(5, B)`` int32 table from ``spans``, a ``(4, B)``
+    array of each batch entry's first query row, query rows, first key and keys: the
+    launch order first -- the most work (query rows x keys) first, ties in order, so
+    the longest sequences' CTAs start earliest and the short ones fill the tail."""
+    spans = np.asarray(spans, dtype=np.int64).reshape(4, -1)
+    if spans.size and int(spans.max()) >= 2**31:   # the kernels read it in 32 bits
+        raise NotImplementedError(f"the CUDA kernels take rows and keys below 2^31 per launch; got "
+                                  f"{int(spans.max())} (backend='numpy' takes any)")
+    order = np.argsort(-(spans[1] * np.maximum(spans[3], 1)), kind="stable")
+    return np.ascontiguousarray(np.concatenate([order[None], spans]), dtype=np.int32)
+
+
+def _narrow(a, n: int):
+    """``a`` (a (B, H, L, ...) view) cut to its first ``n`` rows (axis 2); None stays None."""
+    if a is None or a.shape[2] == n:
+        return a
+    if isinstance(a, KernelView):
+        return KernelView(a.base, a.shape[:2] + (n,) + a.shape[3:], a.strides)
+    return a[:, :, :n]
+
+
+def _device_table(spans, like):
+    """The sequence table on the kernels' side: a NumPy array for the emulator, a CuPy
+    one (one small host-to-device copy) for the GPU -- the kind of ``like``."""
+    return _array_module(like).asarray(sequence_table(spans))
 
 
 def rows_aligned(*arrays, boundary: int = 16) -> bool:
@@ -65,15 +108,18 @@ def _array_module(a):
 
 
 def forward_plan(q, k, v, out, *, scale: float, arch: int, options: KernelOptions, precision: str = "ieee",
-                 features: frozenset = frozenset()):
-    """The rows :func:`forward` launches for these views (without the split-KV choice)."""
-    call = Call(dtype_name(q.dtype), q.shape[3], v.shape[3], seqlen_q=q.shape[2], seqlen_k=k.shape[2],
+                 features: frozenset = frozenset(), lengths: bool = False):
+    """The rows :func:`forward` launches for these views (without the split-KV choice);
+    ``lengths``: per-sequence lengths (never the whole-block instantiations)."""
+    seqlen_q, seqlen_k = (None, None) if lengths else (q.shape[2], k.shape[2])
+    call = Call(dtype_name(q.dtype), q.shape[3], v.shape[3], seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                 aligned=rows_aligned(q, k, v, out), scale=float(scale), precision=precision, features=features)
     return call, select(FORWARD, call, arch, options)
 
 
 def forward(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio, executor,
-            options: KernelOptions, precision: str = "ieee", terms: ScoreOperands | None = None) -> None:
+            options: KernelOptions, precision: str = "ieee", terms: ScoreOperands | None = None,
+            sequences=None) -> None:
     """out (and lse) = attention(q, k, v), FlashAttention-2 order, by the family dispatch picks.
 
     Rows that see no key (including every row when Lk = 0) get zeros and
@@ -83,14 +129,27 @@ def forward(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio, e
     are split over several CTAs and fwd_combine merges their partial results.
     ``terms``: the call's biases and mask (``(B, Hq, Lq, Lk)`` views), read by a
     family that takes them, in a module compiled for them.
+
+    ``sequences``: per-sequence lengths, a host ``(4, B)`` array of each batch entry's
+    first query row, query rows, first key and keys (:func:`sequence_table`); one
+    launch runs every sequence on its own rows and keys, in a module compiled with
+    :func:`sequence_defines`.  Rows past a sequence's length are not written (the
+    caller's); a padded batch has first rows 0, a packed one batch strides 0.
     """
     terms = ScoreOperands() if terms is None else terms
+    lengths = sequences is not None
+    if lengths:   # the launch spans the longest sequence
+        spans = np.asarray(sequences, dtype=np.int64).reshape(4, -1)
+        max_q, max_k = int(spans[1].max(initial=0)), int(spans[3].max(initial=0))
+        q, out, lse = _narrow(q, max_q), _narrow(out, max_q), _narrow(lse, max_q)
+        k, v = _narrow(k, max_k), _narrow(v, max_k)
     batch, heads, seqlen_q, head_dim = q.shape
     if batch == 0 or heads == 0 or seqlen_q == 0:
         return
     seqlen_k, head_dim_v = k.shape[2], v.shape[3]
     call, (row,) = forward_plan(q, k, v, out, scale=scale, arch=executor.arch, options=options,
-                                precision=precision, features=terms.features)
+                                precision=precision, features=terms.features, lengths=lengths)
+    defines = sequence_defines(spans if lengths else None)
     splits = options.splits
     if splits is None:
         sms = getattr(executor, "multiprocessors", None)
@@ -106,15 +165,18 @@ def forward(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio, e
         acc = accumulator_dtype(q.dtype)
         workspace = (xp.empty((splits, batch, heads, seqlen_q, head_dim_v), dtype=acc),
                      xp.empty((splits, batch, heads, seqlen_q), dtype=acc), None)
+    table = _device_table(spans, q) if lengths else None
     params = fwd_params(q, k, v, out, lse, scale=scale, window_left=window_left,
                         window_right=window_right, gqa_ratio=gqa_ratio, workspace=workspace,
-                        num_splits=splits, terms=terms)
+                        num_splits=splits, terms=terms, sequences=table)
     sizes = Sizes(batch, heads, k.shape[1], seqlen_q, seqlen_k, head_dim, head_dim_v, num_splits=splits)
-    executor.launch(terms.entry(row.entry), row.name_expression, *row.family.launch_config(row, sizes), params)
+    executor.launch(with_defines(terms.entry(row.entry), defines), row.name_expression,
+                    *row.family.launch_config(row, sizes), params)
     if splits > 1:   # fwd_combine merges the partials into out and lse
         (combine,) = FWD_COMBINE.plan(call, executor.arch, options)
         one_row = replace(sizes, num_splits=1)   # it merges the splits: one grid row
-        executor.launch(combine.entry, combine.name_expression, *FWD_COMBINE.launch_config(combine, one_row), params)
+        executor.launch(with_defines(combine.entry, defines), combine.name_expression,
+                        *FWD_COMBINE.launch_config(combine, one_row), params)
 
 
 def forward_v1(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio, sram_size,
@@ -144,9 +206,11 @@ def forward_v1(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio
 
 
 def backward_plan(dout, q, k, v, dq, *, arch: int, options: KernelOptions, deterministic: bool = True,
-                  precision: str = "ieee", features: frozenset = frozenset()):
-    """The rows :func:`backward` launches for these views, in launch order."""
-    call = Call(dtype_name(q.dtype), q.shape[3], v.shape[3], seqlen_q=q.shape[2], seqlen_k=k.shape[2],
+                  precision: str = "ieee", features: frozenset = frozenset(), lengths: bool = False):
+    """The rows :func:`backward` launches for these views, in launch order (``lengths``:
+    as for :func:`forward_plan`)."""
+    seqlen_q, seqlen_k = (None, None) if lengths else (q.shape[2], k.shape[2])
+    call = Call(dtype_name(q.dtype), q.shape[3], v.shape[3], seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                 aligned=rows_aligned(q, k, v, dout), dq_aligned=rows_aligned(dq, boundary=8),
                 precision=precision, deterministic=bool(deterministic), features=features)
     return select(BACKWARD, call, arch, options)
@@ -154,7 +218,7 @@ def backward_plan(dout, q, k, v, dq, *, arch: int, options: KernelOptions, deter
 
 def backward(dout, q, k, v, out, lse, dq, dk, dv, *, scale, window_left, window_right, gqa_ratio,
              deterministic=True, executor, options: KernelOptions, precision="ieee",
-             terms: ScoreOperands | None = None, dbias: tuple = ()) -> None:
+             terms: ScoreOperands | None = None, dbias: tuple = (), sequences=None) -> None:
     """dq, dk, dv = gradients of attention(q, k, v), by the family dispatch picks.
 
     Parameters
@@ -182,6 +246,9 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, *, scale, window_left, window_
         (stride 0 along the axes the term is broadcast along) that the dK/dV kernel
         adds dS into, or None (no gradient).  The caller zeroes them and keeps
         every launch's writes disjoint between CTAs (``score.cuh``'s bias_gradient).
+    sequences : array, optional
+        Per-sequence lengths, as for :func:`forward`.  Gradient rows past a sequence's
+        length are not written: the caller zeroes dq, dk and dv.
 
     Three or four launches, in order: ``delta = rowsum(dout * out)`` into a
     workspace allocated here, then dK/dV (one launch, or dV and dK apart), then
@@ -189,6 +256,12 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, *, scale, window_left, window_
     zero.  Keys no query row sees get zero dk and dv rows; with Lq = 0 every dk,
     dv row is zero, with Lk = 0 every dq row.
     """
+    lengths = sequences is not None
+    if lengths:   # the launches span the longest sequence
+        spans = np.asarray(sequences, dtype=np.int64).reshape(4, -1)
+        max_q, max_k = int(spans[1].max(initial=0)), int(spans[3].max(initial=0))
+        dout, q, out, lse, dq = (_narrow(x, max_q) for x in (dout, q, out, lse, dq))
+        k, v, dk, dv = (_narrow(x, max_k) for x in (k, v, dk, dv))
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
     if batch == 0 or heads_q == 0:
@@ -199,17 +272,25 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, *, scale, window_left, window_
             raise TypeError(f"`{name}` must have the accumulator dtype {acc.name}, got {np.dtype(g.dtype).name}")
     terms = ScoreOperands() if terms is None else terms
     xp = _array_module(q)
-    delta = xp.empty((batch, heads_q, seqlen_q), dtype=acc)
+    if lengths and spans[0].any():
+        # packed: delta laid out like lse (C-contiguous base), each sequence's rows
+        # addressed from its first row as lse's are
+        base = lse.base if isinstance(lse, KernelView) else lse
+        delta = KernelView(xp.empty(base.shape, dtype=acc), lse.shape, lse.strides)
+    else:
+        delta = xp.empty((batch, heads_q, seqlen_q), dtype=acc)
+    table = _device_table(spans, q) if lengths else None
     params = bwd_params(dout, q, k, v, out, lse, dq, dk, dv, delta, scale=scale,
                         window_left=window_left, window_right=window_right, gqa_ratio=gqa_ratio,
-                        terms=terms, dbias=dbias)
+                        terms=terms, dbias=dbias, sequences=table)
     sizes = Sizes(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, head_dim_v)
     rows = backward_plan(dout, q, k, v, dq, arch=executor.arch, options=options, deterministic=deterministic,
-                         precision=precision, features=terms.features)
-    if not any(r.role == DQ for r in rows):
-        dq.fill(0)   # the dK/dV kernel adds dQ into it (float atomics)
+                         precision=precision, features=terms.features, lengths=lengths)
+    defines = sequence_defines(spans if lengths else None)
+    if not lengths and not any(r.role == DQ for r in rows):
+        dq.fill(0)   # the dK/dV kernel adds dQ into it (float atomics; with lengths: zeroed already)
     # delta first (the others read it); a dK/dV launch needs keys, the others query rows.
     for row in rows:
         if (sizes.seqlen_k if row.role == DKDV else sizes.seqlen_q) > 0:
-            executor.launch(terms.entry(row.entry), row.name_expression, *row.family.launch_config(row, sizes),
-                            params)
+            executor.launch(with_defines(terms.entry(row.entry), defines), row.name_expression,
+                            *row.family.launch_config(row, sizes), params)

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["cuda_src_dir", "assemble", "source_hash", "Variant", "entry_file"]
+__all__ = ["cuda_src_dir", "assemble", "source_hash", "Variant", "entry_file", "with_defines"]
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 _PRAGMA_ONCE = re.compile(r"^\s*#\s*pragma\s+once\s*$")
@@ -60,6 +60,16 @@ class Variant:
 
     def __str__(self) -> str:
         return self.file + "".join(f" [{name}={value}]" for name, value in self.defines)
+
+
+def with_defines(entry, defines: tuple):
+    """``entry`` (a file name or a :class:`Variant`) with ``defines`` after its own (itself
+    when there are none)."""
+    if not defines:
+        return entry
+    if isinstance(entry, Variant):
+        return Variant(entry.file, entry.defines + tuple(defines))
+    return Variant(entry, tuple(defines))
 
 
 def entry_file(entry) -> str:

@@ -9,7 +9,9 @@ The NumPy path runs the sequences on the worker threads, longest first, each in
 one thread (results do not depend on the number of threads: every sequence is
 computed the same way whoever runs it), or, with fewer sequences than twice the
 workers, one after the other with the workers inside each.  The kernel backends
-launch the kernels once per non-empty sequence, one after the other.
+run every sequence in one launch (one per kernel of the plan): the kernels read
+each sequence's first row and length from a table (``cuda_src/sequence.cuh``),
+and the longest sequences' blocks start first.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from __future__ import annotations
 import numpy as np
 
 from . import _cpu
-from ._dispatch import _allocate, _kernels_take, _run_backward_kernels, _run_kernel
+from . import _dispatch
+from ._dispatch import _allocate, _kernel_copy, _kernel_ready, _kernels_take, _xp
 from ._options import KernelOptions
+from ._params import KernelView
 from ._validation import Problem, check_forward, check_forward_results, check_output, host_integers
 
 __all__ = ["run_varlen", "run_varlen_backward", "check_cu_seqlens"]
@@ -76,8 +80,9 @@ def run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, window, en
         check_output(out, "out", problem.out_shape, problem.dtype, problem.kind, (problem.q, problem.k, problem.v))
     _kernels_take(problem)
     out, lse = _allocate(problem, out, True)
-    sequences = list(_sequences(problem, cq, ck))
     if problem.backend == "numpy":
+        sequences = list(_sequences(problem, cq, ck))
+
         def run(item, single_thread):
             sub, rows, _ = item
             _cpu.forward(sub, out[:, rows], lse[:, rows], single_thread=single_thread)
@@ -86,14 +91,10 @@ def run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, window, en
             pass
     else:
         options = KernelOptions.from_environment() if options is None else options
-        for sub, rows, _ in sequences:
-            if sub.seqlen_q == 0:
-                continue
-            if sub.seqlen_k == 0:
-                out[:, rows] = 0
-                lse[:, rows] = -np.inf
-                continue
-            _run_kernel(sub, out[:, rows], lse[:, rows], sram_size=None, options=options)
+        target = out if _kernel_ready(out) else _xp(problem.kind).empty(out.shape, dtype=out.dtype)
+        _run_packed_forward(problem, cq, ck, target, lse, options)
+        if target is not out:
+            out[...] = target
     return (out, lse) if return_lse else out
 
 
@@ -106,16 +107,16 @@ def run_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, 
         backend=backend, extra=(("dout", dout), ("out", out), ("lse", lse)))
     check_forward_results(problem, dout, out, lse)
     _kernels_take(problem, backward=True)
-    xp = np if problem.kind == "numpy" else __import__("cupy")
-    grads = tuple(xp.zeros(x.shape, dtype=x.dtype) for x in (problem.q, problem.k, problem.v))
-    sequences = [item for item in _sequences(problem, cq, ck) if item[0].seqlen_q and item[0].seqlen_k]
-
-    def store(item, result):
-        _, rows, keys = item
-        for grad, part, span in zip(grads, result, (rows, keys, keys)):
-            grad[:, span] = part
-
     if problem.backend == "numpy":
+        xp = _xp(problem.kind)
+        grads = tuple(xp.zeros(x.shape, dtype=x.dtype) for x in (problem.q, problem.k, problem.v))
+        sequences = [item for item in _sequences(problem, cq, ck) if item[0].seqlen_q and item[0].seqlen_k]
+
+        def store(item, result):
+            _, rows, keys = item
+            for grad, part, span in zip(grads, result, (rows, keys, keys)):
+                grad[:, span] = part
+
         def run(item, single_thread):
             sub, rows, _ = item
             return item, _cpu.backward(sub, dout[:, rows], out[:, rows], lse[:, rows], single_thread=single_thread)
@@ -124,8 +125,53 @@ def run_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, 
             store(item, result)
     else:
         options = KernelOptions.from_environment() if options is None else options
-        for item in sequences:
-            sub, rows, _ = item
-            store(item, _run_backward_kernels(sub, dout[:, rows], out[:, rows], lse[:, rows], bool(deterministic),
-                                              options))
+        grads = _run_packed_backward(problem, cq, ck, dout, out, lse, bool(deterministic), options)
     return grads
+
+
+def _spans(cq, ck) -> np.ndarray:
+    """The ``(4, nseq)`` spans of packed sequences (:func:`cupyflash._run.sequence_table`):
+    first query row, query rows, first key, keys."""
+    return np.stack([cq[:-1], np.diff(cq), ck[:-1], np.diff(ck)]).astype(np.int64)
+
+
+def _packed(x, nseq: int):
+    """A packed ``(H, total, ...)`` array as the kernels' ``(nseq, H, total, ...)`` view:
+    batch stride 0, each sequence's first row from the sequence table (the launch is
+    cut to the longest sequence)."""
+    return KernelView(x, (nseq,) + tuple(x.shape), (0,) + tuple(x.strides))
+
+
+def _run_packed_forward(problem: Problem, cq, ck, out, lse, options) -> None:
+    """The kernels' forward of every packed sequence in one launch; every row of
+    ``out`` and ``lse`` belongs to a sequence and is written."""
+    from . import _run
+
+    nseq = len(cq) - 1
+    if nseq == 0 or out.size == 0:
+        return
+    q, k, v = (_kernel_copy(x) for x in (problem.q, problem.k, problem.v))
+    _run.forward(*(_packed(x, nseq) for x in (q, k, v, out, lse)), scale=problem.scale,
+                 window_left=problem.window_left, window_right=problem.window_right,
+                 gqa_ratio=problem.gqa_ratio, executor=_dispatch.executor_for(problem.backend), options=options,
+                 precision=problem.precision, sequences=_spans(cq, ck))
+
+
+def _run_packed_backward(problem: Problem, cq, ck, dout, out, lse, deterministic: bool, options):
+    """The kernels' backward of every packed sequence in one launch group: (dq, dk, dv)
+    in the inputs' dtype, zero where no sequence's query row sees a key."""
+    from . import _run
+
+    xp = _xp(problem.kind)
+    acc = problem.accum_dtype
+    nseq = len(cq) - 1
+    grads = tuple(xp.zeros(x.shape, dtype=acc) for x in (problem.q, problem.k, problem.v))
+    if nseq and problem.q.size and problem.k.size:
+        q, k, v, out, dout = (_kernel_copy(x) for x in (problem.q, problem.k, problem.v, out, dout))
+        lse = xp.ascontiguousarray(lse, dtype=acc)   # backward's delta takes its layout
+        views = (_packed(x, nseq) for x in (dout, q, k, v, out, lse) + grads)
+        _run.backward(*views, scale=problem.scale, window_left=problem.window_left,
+                      window_right=problem.window_right, gqa_ratio=problem.gqa_ratio,
+                      deterministic=deterministic, executor=_dispatch.executor_for(problem.backend), options=options,
+                      precision=problem.precision, sequences=_spans(cq, ck))
+    return tuple(g.astype(problem.dtype, copy=False) for g in grads)

@@ -1,0 +1,132 @@
+// sequence.cuh -- one launch over a batch of sequences of different lengths,
+// padded (B, H, L, d) or packed (H, total, d).
+//
+// A module compiled with CF_SEQ_LENGTHS reads FwdParams::sequences, a
+// (5, batch) int32 table (32 bits: fewer registers where a main loop runs at
+// the limit; the host checks every entry fits): row kSeqOrder the launch
+// order (grid slot s runs batch entry order[s]; the host lists the longest
+// sequences first, so no CTA of a long sequence starts last), then, per batch
+// entry b, the first query row, the number of query rows, the first key and
+// the number of keys of its sequence.  CF_SEQ_LENGTHS=1, a padded batch: the
+// batch strides place each sequence and the first rows are 0, never read.
+// CF_SEQ_LENGTHS=2, packed sequences: batch strides 0, and each sequence's
+// base pointers move to its first row and key -- registers for what are
+// constant-bank operands without lengths, which the padded form does not pay.
+
+// The one seam: TileIndex / KeyTileIndex (block_info*.cuh) map the slot to
+// its batch entry, and each kernel narrows the launch's params to that
+// sequence (sequence_params): base pointers moved to its first row, seqlen_q
+// and seqlen_k its lengths.  From there every helper -- tails, the window and
+// its bottom-right diagonal (Lk - Lq of the sequence), the block ranges that
+// skip what no row sees, the score terms -- sees a plain problem of the
+// sequence's size, and no kernel body tests a length.  A CTA whose block lies
+// wholly past its sequence returns at once (TileIndex::past_end), so blocks
+// past a length cost a launch slot, not a pass over keys.  Rows past a padded
+// sequence's length belong to no CTA: the caller fills them (zeros, lse =
+// -inf, zero gradients).
+//
+// Without CF_SEQ_LENGTHS, slot_batch is the slot, sequence_params returns
+// the launch's params themselves (FwdView is a reference) and the past_end
+// test sits behind `if constexpr (kSeqLengths)` in each kernel (a test that
+// is merely false there still moved registers in fwd_mma at d = 128): the
+// kernels compile as they did before lengths.
+#pragma once
+
+#include "params.cuh"
+#include "params_bwd.cuh"
+#include "softmax.cuh"
+
+#ifndef CF_SEQ_LENGTHS
+#define CF_SEQ_LENGTHS 0
+#endif
+
+namespace cf {
+
+constexpr bool kSeqLengths = CF_SEQ_LENGTHS != 0;
+constexpr bool kSeqStarts = CF_SEQ_LENGTHS == 2;  // packed: sequences start at their own rows
+
+// Whether this pass compiles device code for sm_90 or later (a schedule choice
+// that moves registers differently per architecture; false on the host and
+// the emulator).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+constexpr bool kCompiledForSm90 = true;
+#else
+constexpr bool kCompiledForSm90 = false;
+#endif
+
+// The rows of FwdParams::sequences.
+enum SequenceRow : int { kSeqOrder = 0, kSeqQStart = 1, kSeqQLen = 2, kSeqKStart = 3, kSeqKLen = 4 };
+
+__device__ __forceinline__ int sequence_entry(const FwdParams& p, int row, int64_t b) {
+    return p.sequences[row * p.batch + b];
+}
+
+// The batch entry grid slot `slot` runs.
+__device__ __forceinline__ int64_t slot_batch(const FwdParams& p, int64_t slot) {
+    if constexpr (kSeqLengths) {
+        return sequence_entry(p, kSeqOrder, slot);
+    } else {
+        return slot;
+    }
+}
+
+#if CF_SEQ_LENGTHS
+using FwdView = FwdParams;  // a CTA's own copy, narrowed to its sequence
+using BwdView = BwdParams;
+#else
+using FwdView = const FwdParams&;  // the launch's params themselves
+using BwdView = const BwdParams&;
+#endif
+
+// The launch's params narrowed to batch entry `batch`'s sequence: q, k, v,
+// out and lse from its first row or key, seqlen_q and seqlen_k its lengths.
+// T is the inputs' type; lse is of the call's accumulator type acc_t<T>.
+template <typename T>
+__device__ __forceinline__ FwdView sequence_params(const FwdParams& launch, int64_t batch) {
+#if CF_SEQ_LENGTHS
+    using Acc = acc_t<T>;
+    FwdParams p = launch;
+    p.seqlen_q = sequence_entry(launch, kSeqQLen, batch);
+    p.seqlen_k = sequence_entry(launch, kSeqKLen, batch);
+    if constexpr (kSeqStarts) {
+        const int q0 = sequence_entry(launch, kSeqQStart, batch);
+        const int k0 = sequence_entry(launch, kSeqKStart, batch);
+        p.q = static_cast<const T*>(launch.q) + q0 * launch.q_row_stride;
+        p.k = static_cast<const T*>(launch.k) + k0 * launch.k_row_stride;
+        p.v = static_cast<const T*>(launch.v) + k0 * launch.v_row_stride;
+        p.out = static_cast<T*>(launch.out) + q0 * launch.out_row_stride;
+        if (launch.lse != nullptr) p.lse = static_cast<Acc*>(launch.lse) + q0 * launch.lse_row_stride;
+    }
+    return p;
+#else
+    (void)batch;
+    return launch;
+#endif
+}
+
+// The backward's params narrowed likewise: the forward's part, then dout,
+// dq and delta from the sequence's first query row, dk and dv from its first
+// key (the gradients and delta are of the accumulator type).
+template <typename T>
+__device__ __forceinline__ BwdView sequence_params(const BwdParams& launch, int64_t batch) {
+#if CF_SEQ_LENGTHS
+    using Acc = acc_t<T>;
+    BwdParams p = launch;
+    p.fwd = sequence_params<T>(launch.fwd, batch);
+    if constexpr (kSeqStarts) {
+        const int q0 = sequence_entry(launch.fwd, kSeqQStart, batch);
+        const int k0 = sequence_entry(launch.fwd, kSeqKStart, batch);
+        p.dout = static_cast<const T*>(launch.dout) + q0 * launch.dout_row_stride;
+        p.dq = static_cast<Acc*>(launch.dq) + q0 * launch.dq_row_stride;
+        p.delta = static_cast<Acc*>(launch.delta) + q0 * launch.delta_row_stride;
+        p.dk = static_cast<Acc*>(launch.dk) + k0 * launch.dk_row_stride;
+        p.dv = static_cast<Acc*>(launch.dv) + k0 * launch.dv_row_stride;
+    }
+    return p;
+#else
+    (void)batch;
+    return launch;
+#endif
+}
+
+}  // namespace cf
