@@ -5,6 +5,7 @@ the sequences in Python).
     python benchmarks/varlen_cpu.py                      # 32 sequences, lengths in [1, 4096]
     python benchmarks/varlen_cpu.py --sequences 64 --max-length 1024 --backward
     python benchmarks/varlen_cpu.py --markdown benchmarks/results/varlen.md
+    python benchmarks/varlen_cpu.py --backend cuda       # the GPU rows (CuPy arrays)
 
 Every variant gets the same sequences (float32, standard normal) and computes the
 same attention on the real rows; the table gives each one's median time, its
@@ -42,7 +43,22 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--markdown", help="write the table here too")
+    p.add_argument("--backend", choices=("numpy", "cuda"), default="numpy",
+                   help="cuda: CuPy arrays on the current GPU (the kernels: one launch per kernel for "
+                        "the lengths forms), each call synchronised before the clock stops")
     a = p.parse_args(argv)
+    if a.backend == "cuda":
+        import cupy as xp
+
+        def sync():
+            xp.cuda.Device().synchronize()
+
+        host = xp.asnumpy
+    else:
+        xp, host = np, np.asarray
+
+        def sync():
+            pass
 
     rng = np.random.default_rng(a.seed)
     lengths = rng.integers(1, a.max_length + 1, a.sequences)
@@ -56,6 +72,12 @@ def main(argv=None) -> int:
     packed = [np.concatenate([s[i] for s in seqs], axis=1) for i in range(4)]
     keys = (np.arange(length) < lengths[:, None])[:, None, None, :]          # (B, 1, 1, L)
     causal = a.causal
+    if a.backend == "cuda":
+        seqs = [[xp.asarray(x) for x in s] for s in seqs]
+        padded, packed = [xp.asarray(x) for x in padded], [xp.asarray(x) for x in packed]
+        keys, device_cu, device_lengths = xp.asarray(keys), xp.asarray(cu), xp.asarray(lengths)
+    else:
+        device_cu, device_lengths = cu, lengths
 
     def loop():
         results = []
@@ -74,14 +96,14 @@ def main(argv=None) -> int:
 
     def with_lengths():
         q, k, v, do = padded
-        kw = dict(q_lengths=lengths, kv_lengths=lengths, causal=causal)
+        kw = dict(q_lengths=device_lengths, kv_lengths=device_lengths, causal=causal)
         out, lse = cupyflash.attention(q, k, v, return_lse=True, **kw)
         return cupyflash.attention_backward(do, q, k, v, out, lse, **kw)[0] if a.backward else out
 
     def varlen():
         q, k, v, do = packed
-        out, lse = cupyflash.attention_varlen(q, k, v, cu, cu, causal=causal, return_lse=True)
-        return (cupyflash.attention_varlen_backward(do, q, k, v, out, lse, cu, cu, causal=causal)[0]
+        out, lse = cupyflash.attention_varlen(q, k, v, device_cu, device_cu, causal=causal, return_lse=True)
+        return (cupyflash.attention_varlen_backward(do, q, k, v, out, lse, device_cu, device_cu, causal=causal)[0]
                 if a.backward else out)
 
     variants = [("loop over sequences (attention per sequence)", loop),
@@ -89,7 +111,7 @@ def main(argv=None) -> int:
                 ("packed (attention_varlen)", varlen)]
     if not causal:
         variants.insert(0, ("padded to the longest, key mask (mask=)", masked))
-    reference = loop()
+    reference = [host(x) for x in loop()]
     # the variants take turns, one run each per round, so that the machine's drift
     # (a shared, noisy 2-core box) hits them alike
     for _, fn in variants:
@@ -97,13 +119,16 @@ def main(argv=None) -> int:
     times = {name: [] for name, _ in variants}
     for _ in range(a.repeat):
         for name, fn in variants:
+            sync()
             start = time.perf_counter()
             fn()
+            sync()
             times[name].append(time.perf_counter() - start)
     rows = []
     for name, fn in variants:
         seconds = statistics.median(times[name])
         result = fn()
+        result = [host(x) for x in result] if isinstance(result, list) else host(result)
         if isinstance(result, list):
             diff = 0.0
         elif result.ndim == 4:
@@ -115,9 +140,16 @@ def main(argv=None) -> int:
         print(f"{name}: {seconds * 1e3:.1f} ms", file=sys.stderr, flush=True)
     base = rows[0][1] if not causal else None
     loop_s = next(s for n, s, _ in rows if n.startswith("loop"))
-    lines = [f"# Variable-length batch, CPU path ({'backward' if a.backward else 'forward'})", "",
-             f"{time.strftime('%Y-%m-%d')}; {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-             f"{_threads.num_threads()} worker threads; NumPy {np.__version__}, Python {platform.python_version()}.",
+    if a.backend == "cuda":
+        props = xp.cuda.runtime.getDeviceProperties(xp.cuda.Device().id)
+        machine = (f"{props['name'].decode()}; CuPy {xp.__version__}, CUDA runtime "
+                   f"{xp.cuda.runtime.runtimeGetVersion()}, Python {platform.python_version()}.")
+    else:
+        machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+                   f"{_threads.num_threads()} worker threads; NumPy {np.__version__}, Python {platform.python_version()}.")
+    where = "GPU (CuPy arrays, the kernels)" if a.backend == "cuda" else "CPU path"
+    lines = [f"# Variable-length batch, {where} ({'backward' if a.backward else 'forward'})", "",
+             f"{time.strftime('%Y-%m-%d')}; {machine}",
              f"`python benchmarks/varlen_cpu.py {' '.join(argv if argv is not None else sys.argv[1:])}`: "
              f"{a.sequences} sequences, lengths uniform in [1, {a.max_length}] (seed {a.seed}; total "
              f"{int(lengths.sum())}, longest {length}), {heads} head(s), d = {d}, float32"
