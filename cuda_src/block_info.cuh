@@ -35,6 +35,13 @@ struct HeadSlice {
         lse = p.lse == nullptr
                   ? nullptr
                   : static_cast<Acc*>(p.lse) + batch * p.lse_batch_stride + head * p.lse_head_stride;
+        if constexpr (kSeqStarts) {  // packed sequences: from the sequence's first row and key
+            q += p.first_row * p.q_row_stride;
+            k += p.first_key * p.k_row_stride;
+            v += p.first_key * p.v_row_stride;
+            out += p.first_row * p.out_row_stride;
+            if (lse != nullptr) lse += p.first_row * p.lse_row_stride;
+        }
     }
 };
 

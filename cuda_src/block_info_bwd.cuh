@@ -35,6 +35,14 @@ struct GradSlice {
         dk = static_cast<Acc*>(p.dk) + batch * p.dk_batch_stride + head_kv * p.dk_head_stride;
         dv = static_cast<Acc*>(p.dv) + batch * p.dv_batch_stride + head_kv * p.dv_head_stride;
         delta = static_cast<Acc*>(p.delta) + batch * p.delta_batch_stride + head * p.delta_head_stride;
+        if constexpr (kSeqStarts) {  // packed sequences: from the sequence's first row and key
+            const FwdParams& f = p.fwd;
+            dout += f.first_row * p.dout_row_stride;
+            dq += f.first_row * p.dq_row_stride;
+            delta += f.first_row * p.delta_row_stride;
+            dk += f.first_key * p.dk_row_stride;
+            dv += f.first_key * p.dv_row_stride;
+        }
     }
 };
 

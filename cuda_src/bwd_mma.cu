@@ -203,7 +203,7 @@ bwd_mma_dkdv_kernel(const BwdParams launch) {
     constexpr bool kDV = (kGrads & kGradDV) != 0, kDK = (kGrads & kGradDK) != 0;
 
     const KeyTileIndex tile(launch.fwd, kBlockN, blockIdx.x);
-    const BwdView params = sequence_params<T>(launch, tile.batch);  // sequence.cuh
+    const BwdView params = sequence_params(launch, tile.batch);  // sequence.cuh
     if constexpr (kSeqLengths) {
         if (tile.past_end(params.fwd, kBlockN)) return;
     }
@@ -330,7 +330,7 @@ bwd_mma_dq_kernel(const BwdParams launch) {
     using Own = typename Tr::OwnTile;
 
     const TileIndex tile(launch.fwd, kBlockM, blockIdx.x);
-    const BwdView params = sequence_params<T>(launch, tile.batch);  // sequence.cuh
+    const BwdView params = sequence_params(launch, tile.batch);  // sequence.cuh
     if constexpr (kSeqLengths) {
         if (tile.past_end(params.fwd, kBlockM)) return;
     }

@@ -355,7 +355,7 @@ __global__ void __launch_bounds__(128) bwd_simt_dot_do_o_kernel(const BwdParams 
     using Acc = acc_t<T>;
     constexpr int kLanes = 8, kRows = 128 / kLanes;
     const TileIndex tile(launch.fwd, kRows, blockIdx.x);
-    const BwdView params = sequence_params<T>(launch, tile.batch);  // sequence.cuh
+    const BwdView params = sequence_params(launch, tile.batch);  // sequence.cuh
     if constexpr (kSeqLengths) {
         if (tile.past_end(params.fwd, kRows)) return;
     }
@@ -394,7 +394,7 @@ bwd_simt_dkdv_kernel(const BwdParams launch) {
     constexpr int TR = Tr::kRowsPerThread, TC = Tr::kColsPerThread;
 
     const KeyTileIndex tile(launch.fwd, kBlockN, blockIdx.x);
-    const BwdView params = sequence_params<T>(launch, tile.batch);  // sequence.cuh
+    const BwdView params = sequence_params(launch, tile.batch);  // sequence.cuh
     if constexpr (kSeqLengths) {
         if (tile.past_end(params.fwd, kBlockN)) return;
     }
@@ -506,7 +506,7 @@ bwd_simt_dq_kernel(const BwdParams launch) {
     constexpr int TR = Tr::kRowsPerThread, TC = Tr::kColsPerThread;
 
     const TileIndex tile(launch.fwd, kBlockM, blockIdx.x);
-    const BwdView params = sequence_params<T>(launch, tile.batch);  // sequence.cuh
+    const BwdView params = sequence_params(launch, tile.batch);  // sequence.cuh
     if constexpr (kSeqLengths) {
         if (tile.past_end(params.fwd, kBlockM)) return;
     }

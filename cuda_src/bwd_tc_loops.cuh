@@ -87,7 +87,7 @@ __device__ __forceinline__ void bwd_dkdv_loop(const BwdParams& launch) {
     constexpr int kOwn = Tr::kOwnRows, kStream = Tr::kStreamRows;
 
     const KeyTileIndex tile(launch.fwd, kOwn, blockIdx.x);
-    const BwdView params = sequence_params<T>(launch, tile.batch);  // sequence.cuh
+    const BwdView params = sequence_params(launch, tile.batch);  // sequence.cuh
     if constexpr (kSeqLengths) {
         if (tile.past_end(params.fwd, kOwn)) return;
     }
@@ -179,7 +179,7 @@ __device__ __forceinline__ void bwd_dq_loop(const BwdParams& launch) {
     constexpr int kOwn = Tr::kOwnRows, kStream = Tr::kStreamRows;
 
     const TileIndex tile(launch.fwd, kOwn, blockIdx.x);
-    const BwdView params = sequence_params<T>(launch, tile.batch);  // sequence.cuh
+    const BwdView params = sequence_params(launch, tile.batch);  // sequence.cuh
     if constexpr (kSeqLengths) {
         if (tile.past_end(params.fwd, kOwn)) return;
     }

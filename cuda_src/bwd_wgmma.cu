@@ -205,7 +205,7 @@ bwd_wgmma_dkdv_kernel(const BwdParams launch) {
     constexpr bool kDV = Tr::kDV, kDK = Tr::kDK, kAtomicDq = Tr::kAtomicDq;
 
     const KeyTileIndex tile(launch.fwd, kBlockN, blockIdx.x);
-    const BwdView params = sequence_params<T>(launch, tile.batch);  // sequence.cuh
+    const BwdView params = sequence_params(launch, tile.batch);  // sequence.cuh
     if constexpr (kSeqLengths) {
         if (tile.past_end(params.fwd, kBlockN)) return;
     }
@@ -342,7 +342,7 @@ bwd_wgmma_dq_kernel(const BwdParams launch) {
     using Own = typename Tr::OwnTile;
 
     const TileIndex tile(launch.fwd, kBlockM, blockIdx.x);
-    const BwdView params = sequence_params<T>(launch, tile.batch);  // sequence.cuh
+    const BwdView params = sequence_params(launch, tile.batch);  // sequence.cuh
     if constexpr (kSeqLengths) {
         if (tile.past_end(params.fwd, kBlockM)) return;
     }

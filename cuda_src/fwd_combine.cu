@@ -43,7 +43,8 @@ __global__ void __launch_bounds__(128) fwd_combine_kernel(const FwdParams p) {
     const int64_t i = row % p.seqlen_q;
     const int64_t head = (row / p.seqlen_q) % p.heads_q;
     const int64_t batch = row / (p.seqlen_q * p.heads_q);
-    // With lengths: the row of its sequence, from the sequence's first row (sequence.cuh)
+    // With lengths: the row of its sequence, from the sequence's first row (sequence.cuh;
+    // `p` is the launch's params here, so first_row is read from the table)
     if (kSeqLengths && i >= sequence_entry(p, kSeqQLen, batch)) return;
     const int64_t r = kSeqStarts ? sequence_entry(p, kSeqQStart, batch) + i : i;
     const int splits = static_cast<int>(p.num_splits);

@@ -41,7 +41,7 @@ __device__ __forceinline__ void fwd_tile_loop(const FwdParams& launch) {
     constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
 
     const TileIndex tile(launch, kBlockM, blockIdx.x);
-    const FwdView params = sequence_params<T>(launch, tile.batch);  // sequence.cuh
+    const FwdView params = sequence_params(launch, tile.batch);  // sequence.cuh
     if constexpr (kSeqLengths) {
         if (tile.past_end(params, kBlockM)) return;
     }

@@ -127,7 +127,7 @@ fwd_mma_kernel(const FwdParams launch) {
     // TileIndex hands out the last query blocks (the most keys under a causal
     // mask) first.
     const TileIndex tile(launch, kBlockM, blockIdx.x);
-    const FwdView params = sequence_params<T>(launch, tile.batch);  // sequence.cuh
+    const FwdView params = sequence_params(launch, tile.batch);  // sequence.cuh
     if constexpr (kSeqLengths) {
         if (tile.past_end(params, kBlockM)) return;
     }

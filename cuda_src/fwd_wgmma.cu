@@ -124,7 +124,7 @@ fwd_wgmma_kernel(const FwdParams launch) {
     using Tr = WgmmaFwdTraits<T, kHeadDim, kBlockN, kWarpGroups, kLazyRescale>;
 
     const TileIndex tile(launch, Tr::kBlockM, blockIdx.x);
-    const FwdView params = sequence_params<T>(launch, tile.batch);  // sequence.cuh
+    const FwdView params = sequence_params(launch, tile.batch);  // sequence.cuh
     if constexpr (kSeqLengths) {
         if (tile.past_end(params, Tr::kBlockM)) return;
     }

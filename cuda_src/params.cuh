@@ -105,6 +105,10 @@ struct FwdParams {
     // Rows of ws_o / ws_l per (split, batch, query head): the launch's seqlen_q
     // (a CTA's own seqlen_q is its sequence's under CF_SEQ_LENGTHS).
     int64_t split_rows;
+    // In a CTA's view of packed sequences (sequence.cuh, CF_SEQ_LENGTHS=2): its
+    // sequence's first query row and first key, which HeadSlice and GradSlice
+    // add to every base pointer; 0 from the host, read by no other module.
+    int64_t first_row, first_key;
 };
 
 // Most additive bias terms one call takes (FwdParams::bias), and most mod_args arrays.
@@ -112,7 +116,7 @@ constexpr int kMaxBias = 4;
 constexpr int kMaxModArgs = 4;
 
 // The layout _params.py mirrors (tests compare every offset with the dtype's).
-static_assert(sizeof(FwdParams) == 110 * 8, "FwdParams: every field is 8 bytes, no padding");
+static_assert(sizeof(FwdParams) == 112 * 8, "FwdParams: every field is 8 bytes, no padding");
 // NVRTC 13.0 has no __builtin_offsetof (13.5 has): the offsets are asserted in
 // host builds (the emulator's g++), the size everywhere.
 #if !defined(__CUDACC_RTC__)

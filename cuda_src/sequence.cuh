@@ -10,13 +10,12 @@
 // the number of keys of its sequence.  CF_SEQ_LENGTHS=1, a padded batch: the
 // batch strides place each sequence and the first rows are 0, never read.
 // CF_SEQ_LENGTHS=2, packed sequences: batch strides 0, and each sequence's
-// base pointers move to its first row and key -- registers for what are
-// constant-bank operands without lengths, which the padded form does not pay.
+// base pointers move to its first row and key (HeadSlice, GradSlice).
 
 // The one seam: TileIndex / KeyTileIndex (block_info*.cuh) map the slot to
 // its batch entry, and each kernel narrows the launch's params to that
-// sequence (sequence_params): base pointers moved to its first row, seqlen_q
-// and seqlen_k its lengths.  From there every helper -- tails, the window and
+// sequence (sequence_params): seqlen_q and seqlen_k its lengths, and its first
+// row and key where HeadSlice / GradSlice place the base pointers.  From there every helper -- tails, the window and
 // its bottom-right diagonal (Lk - Lq of the sequence), the block ranges that
 // skip what no row sees, the score terms -- sees a plain problem of the
 // sequence's size, and no kernel body tests a length.  A CTA whose block lies
@@ -34,7 +33,6 @@
 
 #include "params.cuh"
 #include "params_bwd.cuh"
-#include "softmax.cuh"
 
 #ifndef CF_SEQ_LENGTHS
 #define CF_SEQ_LENGTHS 0
@@ -78,24 +76,18 @@ using FwdView = const FwdParams&;  // the launch's params themselves
 using BwdView = const BwdParams&;
 #endif
 
-// The launch's params narrowed to batch entry `batch`'s sequence: q, k, v,
-// out and lse from its first row or key, seqlen_q and seqlen_k its lengths.
-// T is the inputs' type; lse is of the call's accumulator type acc_t<T>.
-template <typename T>
+// The launch's params narrowed to batch entry `batch`'s sequence: seqlen_q
+// and seqlen_k its lengths; packed, first_row and first_key its first query
+// row and key, which HeadSlice and GradSlice add to the base pointers (two
+// integers live, not a pointer per tensor).
 __device__ __forceinline__ FwdView sequence_params(const FwdParams& launch, int64_t batch) {
 #if CF_SEQ_LENGTHS
-    using Acc = acc_t<T>;
     FwdParams p = launch;
     p.seqlen_q = sequence_entry(launch, kSeqQLen, batch);
     p.seqlen_k = sequence_entry(launch, kSeqKLen, batch);
     if constexpr (kSeqStarts) {
-        const int q0 = sequence_entry(launch, kSeqQStart, batch);
-        const int k0 = sequence_entry(launch, kSeqKStart, batch);
-        p.q = static_cast<const T*>(launch.q) + q0 * launch.q_row_stride;
-        p.k = static_cast<const T*>(launch.k) + k0 * launch.k_row_stride;
-        p.v = static_cast<const T*>(launch.v) + k0 * launch.v_row_stride;
-        p.out = static_cast<T*>(launch.out) + q0 * launch.out_row_stride;
-        if (launch.lse != nullptr) p.lse = static_cast<Acc*>(launch.lse) + q0 * launch.lse_row_stride;
+        p.first_row = sequence_entry(launch, kSeqQStart, batch);
+        p.first_key = sequence_entry(launch, kSeqKStart, batch);
     }
     return p;
 #else
@@ -104,24 +96,12 @@ __device__ __forceinline__ FwdView sequence_params(const FwdParams& launch, int6
 #endif
 }
 
-// The backward's params narrowed likewise: the forward's part, then dout,
-// dq and delta from the sequence's first query row, dk and dv from its first
-// key (the gradients and delta are of the accumulator type).
-template <typename T>
+// The backward's params narrowed likewise (GradSlice moves dout, dq and delta
+// to the first query row, dk and dv to the first key).
 __device__ __forceinline__ BwdView sequence_params(const BwdParams& launch, int64_t batch) {
 #if CF_SEQ_LENGTHS
-    using Acc = acc_t<T>;
     BwdParams p = launch;
-    p.fwd = sequence_params<T>(launch.fwd, batch);
-    if constexpr (kSeqStarts) {
-        const int q0 = sequence_entry(launch.fwd, kSeqQStart, batch);
-        const int k0 = sequence_entry(launch.fwd, kSeqKStart, batch);
-        p.dout = static_cast<const T*>(launch.dout) + q0 * launch.dout_row_stride;
-        p.dq = static_cast<Acc*>(launch.dq) + q0 * launch.dq_row_stride;
-        p.delta = static_cast<Acc*>(launch.delta) + q0 * launch.delta_row_stride;
-        p.dk = static_cast<Acc*>(launch.dk) + k0 * launch.dk_row_stride;
-        p.dv = static_cast<Acc*>(launch.dv) + k0 * launch.dv_row_stride;
-    }
+    p.fwd = sequence_params(launch.fwd, batch);
     return p;
 #else
     (void)batch;

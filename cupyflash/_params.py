@@ -45,13 +45,13 @@ FWD_PARAMS = np.dtype(
     + [("softcap", np.float64), ("coord", np.uint64, (3,)), ("coord_strides", np.int64, (3, 2)),
        ("mod_args", np.uint64, (MAX_MOD_ARGS,)), ("mod_shape", np.int64, (MAX_MOD_ARGS, 4)),
        ("mod_strides", np.int64, (MAX_MOD_ARGS, 4))]
-    + [("sequences", np.uint64), ("split_rows", np.int64)],
+    + [("sequences", np.uint64), ("split_rows", np.int64), ("first_row", np.int64), ("first_key", np.int64)],
     align=True,
 )
-assert FWD_PARAMS.itemsize == 110 * 8
+assert FWD_PARAMS.itemsize == 112 * 8
 # The same fields as one struct.pack format (native byte order, as NumPy's dtype):
-# packing them in one call is ~7x faster than setting 110 fields of a NumPy scalar.
-_FWD_PACK = struct.Struct("=8Q27q2d4Q16qQ4qd3Q6q4Q16q16qQq")
+# packing them in one call is ~7x faster than setting 112 fields of a NumPy scalar.
+_FWD_PACK = struct.Struct("=8Q27q2d4Q16qQ4qd3Q6q4Q16q16qQ3q")
 assert _FWD_PACK.size == FWD_PARAMS.itemsize
 
 
@@ -207,7 +207,7 @@ def fwd_fields(q, k, v, out, lse, *, scale: float, window_left, window_right, gq
             *(NO_TERMS if terms is None else term_fields(terms.bias, terms.mask)),
             *(NO_MODS if terms is None or terms.mods is None else
               mod_fields(terms.mods.softcap, terms.coords, terms.mod_args)),
-            data_pointer(sequences), seqlen_q)
+            data_pointer(sequences), seqlen_q, 0, 0)
 
 
 # ---- backward ----------------------------------------------------------------------------------

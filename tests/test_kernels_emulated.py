@@ -124,7 +124,7 @@ def test_params_fields_by_name():
                 "softcap": 0.0, "coord": [0] * 3, "coord_strides": [[0, 0]] * 3, "mod_args": [0] * 4,
                 "mod_shape": [[0] * 4] * 4, "mod_strides": [[0] * 4] * 4,
                 # per-sequence lengths: the table; the split workspace's rows per (batch, head)
-                "sequences": table.ctypes.data, "split_rows": 5}
+                "sequences": table.ctypes.data, "split_rows": 5, "first_row": 0, "first_key": 0}
     for name, a in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
         for axis, stride in zip(("batch", "head", "row"), a.strides[:3]):
             expected[f"{name}_{axis}_stride"] = stride // a.itemsize

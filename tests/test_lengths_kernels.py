@@ -117,6 +117,18 @@ def test_window_and_split_kv_with_lengths(emulate):
     _check_forward_per_sequence(out, lse, q, k, v, "ieee", Q_LENS, KV_LENS, **kw)
 
 
+def test_window_backward_with_lengths(emulate):
+    # a two-sided window on each sequence's own diagonal: the dK/dV blocks skip the query
+    # blocks outside it per sequence, not per padded shape
+    emulate(80)
+    q, k, v, dout = _padded("window-backward", np.float16)
+    kw = dict(window=(20, 3), enable_gqa=True, q_lengths=np.array(Q_LENS), kv_lengths=np.array(KV_LENS))
+    out, lse = cupyflash.attention(q, k, v, backend="numpy", return_lse=True, **kw)
+    grads = cupyflash.attention_backward(dout, q, k, v, out, lse, backend="emulator", **kw)
+    del kw["q_lengths"], kw["kv_lengths"]
+    _check_backward_per_sequence(grads, dout, q, k, v, out, lse, "ieee", Q_LENS, KV_LENS, **kw)
+
+
 def _pack(x, lengths):
     return np.concatenate([x[b, :, :n] for b, n in enumerate(lengths)], axis=1)
 
@@ -171,3 +183,33 @@ def test_random_lengths_on_the_kernels(seed, batch, causal):
     grads = cupyflash.attention_backward(dout, q, k, v, out, lse, q_lengths=ql, kv_lengths=kl, backend="emulator",
                                          **kw)
     _check_backward_per_sequence(grads, dout, q, k, v, out, lse, "ieee", ql, kl, **kw)
+
+
+def test_backward_with_lengths_is_deterministic(emulate):
+    # the warps in two other orders: the same bits (each CTA owns its dk/dv rows, the dQ
+    # kernel its dq rows; nothing is added by atomics with deterministic=True)
+    q, k, v, dout = _padded("deterministic", np.float16)
+    kw = dict(causal=True, enable_gqa=True, q_lengths=np.array(Q_LENS), kv_lengths=np.array(KV_LENS))
+    out, lse = cupyflash.attention(q, k, v, backend="numpy", return_lse=True, **kw)
+    runs = []
+    for seed in (1, 2):
+        emulate(80, seed=seed)
+        runs.append(cupyflash.attention_backward(dout, q, k, v, out, lse, backend="emulator", **kw))
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_the_launch_order_puts_the_most_work_first():
+    from cupyflash._run import sequence_defines, sequence_table
+
+    # per sequence: first query row, query rows, first key, keys -> the (4, B) spans
+    spans = np.array([[0, 5, 9, 20], [5, 4, 11, 0], [0, 3, 3, 10], [3, 6, 2, 7]]).T
+    table = sequence_table(spans)
+    assert table.dtype == np.int32 and table.shape == (5, 4)
+    # work = query rows x keys (no key counts as one): 100, 4, 30, 42
+    assert table[0].tolist() == [0, 3, 2, 1]
+    np.testing.assert_array_equal(table[1:], spans)
+    assert sequence_defines(np.zeros((4, 3), np.int64)) == (("CF_SEQ_LENGTHS", "1"),)   # padded
+    assert sequence_defines(spans) == (("CF_SEQ_LENGTHS", "2"),)                         # packed
+    with pytest.raises(NotImplementedError, match="2\\^31"):
+        sequence_table(np.array([[0], [2**31], [0], [1]]))

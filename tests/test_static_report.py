@@ -473,3 +473,24 @@ def test_rows_planned_for_a_score_modification_do_not_spill(example, entry, arch
     assert rows
     spilled = [(r["kernel"], r["spill_stores"], r["stack"]) for r in rows if r["spill_stores"] or r["stack"]]
     assert not spilled, spilled
+
+
+# ---- issue 27: the kernels a call with per-sequence lengths runs ---------------------------------
+
+# (entry, arch) of the d = 128 rows that spilled in the padded form before the dK/dV kernels took
+# dV's product first there (bwd_dmma; bwd_tf32's tf32x3 on sm_90): tools/lengths_report.py
+# compiles every row a call with lengths plans, both forms (benchmarks/results/lengths/)
+LENGTHS_SPILLED_BEFORE = [("bwd_dmma.cu", 80), ("bwd_tf32.cu", 90)]
+
+
+@pytest.mark.parametrize("entry, arch", LENGTHS_SPILLED_BEFORE, ids=[f"{e}-{a}" for e, a in LENGTHS_SPILLED_BEFORE])
+def test_rows_planned_with_lengths_do_not_spill(entry, arch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lengths_report", REPO / "tools" / "lengths_report.py")
+    lengths_report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lengths_report)
+    rows = lengths_report.report([arch], entries={entry}, forms=("padded",), head_dims=(128,))
+    assert rows
+    spilled = [(r["kernel"], r["spill_stores"], r["stack"]) for r in rows if r["spill_stores"] or r["stack"]]
+    assert not spilled, spilled
