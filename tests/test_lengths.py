@@ -5,6 +5,7 @@ sequence alone (its own rows and keys, its own bottom-right diagonal), with zero
 lse ``-inf`` and zero gradients in the padding, and nothing the padding holds (NaN
 planted there) reaching any result.  Error rules: docs/testing.md's table (outputs)
 and ``assert_grad_close`` (gradients), against the per-sequence loop and the oracle.
+The kernels' one launch over the sequences is tests/test_lengths_kernels.py's.
 """
 
 from __future__ import annotations
@@ -197,39 +198,6 @@ def test_bad_lengths_are_refused_before_any_work(kw, error, words):
     with pytest.raises(error) as info:
         cupyflash.attention(q, k, v, **kw)
     assert all(w in str(info.value) for w in words), str(info.value)
-
-
-# ---- the kernels (on the emulator) ------------------------------------------------------------
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["float32-simt", "float16-mma"])
-def test_the_kernels_take_lengths_one_sequence_at_a_time(dtype):
-    # until a family takes lengths itself, the kernel backends launch once per sequence
-    # on its own rows and keys: the padding (NaN here) is never read
-    ql, kl = [0, 7, 20, 13], [26, 0, 13, 26]
-    q, k, v, dout = _padded(_rng("emulator", dtype), dtype, 4, 2, 2, 20, 26, 16, 16, ql, kl)
-    kw = dict(q_lengths=np.array(ql), kv_lengths=np.array(kl), causal=True)
-    out, lse = cupyflash.attention(q, k, v, return_lse=True, backend="emulator", **kw)
-    grads = cupyflash.attention_backward(dout, q, k, v, out, lse, backend="emulator", **kw)
-    assert not np.isnan(out.astype(np.float64)).any() and not any(np.isnan(g.astype(np.float64)).any() for g in grads)
-    assert_close(out, naive_attention(q, k, v, **kw), dtype)
-    for g, e in zip(grads, naive_attention_backward(dout, q, k, v, **kw)):
-        assert_grad_close(g, e, dtype)
-
-
-def test_the_kernels_take_packed_sequences():
-    rng = _rng("emulator-packed")
-    cu_q, cu_k = np.array([0, 5, 5, 21]), np.array([0, 9, 12, 12])
-    q, k, v = (random_array(rng, (2, n, 16), np.float32) for n in (21, 12, 12))
-    out, lse = cupyflash.attention_varlen(q, k, v, cu_q, cu_k, causal=True, return_lse=True, backend="emulator")
-    ref, ref_lse = cupyflash.attention_varlen(q, k, v, cu_q, cu_k, causal=True, return_lse=True)
-    assert_close(out, ref, np.float32)
-    assert_lse_close(lse, ref_lse, np.float32)
-    dout = random_array(rng, out.shape, np.float32)
-    for g, e in zip(cupyflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=True,
-                                                        backend="emulator"),
-                    cupyflash.attention_varlen_backward(dout, q, k, v, ref, ref_lse, cu_q, cu_k, causal=True)):
-        assert_grad_close(g, e, np.float32)
 
 
 # ---- packed sequences --------------------------------------------------------------------------
