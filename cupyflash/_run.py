@@ -74,6 +74,17 @@ def _narrow(a, n: int):
     return a[:, :, :n]
 
 
+def _pack_query_heads(x, ratio: int):
+    """A one-row ``(B, Hq, 1, ...)`` view (q, out, lse) as ``(B, Hq / ratio, ratio, ...)``:
+    each kv head's group of query heads as the rows of one query block (strides only)."""
+    if x is None:
+        return None
+    base = x.base if isinstance(x, KernelView) else x
+    b, h = x.shape[:2]
+    sb, sh = x.strides[:2]
+    return KernelView(base, (b, h // ratio, ratio) + tuple(x.shape[3:]), (sb, ratio * sh, sh) + tuple(x.strides[3:]))
+
+
 def _device_table(spans, like):
     """The sequence table on the kernels' side: a NumPy array for the emulator, a CuPy
     one (one small host-to-device copy) for the GPU -- the kind of ``like``."""
@@ -135,6 +146,11 @@ def forward(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio, e
     launch runs every sequence on its own rows and keys, in a module compiled with
     :func:`sequence_defines`.  Rows past a sequence's length are not written (the
     caller's); a padded batch has first rows 0, a packed one batch strides 0.
+
+    Decoding with GQA (one query row, ``gqa_ratio`` > 1, the window unbounded on the
+    left, no score terms, no packed sequences): each kv head's query heads are packed
+    into the rows of one query block (:func:`_pack_query_heads`), so K and V are read
+    once per kv head.
     """
     terms = ScoreOperands() if terms is None else terms
     lengths = sequences is not None
@@ -143,6 +159,17 @@ def forward(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio, e
         max_q, max_k = int(spans[1].max(initial=0)), int(spans[3].max(initial=0))
         q, out, lse = _narrow(q, max_q), _narrow(out, max_q), _narrow(lse, max_q)
         k, v = _narrow(k, max_k), _narrow(v, max_k)
+    if (q.shape[2] == 1 and gqa_ratio > 1 and window_left is None and not terms.features
+            and not (lengths and (spans[0].any() or spans[2].any()))):
+        # Decoding (one query row): the kv head's group of query heads become the rows of one
+        # query block -- K and V read once per kv head, not once per query head.  A row at
+        # the bottom-right corner sees every key whatever the window's right bound, so the
+        # packed rows (gqa_ratio 1, no window) see what each head's row saw.
+        q, out, lse = (_pack_query_heads(x, gqa_ratio) for x in (q, out, lse))
+        if lengths:
+            spans = spans.copy()
+            spans[1] *= gqa_ratio
+        gqa_ratio, window_right = 1, None
     batch, heads, seqlen_q, head_dim = q.shape
     if batch == 0 or heads == 0 or seqlen_q == 0:
         return

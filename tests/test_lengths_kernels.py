@@ -213,3 +213,21 @@ def test_the_launch_order_puts_the_most_work_first():
     assert sequence_defines(spans) == (("CF_SEQ_LENGTHS", "2"),)                         # packed
     with pytest.raises(NotImplementedError, match="2\\^31"):
         sequence_table(np.array([[0], [2**31], [0], [1]]))
+
+
+@pytest.mark.parametrize("case", ["gqa-4:1", "mqa-8:1-split", "window-not-packed"])
+def test_decode_packs_the_query_heads_of_a_kv_head(emulate, case):
+    # one query row per sequence (a decode step over a dense cache): each kv head's query
+    # heads are the rows of one query block, so the grid has a block per (sequence, kv head)
+    heads = {"gqa-4:1": (8, 2), "mqa-8:1-split": (8, 1), "window-not-packed": (8, 2)}[case]
+    spy = emulate(80, **({"splits": 2} if "split" in case else {}))
+    kv_lens = [150, 17, 0]
+    q, k, v, _ = _padded(f"decode-{case}", np.float16, [1, 1, 1], kv_lens, heads=heads, shape=(1, 150))
+    kw = dict(window=(16, 0)) if "window" in case else dict(causal=True)
+    out, lse = cupyflash.attention(q, k, v, kv_lengths=np.array(kv_lens), backend="emulator", return_lse=True,
+                                   enable_gqa=True, **kw)
+    (name, grid), *rest = spy.launches
+    blocks = len(kv_lens) * (heads[0] if "window" in case else heads[1])   # a query block per what
+    assert name.startswith("cf::fwd_mma_kernel") and grid[0] == blocks
+    assert [n for n, _ in rest] == (["cf::fwd_combine_kernel<__half, float>"] if "split" in case else [])
+    _check_forward_per_sequence(out, lse, q, k, v, "ieee", [1, 1, 1], kv_lens, enable_gqa=True, **kw)
