@@ -364,16 +364,24 @@ def test_gpu_check_splits_the_gpu_tier_into_one_process_per_gpu_module(tmp_path)
     groups = check.test_groups()
     modules = sorted(p.stem for p in (ROOT / "tests").glob("test_gpu*.py"))
     assert [name for name, _ in groups] == [*modules, "others"]
-    collected = {}
-    for name, targets in groups:
+
+    def collect(*targets):
         out = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q",
                               "-p", "no:cacheprovider", *targets], cwd=ROOT, capture_output=True,
                              text=True, check=False).stdout
-        collected[name] = {line for line in out.splitlines() if "::" in line}
-    everything = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q",
-                                 "-p", "no:cacheprovider", "tests"], cwd=ROOT, capture_output=True,
-                                text=True, check=False).stdout
-    wanted = {line for line in everything.splitlines() if "::" in line}
+        return {line for line in out.splitlines() if "::" in line}
+
+    # each module group is one file (its tests: the whole run's of that file); the "others"
+    # group is collected as gpu_check runs it -- two collections, not one per module
+    wanted = collect("tests")
+    collected = {}
+    for name, targets in groups:
+        if name == "others":
+            collected[name] = collect(*targets)
+        else:
+            (target,) = targets
+            assert Path(target).stem == name
+            collected[name] = {t for t in wanted if t.startswith(f"tests/{name}.py::")}
     assert sum(len(c) for c in collected.values()) == len(wanted) > 0
     assert set().union(*collected.values()) == wanted
 
