@@ -50,6 +50,15 @@
 
 namespace cf {
 
+// Whether this pass compiles device code for sm_90 or later (the dK/dV kernel's
+// order of products with lengths moves registers differently per architecture;
+// false on the host and the emulator).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+constexpr bool kCompiledForSm90 = true;
+#else
+constexpr bool kCompiledForSm90 = false;
+#endif
+
 // Every compile-time quantity of one instantiation: kOwn rows stay in shared
 // memory for the whole CTA, kStream rows are reloaded per block.  The tile
 // table with the reason for each row is _BWD_TF32_TILES in cupyflash/_kernels.py.

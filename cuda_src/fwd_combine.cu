@@ -7,7 +7,7 @@
 // it sees no key of).  With M = max_s lse_s and w_s = exp(lse_s - M),
 //     lse = M + log(sum_s w_s),   out = sum_s w_s o_s / sum_s w_s,
 // which is the attention over all the keys; a row that sees none (M = -inf)
-// gets zeros and lse = -inf, as from one p.
+// gets zeros and lse = -inf, as from one launch.
 //
 // One thread per 16-byte chunk of an output row (4 floats, 2 doubles): it
 // reads the row's S lse values (shared by the row's threads, from L1), then

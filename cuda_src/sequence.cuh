@@ -43,15 +43,6 @@ namespace cf {
 constexpr bool kSeqLengths = CF_SEQ_LENGTHS != 0;
 constexpr bool kSeqStarts = CF_SEQ_LENGTHS == 2;  // packed: sequences start at their own rows
 
-// Whether this pass compiles device code for sm_90 or later (a schedule choice
-// that moves registers differently per architecture; false on the host and
-// the emulator).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-constexpr bool kCompiledForSm90 = true;
-#else
-constexpr bool kCompiledForSm90 = false;
-#endif
-
 // The rows of FwdParams::sequences.
 enum SequenceRow : int { kSeqOrder = 0, kSeqQStart = 1, kSeqQLen = 2, kSeqKStart = 3, kSeqKLen = 4 };
 

@@ -44,12 +44,18 @@ PADDED_DEFINES = (("CF_SEQ_LENGTHS", "1"),)
 PACKED_DEFINES = (("CF_SEQ_LENGTHS", "2"),)
 
 
+def _packed(spans) -> bool:
+    """Whether a launch's ``(4, B)`` spans start a sequence past row or key 0 (packed
+    sequences; a padded batch's first rows are all 0)."""
+    return spans is not None and bool(spans[0].any() or spans[2].any())
+
+
 def sequence_defines(spans) -> tuple:
     """The module macros for a launch's ``(4, B)`` spans (None: no lengths, none): the
     packed module only where a sequence starts past row or key 0."""
     if spans is None:
         return ()
-    return PACKED_DEFINES if spans[0].any() or spans[2].any() else PADDED_DEFINES
+    return PACKED_DEFINES if _packed(spans) else PADDED_DEFINES
 
 
 def sequence_table(spans) -> np.ndarray:
@@ -160,7 +166,7 @@ def forward(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio, e
         q, out, lse = _narrow(q, max_q), _narrow(out, max_q), _narrow(lse, max_q)
         k, v = _narrow(k, max_k), _narrow(v, max_k)
     if (q.shape[2] == 1 and gqa_ratio > 1 and window_left is None and not terms.features
-            and not (lengths and (spans[0].any() or spans[2].any()))):
+            and not (lengths and _packed(spans))):
         # Decoding (one query row): the kv head's group of query heads become the rows of one
         # query block -- K and V read once per kv head, not once per query head.  A row at
         # the bottom-right corner sees every key whatever the window's right bound, so the
@@ -299,7 +305,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, *, scale, window_left, window_
             raise TypeError(f"`{name}` must have the accumulator dtype {acc.name}, got {np.dtype(g.dtype).name}")
     terms = ScoreOperands() if terms is None else terms
     xp = _array_module(q)
-    if lengths and spans[0].any():
+    if lengths and _packed(spans):
         # packed: delta laid out like lse (C-contiguous base), each sequence's rows
         # addressed from its first row as lse's are
         base = lse.base if isinstance(lse, KernelView) else lse
