@@ -11,17 +11,19 @@
 #pragma once
 
 #include "mask.cuh"
+#include "paged.cuh"
 #include "params.cuh"
 #include "sequence.cuh"
 
 namespace cf {
 
-// One (batch, query head) of every tensor; k and v belong to its kv head.
+// One (batch, query head) of every tensor; k and v belong to its kv head
+// (KeyRows: a pointer, or the sequence's pages of a paged cache, paged.cuh).
 template <typename T, typename Acc>
 struct HeadSlice {
     const T* q;
-    const T* k;
-    const T* v;
+    KeyRows<T> k;
+    KeyRows<T> v;
     T* out;
     Acc* lse;  // null when the caller did not ask for the log-sum-exp
 
@@ -29,8 +31,13 @@ struct HeadSlice {
         // Head counts are < 2^31 (launch_config checks): 32-bit division, no call.
         const int64_t head_kv = static_cast<int>(head) / static_cast<int>(p.gqa_ratio);
         q = static_cast<const T*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride;
+#if CF_PAGED_KV  // the sequence's pages of the caches, through its row of the block table
+        k = paged_rows(p, static_cast<const T*>(p.k) + head_kv * p.k_head_stride, batch, p.k_batch_stride);
+        v = paged_rows(p, static_cast<const T*>(p.v) + head_kv * p.v_head_stride, batch, p.v_batch_stride);
+#else
         k = static_cast<const T*>(p.k) + batch * p.k_batch_stride + head_kv * p.k_head_stride;
         v = static_cast<const T*>(p.v) + batch * p.v_batch_stride + head_kv * p.v_head_stride;
+#endif
         out = static_cast<T*>(p.out) + batch * p.out_batch_stride + head * p.out_head_stride;
         lse = p.lse == nullptr
                   ? nullptr

@@ -70,13 +70,13 @@ __device__ __forceinline__ void scores_to_a(uint32_t (&a)[Tr::kKeySteps][Tr::kMT
 template <class Tr, typename T, bool kWholeKV = false>
 struct KVPipeline {
     const FwdParams& p;
-    const T* k_src;
-    const T* v_src;
+    KeyRows<T> k_src;  // a pointer, or a paged cache's pages (paged.cuh)
+    KeyRows<T> v_src;
     T* buffers;     // kStages x (K, V)
     int n_end;      // one past the last key block
     int stage = 0;  // the pair holding the current block (always 0 with one pair)
 
-    __device__ KVPipeline(const FwdParams& params, const T* k, const T* v, T* smem, int end)
+    __device__ KVPipeline(const FwdParams& params, const KeyRows<T>& k, const KeyRows<T>& v, T* smem, int end)
         : p(params), k_src(k), v_src(v), buffers(smem), n_end(end) {}
 
     __device__ T* k(int s) const { return buffers + (2 * s) * Tr::KVTile::kElements; }
@@ -84,7 +84,7 @@ struct KVPipeline {
     __device__ const T* keys() const { return k(stage); }
     __device__ const T* values() const { return v(stage); }
 
-    __device__ void load(T* dst, const T* src, int64_t row_stride, int n_block) const {
+    __device__ void load(T* dst, const KeyRows<T>& src, int64_t row_stride, int n_block) const {
         const int64_t n0 = static_cast<int64_t>(n_block) * Tr::kBlockN;
         cp_async_tile<Tr::kThreads, typename Tr::KVTile, kWholeKV>(dst, src, n0, row_stride,
                                                          QueryBlock::keys_in(p, n0, Tr::kBlockN),

@@ -108,11 +108,13 @@ struct Tf32TileMover {
         tf32_copy_tile<Tr::kThreads, Tr::kBlockM, Tr::kHeadDim, typename Tr::QLayout>(dst, src, row_stride,
                                                                                     rows_valid, cols_valid);
     }
-    __device__ static void k(float* dst, const float* src, int64_t row_stride, int rows_valid, int cols_valid) {
+    template <class Src>  // K and V: a pointer, or a paged cache's pages (paged.cuh)
+    __device__ static void k(float* dst, const Src& src, int64_t row_stride, int rows_valid, int cols_valid) {
         tf32_copy_tile<Tr::kThreads, Tr::kBlockN, Tr::kHeadDim, typename Tr::KLayout>(dst, src, row_stride,
                                                                                     rows_valid, cols_valid);
     }
-    __device__ static void v(float* dst, const float* src, int64_t row_stride, int rows_valid, int cols_valid) {
+    template <class Src>
+    __device__ static void v(float* dst, const Src& src, int64_t row_stride, int rows_valid, int cols_valid) {
         tf32_copy_tile<Tr::kThreads, Tr::kBlockN, Tr::kHeadDim, typename Tr::VLayout>(dst, src, row_stride,
                                                                                     rows_valid, cols_valid);
     }

@@ -28,11 +28,13 @@ struct RowTileMover {
         cp_async_tile_rows<Tr::kThreads, Tr::kBlockM, Tr::kHeadDim>(dst, typename Tr::QLayout{}, src, row_stride,
                                                                      rows_valid, cols_valid);
     }
-    __device__ static void k(Acc* dst, const Acc* src, int64_t row_stride, int rows_valid, int cols_valid) {
+    template <class Src>  // K and V: a pointer, or a paged cache's pages (paged.cuh)
+    __device__ static void k(Acc* dst, const Src& src, int64_t row_stride, int rows_valid, int cols_valid) {
         cp_async_tile_rows<Tr::kThreads, Tr::kBlockN, Tr::kHeadDim>(dst, typename Tr::KLayout{}, src, row_stride,
                                                                      rows_valid, cols_valid);
     }
-    __device__ static void v(Acc* dst, const Acc* src, int64_t row_stride, int rows_valid, int cols_valid) {
+    template <class Src>
+    __device__ static void v(Acc* dst, const Src& src, int64_t row_stride, int rows_valid, int cols_valid) {
         cp_async_tile_rows<Tr::kThreads, Tr::kBlockN, Tr::kHeadDimV>(dst, Tr::v_layout(), src, row_stride,
                                                                       rows_valid, cols_valid);
     }
@@ -83,12 +85,12 @@ struct SimtTiles {
     }
     __device__ void issue_keys(int64_t n_block) const {
         const int64_t n0 = n_block * Tr::kBlockN;
-        Mover::k(sK, head.k + n0 * params.k_row_stride, params.k_row_stride, keys_in(n_block),
+        Mover::k(sK, at_key(head.k, n0, params.k_row_stride), params.k_row_stride, keys_in(n_block),
                  static_cast<int>(params.head_dim));
     }
     __device__ void issue_values(int64_t n_block) const {
         const int64_t n0 = n_block * Tr::kBlockN;
-        Mover::v(sV, head.v + n0 * params.v_row_stride, params.v_row_stride, keys_in(n_block),
+        Mover::v(sV, at_key(head.v, n0, params.v_row_stride), params.v_row_stride, keys_in(n_block),
                  static_cast<int>(params.head_dim_v));
     }
 
@@ -102,7 +104,7 @@ struct SimtTiles {
             cp_async_commit();
         } else {
             const int64_t n0 = n_block * Tr::kBlockN;
-            load_tile<Tr::kThreads>(sK, typename Tr::KLayout{}, head.k + n0 * params.k_row_stride,
+            load_tile<Tr::kThreads>(sK, typename Tr::KLayout{}, at_key(head.k, n0, params.k_row_stride),
                                     params.k_row_stride, Tr::kBlockN, Tr::kHeadDim,
                                     keys_in(n_block), static_cast<int>(params.head_dim));
             __syncthreads();
@@ -120,7 +122,7 @@ struct SimtTiles {
         } else {
             __syncthreads();  // K fully read: its buffer takes V
             const int64_t n0 = n_block * Tr::kBlockN;
-            load_tile<Tr::kThreads>(sV, Tr::v_layout(), head.v + n0 * params.v_row_stride,
+            load_tile<Tr::kThreads>(sV, Tr::v_layout(), at_key(head.v, n0, params.v_row_stride),
                                     params.v_row_stride, Tr::kBlockN, Tr::kHeadDimV,
                                     keys_in(n_block), static_cast<int>(params.head_dim_v));
             __syncthreads();

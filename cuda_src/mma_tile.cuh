@@ -14,6 +14,7 @@
 #pragma once
 
 #include "fragment.cuh"
+#include "paged.cuh"
 #include "ptx.cuh"
 
 namespace cf {
@@ -98,8 +99,11 @@ struct SwizzledTile {
 // and select (fwd_mma's K/V blocks when Lk is a multiple of the block and d
 // is the bucket: a third of the instructions of d = 128's main loop went to
 // the two K/V copies' bounds).
-template <int kThreads, class Tile, bool kWhole = false, typename T>
-__device__ __forceinline__ void cp_async_tile(T* dst, const T* src, int64_t first_row, int64_t row_stride,
+//
+// src: a pointer, or the pages of a paged cache (paged.cuh): then each row's
+// address comes from its page, one table lookup per row and pass.
+template <int kThreads, class Tile, bool kWhole = false, typename T, class Src>
+__device__ __forceinline__ void cp_async_tile(T* dst, const Src& src, int64_t first_row, int64_t row_stride,
                                               int rows_valid, int cols_valid) {
     static_assert(sizeof(T) == 2, "16-bit elements: 8 per 16-byte chunk");
     constexpr int kLanesRaw = Tile::kChunks & -Tile::kChunks;
@@ -119,7 +123,26 @@ __device__ __forceinline__ void cp_async_tile(T* dst, const T* src, int64_t firs
         const int valid = cols_valid - 8 * (c0 + cp * kLanes);  // elements inside the row
         chunk_bytes[cp] = kWhole ? 16 : 2 * (valid < 0 ? 0 : valid > 8 ? 8 : valid);
     }
-    const T* row = src + (first_row + r0) * row_stride + 8 * c0;
+    if constexpr (IsPaged<Src>::value) {
+        // One row's lookup at a time: unrolled, the passes' lookups and addresses
+        // held more registers (fwd_mma's d = 128 spilled 8 B on sm_90, 4 B so).
+#pragma unroll 1
+        for (int rp = 0; rp < kRowPasses; ++rp) {
+            const int r = r0 + rp * kRowsPerPass;
+            if (Tile::kRows % kRowsPerPass == 0 || r < Tile::kRows) {
+                const bool valid = kWhole || r < rows_valid;  // rows past it: no lookup (the table may end)
+                const T* row = valid ? row_at(src, first_row + r, row_stride) + 8 * c0 : any_row(src);
+#pragma unroll
+                for (int cp = 0; cp < kChunksPerLane; ++cp) {
+                    const int bytes = valid ? chunk_bytes[cp] : 0;
+                    T* to = dst + Tile::chunk(r0, cp * kLanes, c0) + rp * kRowsPerPass * Tile::row_pitch(cp * kLanes);
+                    cp_async_16(to, bytes > 0 ? row + 8 * kLanes * cp : any_row(src), bytes);
+                }
+            }
+        }
+        return;
+    }
+    const T* row = row_at(src, first_row + r0, row_stride) + 8 * c0;
 #pragma unroll
     for (int rp = 0; rp < kRowPasses; ++rp, row += kRowsPerPass * row_stride) {
         const int r = r0 + rp * kRowsPerPass;
@@ -130,7 +153,7 @@ __device__ __forceinline__ void cp_async_tile(T* dst, const T* src, int64_t firs
                 // A zero-byte copy reads nothing; it still gets an aligned address.
                 T* to = dst + Tile::chunk(r0, cp * kLanes, c0) +
                         rp * kRowsPerPass * Tile::row_pitch(cp * kLanes);
-                cp_async_16(to, bytes > 0 ? row + 8 * kLanes * cp : src, bytes);
+                cp_async_16(to, bytes > 0 ? row + 8 * kLanes * cp : any_row(src), bytes);
             }
         }
     }

@@ -109,6 +109,15 @@ struct FwdParams {
     // sequence's first query row and first key, which HeadSlice and GradSlice
     // add to every base pointer; 0 from the host, read by no other module.
     int64_t first_row, first_key;
+
+    // A paged KV cache (paged.cuh; read only by a module compiled with
+    // CF_PAGED_KV, null / 0 otherwise): the (B, max_pages) int32 block table,
+    // table_stride elements from one batch entry's row to the next, and the
+    // keys per page.  k and v then point at the caches, k_batch_stride and
+    // v_batch_stride are their page strides and k_row_stride, v_row_stride
+    // their slot strides.
+    const int32_t* block_table;
+    int64_t table_stride, page_size;
 };
 
 // Most additive bias terms one call takes (FwdParams::bias), and most mod_args arrays.
@@ -116,7 +125,7 @@ constexpr int kMaxBias = 4;
 constexpr int kMaxModArgs = 4;
 
 // The layout _params.py mirrors (tests compare every offset with the dtype's).
-static_assert(sizeof(FwdParams) == 112 * 8, "FwdParams: every field is 8 bytes, no padding");
+static_assert(sizeof(FwdParams) == 115 * 8, "FwdParams: every field is 8 bytes, no padding");
 // NVRTC 13.0 has no __builtin_offsetof (13.5 has): the offsets are asserted in
 // host builds (the emulator's g++), the size everywhere.
 #if !defined(__CUDACC_RTC__)
@@ -129,6 +138,7 @@ static_assert(__builtin_offsetof(FwdParams, mask) == 57 * 8, "FwdParams layout")
 static_assert(__builtin_offsetof(FwdParams, softcap) == 62 * 8, "FwdParams layout");
 static_assert(__builtin_offsetof(FwdParams, mod_strides) == 92 * 8, "FwdParams layout");
 static_assert(__builtin_offsetof(FwdParams, sequences) == 108 * 8, "FwdParams layout");
+static_assert(__builtin_offsetof(FwdParams, block_table) == 112 * 8, "FwdParams layout");
 #endif
 
 }  // namespace cf

@@ -113,24 +113,42 @@ struct Tf32Pairs {
 // or 4-byte ones where src rows are not 16-byte aligned), so once its
 // cp_async_wait returns the thread may rework its units in place
 // (tf32_prepare_tile) before the barrier that shows the tile to the others.
-template <int kThreads, int kRows, int kCols, class Layout>
-__device__ __forceinline__ void tf32_copy_tile(float* dst, const float* src, int64_t row_stride, int rows_valid,
+// src: a pointer, or the pages of a paged cache (paged.cuh's row_at).
+template <int kThreads, int kRows, int kCols, class Layout, class Src>
+__device__ __forceinline__ void tf32_copy_tile(float* dst, const Src& src, int64_t row_stride, int rows_valid,
                                                int cols_valid) {
     constexpr int kChunks = kCols / 4, kUnits = kRows / Layout::kRowsPerUnit * kChunks;
     constexpr int kPasses = (kUnits + kThreads - 1) / kThreads;
-    if (reinterpret_cast<unsigned long long>(src) % 16 == 0 && row_stride % 4 == 0) {
+    // A paged cache's rows are 16-byte aligned (fwd_tf32 takes no other).
+    if (IsPaged<Src>::value || (reinterpret_cast<unsigned long long>(any_row(src)) % 16 == 0 && row_stride % 4 == 0)) {
+        if constexpr (IsPaged<Src>::value) {
+            // A paged cache: one unit's lookups at a time (unrolled, the d = 64
+            // kernel spilled 16-52 bytes).
+#pragma unroll 1
+            for (int u = static_cast<int>(threadIdx.x); u < kUnits; u += kThreads) {
+                const int c = (u % kChunks) * 4;
 #pragma unroll
-        for (int pass = 0; pass < kPasses; ++pass) {
-            const int u = static_cast<int>(threadIdx.x) + pass * kThreads;
-            if (kUnits % kThreads != 0 && u >= kUnits) break;
-            const int c = (u % kChunks) * 4;
+                for (int m = 0; m < Layout::kRowsPerUnit; ++m) {
+                    const int r = Layout::unit_row(u / kChunks, m);
+                    const int valid = r < rows_valid ? min(cols_valid - c, 4) : 0;
+                    cp_async_16(dst + Layout::raw_chunk(r, c), valid > 0 ? row_at(src, r, row_stride) + c : any_row(src),
+                                valid > 0 ? 4 * valid : 0);
+                }
+            }
+        } else {
 #pragma unroll
-            for (int m = 0; m < Layout::kRowsPerUnit; ++m) {
-                const int r = Layout::unit_row(u / kChunks, m);
-                const int valid = r < rows_valid ? min(cols_valid - c, 4) : 0;
-                // a zero-byte copy reads nothing but still gets a valid address
-                cp_async_16(dst + Layout::raw_chunk(r, c), valid > 0 ? src + r * row_stride + c : src,
-                            valid > 0 ? 4 * valid : 0);
+            for (int pass = 0; pass < kPasses; ++pass) {
+                const int u = static_cast<int>(threadIdx.x) + pass * kThreads;
+                if (kUnits % kThreads != 0 && u >= kUnits) break;
+                const int c = (u % kChunks) * 4;
+#pragma unroll
+                for (int m = 0; m < Layout::kRowsPerUnit; ++m) {
+                    const int r = Layout::unit_row(u / kChunks, m);
+                    const int valid = r < rows_valid ? min(cols_valid - c, 4) : 0;
+                    // a zero-byte copy reads nothing but still gets a valid address
+                    cp_async_16(dst + Layout::raw_chunk(r, c), valid > 0 ? src + r * row_stride + c : src,
+                                valid > 0 ? 4 * valid : 0);
+                }
             }
         }
         return;
@@ -145,7 +163,8 @@ __device__ __forceinline__ void tf32_copy_tile(float* dst, const float* src, int
         const int c = (u % kChunks) * 4;
         const int r = Layout::unit_row(u / kChunks, m);
         const bool valid = r < rows_valid && c + w < cols_valid;
-        cp_async_4(dst + Layout::raw_chunk(r, c) + w, valid ? src + r * row_stride + c + w : src, valid ? 4 : 0);
+        cp_async_4(dst + Layout::raw_chunk(r, c) + w, valid ? any_row(src) + r * row_stride + c + w : any_row(src),
+                   valid ? 4 : 0);  // (never a paged cache's rows)
     }
 }
 

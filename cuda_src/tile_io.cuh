@@ -8,6 +8,7 @@
 // rows/columns, so a partial tile computes like a full one.
 #pragma once
 
+#include "paged.cuh"
 #include "ptx.cuh"
 
 namespace cf {
@@ -81,14 +82,30 @@ struct PlainRows {
 
 // ---- global -> shared -------------------------------------------------------------------------
 
+// 16 bytes of elements of row r from column c on, converted to the
+// accumulator type: whole 16-byte stores at layout.offset(r, c ..).
+template <typename Acc, typename Layout, typename T>
+__device__ __forceinline__ void store_converted(Acc* dst, const Layout& layout, int r, int c, const Vec16<T>& in) {
+    constexpr int E = Vec16<T>::kSize, kVec = Vec16<Acc>::kSize;
+#pragma unroll
+    for (int v = 0; v < E / kVec; ++v) {
+        Vec16<Acc> out;
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) out.x[e] = to_acc(in.x[v * kVec + e]);
+        *reinterpret_cast<Vec16<Acc>*>(dst + layout.offset(r, c + v * kVec)) = out;
+    }
+}
+
 // Cooperative copy of a rows x cols tile by kThreads threads (all must call):
 // dst[layout.offset(r, c)] = src[r * row_stride + c] for r < rows_valid and
 // c < cols_valid, zero elsewhere.  Consecutive threads take consecutive
-// columns, so a warp reads contiguous runs of each row.
-template <int kThreads, typename Layout, typename Acc, typename T>
-__device__ __forceinline__ void load_tile(Acc* dst, const Layout& layout, const T* src,
+// columns, so a warp reads contiguous runs of each row.  src: a pointer, or
+// the pages of a paged cache (paged.cuh's row_at).
+template <int kThreads, typename Layout, typename Acc, class Src>
+__device__ __forceinline__ void load_tile(Acc* dst, const Layout& layout, const Src& src,
                                           int64_t row_stride, int rows, int cols, int rows_valid,
                                           int cols_valid) {
+    using T = RowElement<Src>;
     // Whole rows, 16-byte aligned in global and shared memory (the usual case):
     // one 16-byte load per chunk of E elements and 16-byte stores, instead of
     // an index division, a bounds test and a 64-bit address per element.  Rows
@@ -96,26 +113,40 @@ __device__ __forceinline__ void load_tile(Acc* dst, const Layout& layout, const 
     constexpr int E = 16 / static_cast<int>(sizeof(T));      // elements per 16-byte load
     constexpr int kVec = Vec16<Acc>::kSize;                  // elements per 16-byte store
     static_assert(E % kVec == 0, "a load converts to whole stores");
-    if (cols_valid == cols && cols % E == 0 && reinterpret_cast<unsigned long long>(src) % 16 == 0 &&
+    if (cols_valid == cols && cols % E == 0 && reinterpret_cast<unsigned long long>(any_row(src)) % 16 == 0 &&
         (row_stride * static_cast<int64_t>(sizeof(T))) % 16 == 0 &&
         reinterpret_cast<unsigned long long>(dst) % 16 == 0 && layout.offset(1, 0) % kVec == 0) {
         const int chunks = cols / E;
-        for (int idx = static_cast<int>(threadIdx.x); idx < rows * chunks; idx += kThreads) {
-            const int r = idx / chunks;
-            const int c = (idx - r * chunks) * E;
-            Vec16<T> in;
-            if (r < rows_valid) {
-                in = *reinterpret_cast<const Vec16<T>*>(src + r * row_stride + c);
-            } else {
-#pragma unroll
-                for (int e = 0; e < E; ++e) in.x[e] = T(0.0f);
+        if constexpr (IsPaged<Src>::value) {
+            // A paged cache: one row's lookup at a time (unrolled, the rows'
+            // lookups and their hoisted invariants spilled fwd_simt's float16
+            // d = 64: 52 bytes).
+#pragma unroll 1
+            for (int idx = static_cast<int>(threadIdx.x); idx < rows * chunks; idx += kThreads) {
+                const int r = idx / chunks;
+                const int c = (idx - r * chunks) * E;
+                Vec16<T> in = {};
+                if (r < rows_valid) in = *reinterpret_cast<const Vec16<T>*>(row_at(src, r, row_stride) + c);
+                store_converted(dst, layout, r, c, in);
             }
+        } else {
+            for (int idx = static_cast<int>(threadIdx.x); idx < rows * chunks; idx += kThreads) {
+                const int r = idx / chunks;
+                const int c = (idx - r * chunks) * E;
+                Vec16<T> in;
+                if (r < rows_valid) {
+                    in = *reinterpret_cast<const Vec16<T>*>(src + r * row_stride + c);
+                } else {
 #pragma unroll
-            for (int v = 0; v < E / kVec; ++v) {
-                Vec16<Acc> out;
+                    for (int e = 0; e < E; ++e) in.x[e] = T(0.0f);
+                }
 #pragma unroll
-                for (int e = 0; e < kVec; ++e) out.x[e] = to_acc(in.x[v * kVec + e]);
-                *reinterpret_cast<Vec16<Acc>*>(dst + layout.offset(r, c + v * kVec)) = out;
+                for (int v = 0; v < E / kVec; ++v) {
+                    Vec16<Acc> out;
+#pragma unroll
+                    for (int e = 0; e < kVec; ++e) out.x[e] = to_acc(in.x[v * kVec + e]);
+                    *reinterpret_cast<Vec16<Acc>*>(dst + layout.offset(r, c + v * kVec)) = out;
+                }
             }
         }
         return;
@@ -124,7 +155,7 @@ __device__ __forceinline__ void load_tile(Acc* dst, const Layout& layout, const 
         const int r = idx / cols;
         const int c = idx - r * cols;
         Acc value = Acc(0);
-        if (r < rows_valid && c < cols_valid) value = to_acc(src[r * row_stride + c]);
+        if (r < rows_valid && c < cols_valid) value = to_acc(row_at(src, r, row_stride)[c]);
         dst[layout.offset(r, c)] = value;
     }
 }
@@ -135,6 +166,7 @@ __device__ __forceinline__ void load_tile(Acc* dst, const Layout& layout, const 
 // commits the group, waits for it and synchronises before anyone reads dst.
 // Rows past rows_valid and columns past cols_valid are zero-filled by the
 // copy itself (src-size below the copy size), so no thread stores zeros.
+// (A paged cache's pages: the overload below.)
 template <int kThreads, int kRows, int kCols, typename Layout, typename T>
 __device__ __forceinline__ void cp_async_tile_rows(T* dst, const Layout& layout, const T* src,
                                                    int64_t row_stride, int rows_valid,
@@ -192,6 +224,47 @@ __device__ __forceinline__ void cp_async_tile_rows(T* dst, const Layout& layout,
         const bool valid = r < rows_valid && c < cols_valid;
         const char* from = valid ? reinterpret_cast<const char*>(src + r * row_stride + c) + 4 * word
                                  : reinterpret_cast<const char*>(src);
+        cp_async_4(reinterpret_cast<char*>(dst + layout.offset(r, c)) + 4 * word, from, valid ? 4 : 0);
+    }
+}
+
+// The same from a paged cache's pages (paged.cuh): each row's address from its
+// page, looked up only for rows inside the sequence.  (An overload, not a branch
+// of the one above: through a shared body NVVM scheduled the dense kernels'
+// copies differently.)
+template <int kThreads, int kRows, int kCols, typename Layout, typename T>
+__device__ __forceinline__ void cp_async_tile_rows(T* dst, const Layout& layout, const PagedRows<T>& src,
+                                                   int64_t row_stride, int rows_valid, int cols_valid) {
+    constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+    static_assert(kCols % kVec == 0, "rows of whole 16-byte chunks in shared memory");
+    if (reinterpret_cast<unsigned long long>(src.base) % 16 == 0 &&
+        (row_stride * static_cast<int64_t>(sizeof(T))) % 16 == 0) {   // the host aligns every page alike
+        constexpr int kChunks = kCols / kVec;
+        static_assert(kThreads % kChunks == 0, "every thread copies one column chunk");
+        constexpr int kRowStep = kThreads / kChunks;
+        const int r0 = static_cast<int>(threadIdx.x) / kChunks;
+        const int c = (static_cast<int>(threadIdx.x) % kChunks) * kVec;
+        const int valid = cols_valid - c;
+        const int col_bytes = valid <= 0 ? 0 : valid >= kVec ? 16 : valid * static_cast<int>(sizeof(T));
+#pragma unroll
+        for (int pass = 0; pass < (kRows + kRowStep - 1) / kRowStep; ++pass) {
+            const int r = r0 + pass * kRowStep;
+            if (kRows % kRowStep == 0 || r < kRows) {
+                const int bytes = r < rows_valid ? col_bytes : 0;
+                cp_async_16(dst + layout.offset(r, c), bytes > 0 ? src.row(r, row_stride) + c : src.base, bytes);
+            }
+        }
+        return;
+    }
+    constexpr int kWordsPerElement = static_cast<int>(sizeof(T)) / 4;
+    for (int idx = static_cast<int>(threadIdx.x); idx < kRows * kCols * kWordsPerElement; idx += kThreads) {
+        const int e = idx / kWordsPerElement;
+        const int word = idx - e * kWordsPerElement;
+        const int r = e / kCols;
+        const int c = e - r * kCols;
+        const bool valid = r < rows_valid && c < cols_valid;
+        const char* from = valid ? reinterpret_cast<const char*>(src.row(r, row_stride) + c) + 4 * word
+                                 : reinterpret_cast<const char*>(src.base);
         cp_async_4(reinterpret_cast<char*>(dst + layout.offset(r, c)) + 4 * word, from, valid ? 4 : 0);
     }
 }

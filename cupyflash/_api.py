@@ -98,8 +98,12 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, enable_gqa=F
         order, shared or not.  Needs ``kv_lengths``; takes ``q_lengths``,
         ``causal`` (each sequence's queries are its last ``Lq`` positions),
         ``window``, ``enable_gqa``, ``scale``, ``return_lse`` and ``out``,
-        not ``bias`` or ``mask``.  See :func:`append_kv`.  So far the NumPy
-        backend only.
+        not ``bias`` or ``mask``.  See :func:`append_kv`.  Every backend: the
+        kernels read each key row from its page in place (one launch over every
+        sequence, never a gathered copy), and need the caches' last axis of
+        unit stride.  Every page index a sequence uses is checked before any
+        work -- on CuPy arrays after one small copy of the table to the host,
+        with the lengths' (which waits for the device).  Forward only.
     softcap : float, optional
         Caps the scaled scores smoothly before the bias:
         ``s = softcap * tanh(s / softcap)`` (Gemma 2, Grok).  Every backend,
@@ -203,7 +207,7 @@ def run_attention(q, k, v, *, scale=None, causal=False, window=None, enable_gqa=
                                  f"(Lq, Lk) layout to broadcast it to)")
         return run_paged(q, k, v, block_table=block_table, kv_lengths=kv_lengths, q_lengths=q_lengths, scale=scale,
                          causal=causal, window=window, enable_gqa=enable_gqa, return_lse=return_lse, out=out,
-                         backend=backend, precision=precision)
+                         backend=backend, precision=precision, options=options)
     problem, _ = check_forward(q, k, v, scale=scale, causal=causal, window=window,
                                enable_gqa=enable_gqa, backend=backend, bias=bias, mask=mask,
                                q_lengths=q_lengths, kv_lengths=kv_lengths,

@@ -7,8 +7,13 @@ order and be shared between sequences.
 
 The NumPy path gathers each sequence's own pages (never the whole cache) in the
 task that attends over them, on the worker threads as the packed form does
-(:mod:`cupyflash._varlen`).  No kernel family reads pages yet: the kernel
-backends refuse a block table before any work.
+(:mod:`cupyflash._varlen`).  The kernels (``cuda`` and ``emulator`` backends) read
+the pages in place: one launch over every sequence, each key row looked up in the
+table as its block is copied (``cuda_src/paged.cuh``), never a gathered copy.
+
+The block table and the lengths are checked on the host before any work: on CuPy
+arrays that is one small device-to-host copy of each (which waits for the device),
+as for every call with lengths.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _cpu
+from ._params import KernelView
 from ._validation import _check_lengths, array_kind, check_forward, check_output, check_precision, host_integers
 
 __all__ = ["run_paged", "append_kv"]
@@ -59,8 +65,9 @@ def _gather(cache, pages, length):
 
 
 def run_paged(q, k_cache, v_cache, *, block_table, kv_lengths, q_lengths, scale, causal, window, enable_gqa,
-              return_lse, out, backend, precision):
-    """``attention(q, k_cache, v_cache, block_table=..., kv_lengths=...)``."""
+              return_lse, out, backend, precision, options=None):
+    """``attention(q, k_cache, v_cache, block_table=..., kv_lengths=...)`` (``options``: the
+    kernels' dispatch options; None: from the environment)."""
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if getattr(x, "ndim", None) != 4:
             raise ValueError(f"with `block_table`, `{name}` must have 4 dimensions "
@@ -84,19 +91,18 @@ def run_paged(q, k_cache, v_cache, *, block_table, kv_lengths, q_lengths, scale,
     problem, _ = check_forward(q, stand_in(k_cache), stand_in(v_cache), scale=scale, causal=causal, window=window,
                                enable_gqa=enable_gqa, backend=backend, q_lengths=q_lengths, kv_lengths=kv_lengths)
     problem.precision = check_precision(precision, problem.dtype)
-    if problem.backend != "numpy":
-        raise NotImplementedError(
-            f"`block_table`: no CUDA kernel family reads a paged cache yet, so the {problem.backend!r} backend "
-            "cannot run this call; the NumPy backend can (NumPy arrays)")
     lengths = problem.kv_lengths.reshape(-1) if problem.kv_lengths.ndim else np.full(batch, int(problem.kv_lengths))
     table = _check_table(block_table, kind=problem.kind, batch=batch, num_pages=num_pages, page_size=page_size,
                          lengths=lengths)
     if out is not None:
         check_output(out, "out", problem.out_shape, problem.dtype, problem.kind, (q, k_cache, v_cache))
-    out = np.empty(problem.out_shape, dtype=problem.dtype) if out is None else out
-    lse = np.empty(problem.lse_shape, dtype=problem.accum_dtype)
     q_lens = (np.full(batch, problem.seqlen_q) if problem.q_lengths is None
               else np.broadcast_to(problem.q_lengths, (batch,)))
+    if problem.backend != "numpy":
+        return _run_paged_kernels(problem, k_cache, v_cache, block_table, table, q_lens, lengths, out, return_lse,
+                                  options)
+    out = np.empty(problem.out_shape, dtype=problem.dtype) if out is None else out
+    lse = np.empty(problem.lse_shape, dtype=problem.accum_dtype)
 
     def run(b, single_thread):
         q_len, kv_len = int(q_lens[b]), int(lengths[b])
@@ -113,6 +119,78 @@ def run_paged(q, k_cache, v_cache, *, block_table, kv_lengths, q_lengths, scale,
     order = sorted(range(batch), key=lambda b: -int(lengths[b]) * max(1, int(q_lens[b])))
     for _ in _cpu.map_whole(run, order):
         pass
+    return (out, lse) if return_lse else out
+
+
+def _kernel_table(block_table, table: np.ndarray, kind: str):
+    """The block table on the kernels' side: int32 with unit stride along the pages --
+    the caller's own array where it is one (no copy on the device), else a converted
+    copy of the checked host table."""
+    given = block_table
+    if (kind == "cupy" and getattr(given, "dtype", None) == np.int32 and given.ndim == 2
+            and (given.shape[1] <= 1 or given.strides[1] == 4) and given.data.ptr % 4 == 0):
+        return given
+    return _xp(kind).asarray(np.ascontiguousarray(table, dtype=np.int32))
+
+
+def _paged_view(cache, batch: int, capacity: int):
+    """A ``(num_pages, Hkv, page_size, d)`` cache as the kernels' ``(B, Hkv, capacity, d)``
+    view: its page stride in the batch slot, its slot stride as the row stride (no copy;
+    the kernels place every row through the block table)."""
+    return KernelView(cache, (batch, cache.shape[1], capacity, cache.shape[3]), cache.strides)
+
+
+# What the kernels hold in 32 bits (cuda_src/paged.cuh): a page's elements, the table's.
+_INT32 = 2**31
+
+
+def _run_paged_kernels(problem, k_cache, v_cache, block_table, table, q_lens, lengths, out, return_lse, options):
+    """attention over a paged cache by the kernels: one launch (plus fwd_combine when the
+    keys are split) over every sequence, K and V read from their pages in place."""
+    from . import _dispatch, _run
+    from ._options import KernelOptions
+
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not _dispatch._kernel_ready(cache):
+            raise ValueError(f"`{name}`: the kernels read a paged cache in place, so its last axis must have unit "
+                             f"stride and its elements be aligned; got strides {cache.strides} (copy it once, e.g. "
+                             f"`{name} = {name}.copy()`, and keep appending to the copy)")
+        itemsize = cache.itemsize
+        page = abs(cache.strides[0]) // itemsize
+        if page >= _INT32 or cache.shape[2] * abs(cache.strides[2]) // itemsize >= _INT32:
+            raise NotImplementedError(f"`{name}`: the kernels address a page in 32 bits; a page of {page} elements "
+                                      "is too large (backend='numpy' takes any)")
+    batch, max_pages = table.shape
+    page_size = k_cache.shape[2]
+    if batch * max_pages >= _INT32 or max_pages * page_size >= _INT32:
+        raise NotImplementedError(f"`block_table`: the kernels take fewer than 2^31 table entries and keys per "
+                                  f"sequence; got {batch} x {max_pages} pages of {page_size} (backend='numpy' "
+                                  "takes any)")
+    xp = _xp(problem.kind)
+    out = xp.empty(problem.out_shape, dtype=problem.dtype) if out is None else out
+    lse = xp.empty(problem.lse_shape, dtype=problem.accum_dtype) if return_lse else None
+    if out.size == 0 and (lse is None or lse.size == 0):
+        return (out, lse) if return_lse else out
+    # rows past a sequence's length belong to no CTA (and every row of a sequence
+    # without keys sees none): zeros and lse = -inf, as the lengths semantics say
+    target = out if _dispatch._kernel_ready(out) else xp.zeros(out.shape, dtype=out.dtype)
+    target[...] = 0
+    if lse is not None:
+        lse[...] = -np.inf
+    q = _dispatch._kernel_copy(problem.q)
+    capacity = max_pages * page_size
+    spans = np.stack([np.zeros(batch, np.int64), np.asarray(q_lens, np.int64), np.zeros(batch, np.int64),
+                      np.asarray(lengths, np.int64)])
+    paged = _run.PagedKV(_kernel_table(block_table, table, problem.kind), page_size,
+                         _run.rows_aligned(k_cache, v_cache))
+    _run.forward(q, _paged_view(k_cache, batch, capacity), _paged_view(v_cache, batch, capacity), target, lse,
+                 scale=problem.scale, window_left=problem.window_left, window_right=problem.window_right,
+                 gqa_ratio=problem.gqa_ratio, executor=_dispatch.executor_for(problem.backend),
+                 options=KernelOptions.from_environment() if options is None else options,
+                 precision=problem.precision, sequences=spans,
+                 paged=paged)
+    if target is not out:
+        out[...] = target
     return (out, lse) if return_lse else out
 
 

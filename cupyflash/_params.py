@@ -45,13 +45,14 @@ FWD_PARAMS = np.dtype(
     + [("softcap", np.float64), ("coord", np.uint64, (3,)), ("coord_strides", np.int64, (3, 2)),
        ("mod_args", np.uint64, (MAX_MOD_ARGS,)), ("mod_shape", np.int64, (MAX_MOD_ARGS, 4)),
        ("mod_strides", np.int64, (MAX_MOD_ARGS, 4))]
-    + [("sequences", np.uint64), ("split_rows", np.int64), ("first_row", np.int64), ("first_key", np.int64)],
+    + [("sequences", np.uint64), ("split_rows", np.int64), ("first_row", np.int64), ("first_key", np.int64)]
+    + [("block_table", np.uint64), ("table_stride", np.int64), ("page_size", np.int64)],
     align=True,
 )
-assert FWD_PARAMS.itemsize == 112 * 8
+assert FWD_PARAMS.itemsize == 115 * 8
 # The same fields as one struct.pack format (native byte order, as NumPy's dtype):
-# packing them in one call is ~7x faster than setting 112 fields of a NumPy scalar.
-_FWD_PACK = struct.Struct("=8Q27q2d4Q16qQ4qd3Q6q4Q16q16qQ3q")
+# packing them in one call is ~7x faster than setting 115 fields of a NumPy scalar.
+_FWD_PACK = struct.Struct("=8Q27q2d4Q16qQ4qd3Q6q4Q16q16qQ3qQ2q")
 assert _FWD_PACK.size == FWD_PARAMS.itemsize
 
 
@@ -117,7 +118,7 @@ def _window(bound) -> int:
 
 def fwd_params(q, k, v, out, lse, *, scale: float, window_left, window_right, gqa_ratio: int,
                workspace=(None, None, None), block_m: int = 0, block_n: int = 0,
-               num_splits: int = 1, terms=None, sequences=None) -> np.void:
+               num_splits: int = 1, terms=None, sequences=None, pages=None) -> np.void:
     """Fill a :data:`FWD_PARAMS` scalar for one forward launch.
 
     Parameters
@@ -147,11 +148,16 @@ def fwd_params(q, k, v, out, lse, *, scale: float, window_left, window_right, gq
         Per-sequence lengths: the ``(5, B)`` int32 table of ``cuda_src/sequence.cuh``
         (launch order, first query row, query rows, first key, keys), on the
         kernels' side (None: none; Lq and Lk are then every entry's).
+    pages : (block_table, page_size), optional
+        A paged KV cache (``cuda_src/paged.cuh``): the ``(B, max_pages)`` int32 block
+        table on the kernels' side (unit stride along the pages) and the keys per
+        page; k and v are then the caches as ``(B, Hkv, max_pages * page_size, d)``
+        views whose batch strides are the page strides.
     """
     return np.frombuffer(bytearray(_FWD_PACK.pack(*fwd_fields(
         q, k, v, out, lse, scale=scale, window_left=window_left, window_right=window_right,
         gqa_ratio=gqa_ratio, workspace=workspace, block_m=block_m, block_n=block_n,
-        num_splits=num_splits, terms=terms, sequences=sequences))), FWD_PARAMS)[0]
+        num_splits=num_splits, terms=terms, sequences=sequences, pages=pages))), FWD_PARAMS)[0]
 
 
 # The score-term fields of a call without terms.
@@ -191,8 +197,10 @@ def term_fields(bias=(), mask=None) -> tuple:
 
 def fwd_fields(q, k, v, out, lse, *, scale: float, window_left, window_right, gqa_ratio: int,
                workspace=(None, None, None), block_m: int = 0, block_n: int = 0,
-               num_splits: int = 1, terms=None, sequences=None) -> tuple:
+               num_splits: int = 1, terms=None, sequences=None, pages=None) -> tuple:
     """:func:`fwd_params`'s values as a tuple, in :data:`FWD_PARAMS`'s field order."""
+    table, page_size = (None, 0) if pages is None else pages
+    table_stride = 0 if table is None else element_strides(table, 1)[0]
     ws_o, ws_l, ws_m = workspace
     strides = []
     for a in (q, k, v, out):
@@ -207,7 +215,8 @@ def fwd_fields(q, k, v, out, lse, *, scale: float, window_left, window_right, gq
             *(NO_TERMS if terms is None else term_fields(terms.bias, terms.mask)),
             *(NO_MODS if terms is None or terms.mods is None else
               mod_fields(terms.mods.softcap, terms.coords, terms.mod_args)),
-            data_pointer(sequences), seqlen_q, 0, 0)
+            data_pointer(sequences), seqlen_q, 0, 0,
+            data_pointer(table), table_stride, int(page_size))
 
 
 # ---- backward ----------------------------------------------------------------------------------

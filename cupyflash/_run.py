@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -36,12 +37,15 @@ from ._source import with_defines
 from ._terms import ScoreOperands
 
 __all__ = ["forward", "forward_v1", "backward", "forward_plan", "backward_plan", "rows_aligned",
-           "sequence_table", "sequence_defines", "PADDED_DEFINES", "PACKED_DEFINES"]
+           "sequence_table", "sequence_defines", "PADDED_DEFINES", "PACKED_DEFINES",
+           "PAGED_DEFINES", "PagedKV"]
 
 # The macros of a module that reads per-sequence lengths (cuda_src/sequence.cuh): a padded
 # batch (lengths only) or packed sequences (lengths and first rows).
 PADDED_DEFINES = (("CF_SEQ_LENGTHS", "1"),)
 PACKED_DEFINES = (("CF_SEQ_LENGTHS", "2"),)
+# A paged KV cache (cuda_src/paged.cuh): the padded form, K and V read through the block table.
+PAGED_DEFINES = PADDED_DEFINES + (("CF_PAGED_KV", "1"),)
 
 
 def _packed(spans) -> bool:
@@ -124,19 +128,33 @@ def _array_module(a):
     return np if isinstance(a, np.ndarray) else importlib.import_module("cupy")
 
 
+class PagedKV(NamedTuple):
+    """A paged KV cache as :func:`forward` reads it (``cuda_src/paged.cuh``): the
+    ``(B, max_pages)`` int32 block table on the kernels' side (unit stride along the
+    pages), the keys per page, and whether every page's rows start on a 16-byte
+    boundary (:func:`rows_aligned` of the caches themselves)."""
+
+    table: object
+    page_size: int
+    aligned: bool
+
+
 def forward_plan(q, k, v, out, *, scale: float, arch: int, options: KernelOptions, precision: str = "ieee",
-                 features: frozenset = frozenset(), lengths: bool = False):
+                 features: frozenset = frozenset(), lengths: bool = False, paged: PagedKV | None = None):
     """The rows :func:`forward` launches for these views (without the split-KV choice);
-    ``lengths``: per-sequence lengths (never the whole-block instantiations)."""
+    ``lengths``: per-sequence lengths (never the whole-block instantiations); ``paged``: K
+    and V from a paged cache."""
     seqlen_q, seqlen_k = (None, None) if lengths else (q.shape[2], k.shape[2])
+    aligned = rows_aligned(q, k, v, out) and (paged is None or paged.aligned)
     call = Call(dtype_name(q.dtype), q.shape[3], v.shape[3], seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                aligned=rows_aligned(q, k, v, out), scale=float(scale), precision=precision, features=features)
+                aligned=aligned, scale=float(scale), precision=precision, features=features,
+                paged=paged is not None)
     return call, select(FORWARD, call, arch, options)
 
 
 def forward(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio, executor,
             options: KernelOptions, precision: str = "ieee", terms: ScoreOperands | None = None,
-            sequences=None) -> None:
+            sequences=None, paged: PagedKV | None = None) -> None:
     """out (and lse) = attention(q, k, v), FlashAttention-2 order, by the family dispatch picks.
 
     Rows that see no key (including every row when Lk = 0) get zeros and
@@ -152,6 +170,11 @@ def forward(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio, e
     launch runs every sequence on its own rows and keys, in a module compiled with
     :func:`sequence_defines`.  Rows past a sequence's length are not written (the
     caller's); a padded batch has first rows 0, a packed one batch strides 0.
+
+    ``paged``: K and V are a paged cache (:class:`PagedKV`, padded ``sequences``): k and v
+    are then ``(B, Hkv, max_pages * page_size, d)`` views of the caches whose batch
+    strides are the page strides, and every key row is read from its page through the
+    block table (``cuda_src/paged.cuh``), in a module compiled with :data:`PAGED_DEFINES`.
 
     Decoding with GQA (one query row, ``gqa_ratio`` > 1, the window unbounded on the
     left, no score terms, no packed sequences): each kv head's query heads are packed
@@ -181,8 +204,8 @@ def forward(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio, e
         return
     seqlen_k, head_dim_v = k.shape[2], v.shape[3]
     call, (row,) = forward_plan(q, k, v, out, scale=scale, arch=executor.arch, options=options,
-                                precision=precision, features=terms.features, lengths=lengths)
-    defines = sequence_defines(spans if lengths else None)
+                                precision=precision, features=terms.features, lengths=lengths, paged=paged)
+    defines = sequence_defines(spans if lengths else None)   # fwd_combine's (it reads no keys)
     splits = options.splits
     if splits is None:
         sms = getattr(executor, "multiprocessors", None)
@@ -201,10 +224,11 @@ def forward(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio, e
     table = _device_table(spans, q) if lengths else None
     params = fwd_params(q, k, v, out, lse, scale=scale, window_left=window_left,
                         window_right=window_right, gqa_ratio=gqa_ratio, workspace=workspace,
-                        num_splits=splits, terms=terms, sequences=table)
+                        num_splits=splits, terms=terms, sequences=table,
+                        pages=None if paged is None else (paged.table, paged.page_size))
     sizes = Sizes(batch, heads, k.shape[1], seqlen_q, seqlen_k, head_dim, head_dim_v, num_splits=splits)
-    executor.launch(with_defines(terms.entry(row.entry), defines), row.name_expression,
-                    *row.family.launch_config(row, sizes), params)
+    executor.launch(with_defines(terms.entry(row.entry), PAGED_DEFINES if paged is not None else defines),
+                    row.name_expression, *row.family.launch_config(row, sizes), params)
     if splits > 1:   # fwd_combine merges the partials into out and lse
         (combine,) = FWD_COMBINE.plan(call, executor.arch, options)
         one_row = replace(sizes, num_splits=1)   # it merges the splits: one grid row

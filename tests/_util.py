@@ -409,8 +409,9 @@ def guarded_array(shape, dtype, guard_bytes=1 << 20):
 def plain_call_rows(family):
     """The family's rows a call without score features can run: its rows less those of its
     feature tiles (tests/test_score_mods.py runs those at d = 128, tests/mods_sweep.py and
-    tests/terms_sweep.py at every head dim): what a test running each row through plain
-    dispatch can reach."""
-    tables = {t: {} for t in ("feature_tiles", "mod_tiles") if hasattr(family, t)}   # every family: the first
+    tests/terms_sweep.py at every head dim) and of its paged-cache tiles
+    (tests/test_kvcache_kernels.py): what a test running each row through plain dispatch
+    can reach."""
+    tables = {t: {} for t in ("feature_tiles", "mod_tiles", "paged_tiles") if hasattr(family, t)}
     plain = {r.name_expression for r in family.with_tiles(**tables).rows}
     return [r for r in family.rows if r.name_expression in plain]

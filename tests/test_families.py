@@ -82,7 +82,8 @@ CATALOGUE = {
     # with score features (feature_tiles)
     "fwd_wgmma": (2 * 3 * (len(WGMMA_HEAD_DIMS) + 1), HALF_SET, {90}, True),
     "fwd_dmma": ((len(DMMA_HEAD_DIMS) + 1) * len(DMMA_DTYPES), DMMA_SET, set(DMMA_ARCHS), True),
-    "fwd_tf32": ((len(TF32_HEAD_DIMS) + 1) * len(TF32_PASSES), TF32_SET, SM80_ON, True),
+    # fwd_tf32 also its d = 64 tile for calls over a paged KV cache (paged_tiles)
+    "fwd_tf32": ((len(TF32_HEAD_DIMS) + 2) * len(TF32_PASSES), TF32_SET, SM80_ON, True),
     "bwd_simt": (None, ALL, EVERY_ARCH, True),
     "bwd_mma": (None, HALF_SET, SM80_ON, False),
     # per dtype and head dim: dK/dV (deterministic and atomic-dQ) and dQ, or (192, 256) dV,

@@ -149,8 +149,6 @@ def test_bad_page_indices_are_refused():
     with pytest.raises(ValueError, match="`bias`"):
         cupyflash.attention(q, k_cache, v_cache, block_table=table, kv_lengths=np.array([8, 8]),
                             bias=np.zeros((1, 8)))
-    with pytest.raises(NotImplementedError, match="paged"):
-        cupyflash.attention(q, k_cache, v_cache, block_table=table, kv_lengths=np.array([8, 8]), backend="emulator")
 
 
 # ---- a decode loop -----------------------------------------------------------------------------
@@ -173,9 +171,9 @@ class _ToyDecoder:
     def _split(self, x, heads):                      # (B, L, heads * d) -> (B, heads, L, d)
         return x.reshape(x.shape[0], x.shape[1], heads, self.d).transpose(0, 2, 1, 3)
 
-    def logits(self, tokens, caches=None, lengths=None, backend="numpy"):
+    def logits(self, tokens, caches=None, lengths=None, backend="numpy", table=None):
         """Full causal attention over ``tokens`` (B, L) -- or, with caches, the new tokens
-        only, appended to the caches."""
+        only, appended to the caches (paged ones with a block ``table``)."""
         x = self.embed[tokens]
         for layer, cache in zip(self.layers, caches or [None] * len(self.layers)):
             q = self._split(x @ layer["q"], self.heads)
@@ -185,23 +183,30 @@ class _ToyDecoder:
                 a = cupyflash.attention(q, k, v, causal=True, enable_gqa=True, backend=backend)
             else:
                 k_cache, v_cache = cache
-                grown = cupyflash.append_kv(k_cache, v_cache, k, v, kv_lengths=lengths)
-                a = cupyflash.attention(q, k_cache, v_cache, kv_lengths=grown, causal=True, enable_gqa=True,
-                                        backend=backend)
+                grown = cupyflash.append_kv(k_cache, v_cache, k, v, kv_lengths=lengths, block_table=table)
+                a = cupyflash.attention(q, k_cache, v_cache, kv_lengths=grown, block_table=table, causal=True,
+                                        enable_gqa=True, backend=backend)
             x = x + a.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[1], -1) @ layer["o"]
         return x[:, -1] @ self.embed.T
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
 @pytest.mark.parametrize("backend", ["numpy", "emulator"])
-def test_greedy_decode_with_a_cache_equals_recomputing(backend):
+def test_greedy_decode_with_a_cache_equals_recomputing(backend, paged):
     rng = _rng("decode")
     model = _ToyDecoder(rng)
     batch, prompt, steps, capacity = 2, 5, 64, 80
     tokens = rng.integers(0, model.vocab, (batch, prompt))
-    caches = [(np.zeros((batch, model.kv_heads, capacity, model.d)), np.zeros((batch, model.kv_heads, capacity, model.d)))
-              for _ in model.layers]
+    table = None
+    if paged:   # pages of 7 keys, the two sequences' interleaved and shuffled, a spare one
+        page_size, per = 7, -(-capacity // 7)
+        table = rng.permutation(batch * per + 1)[:batch * per].reshape(batch, per).astype(np.int32)
+        shape = (batch * per + 1, model.kv_heads, page_size, model.d)
+    else:
+        shape = (batch, model.kv_heads, capacity, model.d)
+    caches = [(np.zeros(shape), np.zeros(shape)) for _ in model.layers]
     lengths = np.zeros(batch, np.int64)
-    logits = model.logits(tokens, caches, lengths, backend)                # prefill
+    logits = model.logits(tokens, caches, lengths, backend, table)                # prefill
     lengths = lengths + prompt
     sequence = tokens
     check_every = 1 if backend == "numpy" else 8       # the emulator's full recomputations cost the most
@@ -210,6 +215,6 @@ def test_greedy_decode_with_a_cache_equals_recomputing(backend):
             np.testing.assert_allclose(logits, model.logits(sequence, backend=backend), rtol=1e-12, atol=1e-12)
         nxt = logits.argmax(axis=-1)[:, None]
         sequence = np.concatenate([sequence, nxt], axis=1)
-        logits = model.logits(nxt, caches, lengths, backend)
+        logits = model.logits(nxt, caches, lengths, backend, table)
         lengths = lengths + 1
     assert sequence.shape == (batch, prompt + steps)

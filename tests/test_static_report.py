@@ -494,3 +494,28 @@ def test_rows_planned_with_lengths_do_not_spill(entry, arch):
     assert rows
     spilled = [(r["kernel"], r["spill_stores"], r["stack"]) for r in rows if r["spill_stores"] or r["stack"]]
     assert not spilled, spilled
+
+
+# ---- issue 28: the kernels a decode step or a chunked prefill over a KV cache runs --------------
+
+# (entry, arch, form, head dim) of the rows that spilled before: with a paged cache, the table
+# lookups of the 64-key tiles (fwd_mma d = 128 on sm_90, 4-8 B; fwd_tf32 d = 64, 16-64 B), which
+# take 32-key blocks over a paged cache now; and fwd_simt float32 d = 32 on sm_80 with a dense
+# cache and lengths (16 B), which now builds its output pointers after the loop.
+# tools/lengths_report.py --form paged compiles every row such a call plans (none spills).
+DECODE_SPILLED_BEFORE = [("fwd_mma.cu", 90, "paged", 128), ("fwd_tf32.cu", 80, "paged", 64),
+                         ("fwd_tf32.cu", 90, "paged", 64), ("fwd_simt.cu", 80, "padded", 32)]
+
+
+@pytest.mark.parametrize("entry, arch, form, head_dim", DECODE_SPILLED_BEFORE,
+                         ids=[f"{e}-{a}-{f}" for e, a, f, _ in DECODE_SPILLED_BEFORE])
+def test_rows_planned_over_a_kv_cache_do_not_spill(entry, arch, form, head_dim):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lengths_report", REPO / "tools" / "lengths_report.py")
+    lengths_report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lengths_report)
+    rows = lengths_report.report([arch], entries={entry}, forms=(form,), head_dims=(head_dim,))
+    assert rows
+    spilled = [(r["kernel"], r["spill_stores"], r["stack"]) for r in rows if r["spill_stores"] or r["stack"]]
+    assert not spilled, spilled

@@ -96,6 +96,8 @@ class Call:
     boundary; ``dq_aligned``: every row of dq on an 8-byte one (atomic dQ adds
     float pairs).  ``seqlen_q`` / ``seqlen_k`` None: unknown (never the
     whole-block instantiations).  ``split``: the split-KV instantiation.
+    ``paged``: K and V come from a paged KV cache (``cuda_src/paged.cuh``; the
+    forward only), ``aligned`` then covering every page's rows.
     """
 
     dtype: str
@@ -112,6 +114,7 @@ class Call:
     # The score features the call asks for beyond the window (DESIGN 3b): "bias",
     # "mask", ...; a family serves the call only if it takes every one of them.
     features: frozenset = frozenset()
+    paged: bool = False
 
 
 # The score features the API knows; a family lists those its kernels take in

@@ -133,6 +133,11 @@ class FwdMma(Family):
     # terms (NVRTC 13.5, sm_80 and sm_90), the 32-key tile none (246 / 250 registers;
     # benchmarks/results/terms/).
     feature_tiles = {128: (128, 32, 4, 1, True)}
+    # A call over a paged KV cache at d = 128, every arch class: the table lookups of
+    # the 64-key tile's K/V copies spilled 4-8 B on sm_90 (NVRTC 13.5); the 32-key tile
+    # (the feature tile, an instantiation already) none (246 / 244 registers sm_90 /
+    # sm_80; tools/lengths_report.py --form paged).
+    paged_tiles = {128: (128, 32, 4, 1, True)}
 
     def class_tiles(self, arch: int, split: bool = False) -> dict | None:
         """``{head_dim: (block_m, block_n, warps, kv_stages, lazy_rescale)}`` on ``arch`` (the
@@ -171,11 +176,12 @@ class FwdMma(Family):
             return ()
         split = self.class_tiles(arch, True)
         terms = {d: self.feature_tiles.get(d, t) for d, t in tiles.items()}   # calls with score features
+        paged = {d: self.paged_tiles.get(d, t) for d, t in tiles.items()}     # calls over a paged cache
         return tuple(dict.fromkeys(
             r for dtype in MMA_DTYPES for d in MMA_HEAD_DIMS
             for r in (self.make_row(dtype, d, tiles[d]), self.make_row(dtype, d, tiles[d], whole_kv=True),
                       self.make_row(dtype, d, split[d], split=True), self.make_row(dtype, d, terms[d]),
-                      self.make_row(dtype, d, terms[d], whole_kv=True))))
+                      self.make_row(dtype, d, terms[d], whole_kv=True), self.make_row(dtype, d, paged[d]))))
 
     def applies(self, call: Call, arch: int, options) -> bool:
         return folds_scale(call.scale) and mma_bucket(call, arch) is not None
@@ -185,6 +191,8 @@ class FwdMma(Family):
         tile = self.class_tiles(arch, call.split)[bucket]
         if call.features and not call.split:
             tile = self.feature_tiles.get(bucket, tile)
+        if call.paged and not call.split:
+            tile = self.paged_tiles.get(bucket, tile)
         whole_kv = not call.split and whole_blocks(call.seqlen_k, tile[1], call.head_dim, bucket, options)
         return (self.make_row(call.dtype, bucket, tile, call.split, whole_kv),)
 

@@ -52,27 +52,38 @@ class FwdTf32(Family):
     # relative-position table, document ids, a prefix per batch) or two biases and a
     # mask (NVRTC 13.5, sm_80 / sm_90; 16 keys: no spills; benchmarks/results/terms/).
     feature_tiles = {128: (64, 16, 4)}
+    # A call over a paged KV cache takes 32-key blocks at d = 64 and 16-key ones at
+    # d = 128 (the feature tile): with the table lookups, one pass of the 64-key tile
+    # spilled 16-64 B (NVRTC 13.5, sm_80 / sm_90; 32 keys: 153 / 159 registers) and of
+    # d = 128's 32-key tile 8 B under NVRTC 13.0 on sm_80 (16 keys: 167, none under either;
+    # tools/lengths_report.py --form paged).
+    paged_tiles = {64: (64, 32, 4), 128: (64, 16, 4)}
 
-    def make_row(self, head_dim: int, passes: int, features: bool = False):
+    def make_row(self, head_dim: int, passes: int, features: bool = False, paged: bool = False):
         """``fwd_tf32_kernel<head_dim, block_m, block_n, warps, passes>`` (``features``: a
-        call's with score features)."""
+        call's with score features; ``paged``: over a paged KV cache)."""
         block_m, block_n, warps = self.tile(head_dim, features)
+        if paged:
+            block_m, block_n, warps = self.paged_tiles.get(head_dim, (block_m, block_n, warps))
         return self.row("fwd_tf32_kernel", head_dim, block_m, block_n, warps, passes, role=FORWARD,
                         dtype="float32", head_dim=head_dim, head_dim_v=head_dim, threads=32 * warps,
                         block_m=block_m, block_n=block_n, passes=passes)
 
     def build_rows(self):
-        return [self.make_row(d, passes, features) for passes in sorted(set(TF32_PASSES.values()))
-                for d in self.tiles for features in (False, True)]
+        rows = [self.make_row(d, passes, features, paged) for passes in sorted(set(TF32_PASSES.values()))
+                for d in self.tiles for features, paged in ((False, False), (True, False), (False, True))]
+        return list(dict.fromkeys(rows))
 
     def launchable(self, arch: int):
         return self.rows if int(arch) >= 80 else ()
 
     def applies(self, call: Call, arch: int, options) -> bool:
-        return folds_scale(call.scale) and tf32_bucket(call, arch) is not None
+        # a paged cache's rows only 16-byte aligned (its word-by-word copy reads dense rows)
+        return folds_scale(call.scale) and tf32_bucket(call, arch) is not None and (call.aligned or not call.paged)
 
     def plan(self, call: Call, arch: int, options):
-        return (self.make_row(tf32_bucket(call, arch), TF32_PASSES[call.precision], bool(call.features)),)
+        return (self.make_row(tf32_bucket(call, arch), TF32_PASSES[call.precision], bool(call.features),
+                              call.paged),)
 
     def shared_bytes(self, row, sizes: Sizes | None = None) -> int:
         # Tf32FwdTraits::kSmemBytes: Q, K and V tiles of floats; with three passes a second
