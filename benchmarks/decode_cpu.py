@@ -1,8 +1,13 @@
-"""A decode step over a KV cache on the CPU path: paged cache, dense cache, and naive
-attention over the gathered cache (issue 28's benchmark case).
+"""A decode step over a KV cache: paged cache, dense cache, and naive attention over the
+gathered cache (issue 28's benchmark case), on the CPU path or a GPU.
 
     python benchmarks/decode_cpu.py                          # B 32, Hq 32, Hkv 8, d 128, 4096 keys, pages of 16
     python benchmarks/decode_cpu.py --markdown benchmarks/results/decode.md
+    python benchmarks/decode_cpu.py --backend cuda --dtype float16   # CuPy arrays: the kernels
+
+With ``--backend cuda`` each timed call is bracketed by device synchronisations, and the
+table adds the K/V read rate as a share of ``--peak-gbs`` (default 4800: an H200's
+HBM3e; issue 28's target is 70% for the paged cache).
 
 One query per sequence (Lq = 1), causal, GQA.  The paged cache holds the same keys as
 the dense one, its pages shuffled; the naive variant gathers each sequence's pages into
@@ -40,6 +45,8 @@ def main(argv=None) -> int:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--backend", choices=("numpy", "cuda"), default="numpy")
+    p.add_argument("--peak-gbs", type=float, default=4800.0, help="the device's memory bandwidth, GB/s")
     p.add_argument("--markdown")
     a = p.parse_args(argv)
 
@@ -61,6 +68,13 @@ def main(argv=None) -> int:
             pages[table[s]] = full.reshape(hkv, pages_per, ps, d).transpose(1, 0, 2, 3)
     lengths = np.full(b, n, np.int32)
     del full
+    sync = lambda: None  # noqa: E731
+    if a.backend == "cuda":
+        import cupy
+
+        q, k_dense, v_dense, k_pages, v_pages, table, lengths = (
+            cupy.asarray(x) for x in (q, k_dense, v_dense, k_pages, v_pages, table, lengths))
+        sync = cupy.cuda.Device().synchronize
 
     def dense():
         return cupyflash.attention(q, k_dense, v_dense, kv_lengths=lengths, causal=True, enable_gqa=True)
@@ -82,24 +96,29 @@ def main(argv=None) -> int:
     times = {name: [] for name, _ in variants}
     for _ in range(a.repeat):
         for name, fn in variants:
+            sync()
             start = time.perf_counter()
             fn()
+            sync()
             times[name].append(time.perf_counter() - start)
     kv_bytes = 2 * b * hkv * n * d * dtype.itemsize
-    lines = ["# Decode step over a KV cache, CPU path", "",
+    where = "CPU path" if a.backend == "numpy" else "GPU (CuPy arrays, the kernels)"
+    lines = [f"# Decode step over a KV cache, {where}", "",
              f"{time.strftime('%Y-%m-%d')}; {platform.machine()}, {os.cpu_count()} CPUs, {_threads.num_threads()} "
              f"worker threads; NumPy {np.__version__}, Python {platform.python_version()}.",
              f"`python benchmarks/decode_cpu.py {' '.join(argv if argv is not None else sys.argv[1:])}`: B = {b}, "
              f"Hq = {hq}, Hkv = {hkv}, d = {d}, {n} keys per sequence, pages of {ps}, {dtype.name}, Lq = 1, causal; "
              f"K and V: {kv_bytes / 2**20:.0f} MiB; median of {a.repeat} rounds (the variants in turn) after a warm-up.",
-             "", "| variant | ms | K/V read GB/s | vs dense cache | max abs diff from the dense cache |",
-             "|---|---|---|---|---|"]
+             "", "| variant | ms | K/V read GB/s | vs dense cache | max abs diff from the dense cache |"
+             + (" of the peak |" if a.backend == "cuda" else ""),
+             "|---|---|---|---|---|" + ("---|" if a.backend == "cuda" else "")]
     base = statistics.median(times[variants[0][0]])
     for name, fn in variants:
         seconds = statistics.median(times[name])
-        diff = float(np.abs(fn().astype(np.float64) - reference.astype(np.float64)).max())
-        lines.append(f"| {name} | {seconds * 1e3:.1f} | {kv_bytes / seconds / 1e9:.2f} | {base / seconds:.2f}x | "
-                     f"{diff:.1e} |")
+        diff = float(abs(fn().astype(np.float64) - reference.astype(np.float64)).max())
+        rate = kv_bytes / seconds / 1e9
+        lines.append(f"| {name} | {seconds * 1e3:.3f} | {rate:.2f} | {base / seconds:.2f}x | {diff:.1e} |"
+                     + (f" {100 * rate / a.peak_gbs:.0f}% |" if a.backend == "cuda" else ""))
     table_md = "\n".join(lines) + "\n"
     print(table_md)
     if a.markdown:
