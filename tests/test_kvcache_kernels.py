@@ -14,8 +14,6 @@ bad tables and ``append_kv`` are tests/test_kvcache.py's.
 
 from __future__ import annotations
 
-import zlib
-
 import numpy as np
 import pytest
 
@@ -25,37 +23,18 @@ from cupyflash.reference import naive_attention
 
 from _terms_util import check_forward
 from _util import EMULATED_FAMILIES, family_params, naive_tf32_attention, random_array
+from test_kvcache import _gathered, _paged_cache, _rng
 
 
-def _rng(*key):
-    return np.random.default_rng([zlib.crc32(str(k).encode()) for k in key])
-
-
-def _gathered(cache, table_row, length, page_size):
-    """(H, length, d): a sequence's keys (values) from its pages, the oracle's dense form."""
-    pages = table_row[:-(-length // page_size)] if length else table_row[:0]
-    part = cache[pages]
-    return part.transpose(1, 0, 2, 3).reshape(cache.shape[1], -1, cache.shape[3])[:, :length]
-
-
-def _cache(key, dtype, lengths, page_size, hkv, d, max_pages=None):
-    """Shuffled pages for ``lengths`` keys per sequence -- sequence 1 shares sequence 0's
-    first page (a common prefix) -- and two spare pages, NaN (K) and inf (V) in every
-    page no sequence uses; the table (B, max_pages) with -1 past each sequence's pages."""
-    rng = _rng(key, np.dtype(dtype).name, page_size)
-    pages_per = [-(-n // page_size) for n in lengths]
-    max_pages = max_pages or max(pages_per + [1])
-    num_pages = sum(pages_per) + 2
-    k_cache = random_array(rng, (num_pages, hkv, page_size, d), dtype)
-    v_cache = random_array(rng, (num_pages, hkv, page_size, d), dtype)
-    order = rng.permutation(num_pages)
-    table = np.full((len(lengths), max_pages), -1, np.int32)
-    used = 0
-    for b, n in enumerate(pages_per):
-        table[b, :n] = order[used:used + n]
-        used += n
-    if pages_per[0] and len(lengths) > 1 and pages_per[1]:
-        table[1, 0] = table[0, 0]
+def _cache(key, dtype, lengths, page_size, hkv, d):
+    """test_kvcache.py's shuffled cache for ``lengths`` keys per sequence -- sequence 1
+    sharing sequence 0's first page (a common prefix), two spare pages -- with its table
+    cut to the longest sequence's pages (so that one fills it: the full capacity), -1 past
+    each sequence's pages, and NaN (K) and inf (V) in every page no sequence uses."""
+    k_cache, v_cache, table = _paged_cache(_rng(key, np.dtype(dtype).name, page_size), dtype, lengths, page_size,
+                                           hkv, d, shared=True, spare=2)
+    table = np.ascontiguousarray(table[:, :max(-(-n // page_size) for n in lengths + [1])])
+    num_pages = k_cache.shape[0]
     unused = np.setdiff1d(np.arange(num_pages), table[table >= 0])
     k_cache[unused], v_cache[unused] = np.nan, np.inf
     # the slots past a sequence's last key in its last page (one no other sequence
