@@ -79,26 +79,29 @@ def _launched(spy):
 
 # Per family, a page size (together they cover 1, 16, 17, 64 and 256) and whether the
 # keys are split (fwd_combine merging each sequence's rows).
-_PAGE_SIZES = {"simt-f32": (1, 1), "simt-f64": (17, 3), "mma-f16": (16, 3), "mma-bf16": (64, 1),
-               "tf32x3": (17, 1), "tf32": (16, 2), "dmma-f64": (256, 2), "wgmma-f16": (16, 1)}
+_PAGE_SIZES = {"simt-f32": (256, 1), "simt-f64": (17, 3), "mma-f16": (16, 3), "mma-bf16": (64, 1),
+               "tf32x3": (17, 1), "tf32": (16, 2), "dmma-f64": (1, 2), "wgmma-f16": (16, 1)}
 
 
 @pytest.mark.parametrize("arch, options, dtype, precision, family", family_params(
     EMULATED_FAMILIES + [("tf32", 80, {}, np.float32, "tf32", "tf32")]))   # one pass: a paged tile of its own
-def test_paged_chunked_prefill_per_family(emulate, request, arch, options, dtype, precision, family):
-    # Lq = 7 new queries per sequence over its cached prefix, GQA 8:1, causal
+def test_paged_prefill_and_decode_per_family(emulate, request, arch, options, dtype, precision, family):
+    # Lq = 7 new queries per sequence over its cached prefix (a chunked prefill), then a
+    # decode step (Lq = 1: the 8 query heads of a kv head packed into one query block);
+    # GQA 8:1, causal
     page_size, splits = _PAGE_SIZES[request.node.callspec.id]
     max_pages = -(-(page_size + 3) // page_size) + 1
     lengths = [page_size + 3, 0, 1, max_pages * page_size]   # partial last page, none, one, full capacity
     k_cache, v_cache, table = _cache("prefill", dtype, lengths, page_size, 2, 64)
-    spy = emulate(arch, splits=splits, **options)
-    q = random_array(_rng("q", request.node.callspec.id), (len(lengths), 16, 7, 64), dtype)
     kw = dict(causal=True, enable_gqa=True)
-    out, lse = cupyflash.attention(q, k_cache, v_cache, block_table=table, kv_lengths=np.array(lengths),
-                                   backend="emulator", return_lse=True, precision=precision, **kw)
-    assert [n for n in _launched(spy) if n != "fwd_combine_kernel"] == [f"fwd_{family}_kernel"]
-    assert ("fwd_combine_kernel" in _launched(spy)) == (splits > 1)
-    _check(out, lse, q, k_cache, v_cache, table, lengths, precision, **kw)
+    for lq in (7, 1):
+        spy = emulate(arch, splits=splits, **options)
+        q = random_array(_rng("q", request.node.callspec.id, lq), (len(lengths), 16, lq, 64), dtype)
+        out, lse = cupyflash.attention(q, k_cache, v_cache, block_table=table, kv_lengths=np.array(lengths),
+                                       backend="emulator", return_lse=True, precision=precision, **kw)
+        assert [n for n in _launched(spy) if n != "fwd_combine_kernel"] == [f"fwd_{family}_kernel"]
+        assert ("fwd_combine_kernel" in _launched(spy)) == (splits > 1)
+        _check(out, lse, q, k_cache, v_cache, table, lengths, precision, **kw)
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 17, 64, 256])
