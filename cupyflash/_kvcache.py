@@ -123,12 +123,13 @@ def run_paged(q, k_cache, v_cache, *, block_table, kv_lengths, q_lengths, scale,
 
 
 def _kernel_table(block_table, table: np.ndarray, kind: str):
-    """The block table on the kernels' side: int32 with unit stride along the pages --
-    the caller's own array where it is one (no copy on the device), else a converted
-    copy of the checked host table."""
+    """The block table on the kernels' side: int32 with unit stride along the pages and
+    its rows' offsets below 2^31 -- the caller's own array where it is one (no copy on
+    the device), else a converted copy of the checked host table."""
     given = block_table
     if (kind == "cupy" and getattr(given, "dtype", None) == np.int32 and given.ndim == 2
-            and (given.shape[1] <= 1 or given.strides[1] == 4) and given.data.ptr % 4 == 0):
+            and (given.shape[1] <= 1 or given.strides[1] == 4) and given.data.ptr % 4 == 0
+            and given.strides[0] % 4 == 0 and 0 <= given.strides[0] // 4 * given.shape[0] < _INT32):
         return given
     return _xp(kind).asarray(np.ascontiguousarray(table, dtype=np.int32))
 
