@@ -100,15 +100,15 @@ template <typename T> __device__ __forceinline__ const T* any_row(const T* src) 
 template <typename T> __device__ __forceinline__ const T* any_row(const PagedRows<T>& src) { return src.base; }
 
 // A kv head's keys (or values) of batch entry `batch` in a paged cache: `head`
-// its elements in page 0, `page_stride` (the tensor's batch stride) elements
+// its elements in page 0, `batch_stride` (the tensor's: a page's) elements
 // from one page to the next, through the sequence's row of the block table.
 // (HeadSlice spells the dense pointer inline, as it always did: through a
 // helper, NVVM scheduled 30 backward dQ kernels differently.)
 template <typename T>
 __device__ __forceinline__ PagedRows<T> paged_rows(const FwdParams& p, const T* head, int64_t batch,
-                                                   int64_t page_stride) {
+                                                   int64_t batch_stride) {
     return PagedRows<T>{head, p.block_table, static_cast<int32_t>(batch * p.table_stride),
-                        static_cast<int32_t>(page_stride), static_cast<int32_t>(p.page_size), 0};
+                        static_cast<int32_t>(batch_stride), static_cast<int32_t>(p.page_size), 0};
 }
 
 }  // namespace cf

@@ -109,9 +109,10 @@ def test_params_fields_by_name():
     pair = np.broadcast_to(np.zeros((3, 7, 5), np.float64).swapaxes(1, 2), (2, 3, 5, 7))
     mask = np.broadcast_to(np.ones((5, 7), bool), (2, 3, 5, 7))
     table = np.zeros((5, 2), np.int32)
+    pages = np.zeros((2, 6), np.int32)[:, ::2]     # a block table with 6 entries from one row to the next
     p = fwd_params(q, k, v, out, lse, scale=0.75, window_left=9, window_right=None, gqa_ratio=3,
                    workspace=ws, block_m=16, block_n=32, num_splits=3, terms=ScoreOperands((pad, pair), mask),
-                   sequences=table)
+                   sequences=table, pages=(pages, 17))
     expected = {"q": q.ctypes.data, "k": k.ctypes.data, "v": v.ctypes.data, "out": out.ctypes.data,
                 "lse": lse.ctypes.data, "ws_o": ws[0].ctypes.data, "ws_l": ws[1].ctypes.data, "ws_m": 0,
                 "batch": 2, "heads_q": 3, "gqa_ratio": 3, "seqlen_q": 5, "seqlen_k": 7, "head_dim": 8,
@@ -124,7 +125,9 @@ def test_params_fields_by_name():
                 "softcap": 0.0, "coord": [0] * 3, "coord_strides": [[0, 0]] * 3, "mod_args": [0] * 4,
                 "mod_shape": [[0] * 4] * 4, "mod_strides": [[0] * 4] * 4,
                 # per-sequence lengths: the table; the split workspace's rows per (batch, head)
-                "sequences": table.ctypes.data, "split_rows": 5, "first_row": 0, "first_key": 0}
+                "sequences": table.ctypes.data, "split_rows": 5, "first_row": 0, "first_key": 0,
+                # a paged KV cache: the block table, its row stride and the keys per page
+                "block_table": pages.ctypes.data, "table_stride": 6, "page_size": 17}
     for name, a in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
         for axis, stride in zip(("batch", "head", "row"), a.strides[:3]):
             expected[f"{name}_{axis}_stride"] = stride // a.itemsize

@@ -161,7 +161,12 @@ def test_paged_rows_only_fwd_simt_takes(emulate, dtype, d, dv):
 def test_paged_cache_kernel_errors(emulate):
     emulate(80)
     k_cache, v_cache, table = _cache("errors", np.float32, [8, 8], 4, 1, 8)
+    # a page of 2^31 elements: the kernels hold a page's stride in 32 bits (paged.cuh), so
+    # refused before anything is read (the view's pages lie past its memory)
+    huge = np.lib.stride_tricks.as_strided(k_cache, strides=(2**31 * 4,) + k_cache.strides[1:])
     q = random_array(_rng("errors-q"), (2, 1, 1, 8), np.float32)
+    with pytest.raises(NotImplementedError, match="`k_cache`.*32 bits"):
+        cupyflash.attention(q, huge, v_cache, block_table=table, kv_lengths=np.array([8, 8]), backend="emulator")
     strided = np.zeros(k_cache.shape[:3] + (16,), np.float32)[..., ::2]
     strided[...] = k_cache
     with pytest.raises(ValueError, match="`k_cache`.*unit stride"):
