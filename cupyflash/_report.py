@@ -348,7 +348,7 @@ def _dynamic_shared_bytes(inst) -> int:
 
 def kernel_report(archs: Sequence = ("sm_80",), instantiations=None, *,
                   sass: bool = True, sass_text: bool = False, max_workers: int | None = None,
-                  progress=None) -> list[dict]:
+                  progress=None, launchable: bool = False) -> list[dict]:
     """One row per (instantiation, arch), compiling each entry file once per arch.
 
     Parameters
@@ -366,6 +366,11 @@ def kernel_report(archs: Sequence = ("sm_80",), instantiations=None, *,
     progress : callable, optional
         Called as ``progress(done, total, entry, arch)`` as each module (one
         entry file for one arch) finishes compiling, in the calling thread.
+    launchable : bool, default False
+        Per arch, only the rows a GPU of that compute capability may launch
+        (:func:`cupyflash._families.launchable`), not every tile class's: what a
+        user of that GPU can get.  A row another arch's tile class owns is
+        compiled there, not here.
 
     Returns
     -------
@@ -379,19 +384,26 @@ def kernel_report(archs: Sequence = ("sm_80",), instantiations=None, *,
         instantiations = catalogue()
     rows_in = list(instantiations)
     arch_names = [f"sm_{_arch_number(a)}" for a in archs]
-    groups: dict[str, list] = {}
-    for inst in rows_in:
-        groups.setdefault(inst.entry, []).append(inst)
+    per_arch = {arch: rows_in for arch in arch_names}
+    if launchable:
+        from ._families import launchable as launchable_rows
+
+        for arch in arch_names:
+            names = {r.name_expression for r in launchable_rows(_arch_number(arch))}
+            per_arch[arch] = [inst for inst in rows_in if inst.name_expression in names]
+    groups: dict[tuple[str, str], list] = {}
+    for arch in arch_names:
+        for inst in per_arch[arch]:
+            groups.setdefault((inst.entry, arch), []).append(inst)
     # An entry with an architecture-specific target (fwd_wgmma: sm_90a) is compiled
     # for that target on its arch and not at all on the others.
-    family = {entry: rows[0].family for entry, rows in groups.items()}
-    jobs = [(entry, arch) for arch in arch_names for entry in groups
-            if family[entry].compile_target(arch) is not None]
-    sources = {entry: module_source(entry) for entry in groups}
+    family = {entry: rows[0].family for (entry, _), rows in groups.items()}
+    jobs = [job for job in groups if family[job[0]].compile_target(job[1]) is not None]
+    sources = {entry: module_source(entry) for entry in family}
 
     def run(job):
         entry, arch = job
-        names = [inst.name_expression for inst in groups[entry]]
+        names = [inst.name_expression for inst in groups[job]]
         return job, compile_report(sources[entry], names, family[entry].compile_target(arch), sass=sass,
                                    filename=f"cuda_src/{entry}")
 
@@ -406,7 +418,7 @@ def kernel_report(archs: Sequence = ("sm_80",), instantiations=None, *,
 
     rows = []
     for arch in arch_names:
-        for inst in rows_in:
+        for inst in per_arch[arch]:
             module = modules.get((inst.entry, arch))
             if module is None:
                 continue
@@ -530,17 +542,8 @@ def main_kernels(argv=None) -> int:
             print(line, file=sys.stderr, flush=True)
 
     progress = None if args.json else progress
-    if args.launchable:
-        from ._families import launchable
-
-        rows = []
-        for arch in archs:
-            names = {r.name_expression for r in launchable(int(arch.removeprefix("sm_")))}
-            rows += kernel_report([arch], [r for r in rows_in if r.name_expression in names],
-                                  sass=not args.no_sass, sass_text=args.sass is not None, progress=progress)
-    else:
-        rows = kernel_report(archs, rows_in, sass=not args.no_sass, sass_text=args.sass is not None,
-                             progress=progress)
+    rows = kernel_report(archs, rows_in, sass=not args.no_sass, sass_text=args.sass is not None,
+                         progress=progress, launchable=args.launchable)
     if args.sass is not None:
         for r in rows:
             print(f"// {r['name']}  ({r['arch']}, target {r['target']})")

@@ -33,7 +33,9 @@ ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")   # DESIGN.md section 5: every inst
 
 @pytest.fixture(scope="module")
 def rows():
-    return _report.kernel_report(ARCHS)
+    # each row on every arch that may launch it (tests/test_families.py's report, the same
+    # compiles): a row of another arch's tile class is checked on that arch
+    return _report.kernel_report(ARCHS, launchable=True)
 
 
 def _row_id(row):
@@ -41,14 +43,17 @@ def _row_id(row):
 
 
 def test_every_instantiation_is_reported_for_each_arch(rows):
-    # ... for each arch its entry file has a target for: fwd_wgmma is sm_90a only.
-    from cupyflash._families import catalogue
+    # ... for each arch that may launch it (its entry file has a target there: fwd_wgmma
+    # is sm_90a only), and every row on one arch at least.
+    from cupyflash._families import catalogue, launchable
 
     assert catalogue(), "the catalogue is empty"
     for arch in ARCHS:
-        names = [i.name_expression for i in catalogue() if i.family.compile_target(arch)]
+        on = {r.name_expression for r in launchable(int(arch[3:]))}
+        names = [i.name_expression for i in catalogue() if i.family.compile_target(arch) and i.name_expression in on]
         assert [r["name"] for r in rows if r["arch"] == arch] == names
         assert {r["target"] for r in rows if r["arch"] == arch} <= {arch, arch + "a"}
+    assert {r["name"] for r in rows} == {i.name_expression for i in catalogue()}
     assert {r["arch"] for r in rows if r["family"] == "fwd_wgmma"} == {"sm_90"}
 
 
@@ -113,7 +118,7 @@ def test_each_family_compiles_to_its_intended_instructions(rows):
 
 
 def test_json_cli_has_the_required_keys(rows, capsys):
-    assert main_kernels(["--json", "--arch", "sm_80"]) == 0
+    assert main_kernels(["--json", "--arch", "sm_80", "--launchable"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert len(data) == sum(r["arch"] == "sm_80" for r in rows)
     for row in data:
@@ -123,7 +128,7 @@ def test_json_cli_has_the_required_keys(rows, capsys):
 
 
 def test_text_cli_prints_one_line_per_row(rows, capsys):
-    assert main_kernels([arg for arch in ARCHS for arg in ("--arch", arch)]) == 0
+    assert main_kernels([arg for arch in ARCHS for arg in ("--arch", arch)] + ["--launchable"]) == 0
     out = capsys.readouterr().out
     for r in rows:
         assert re.search(re.escape(r["name"]) + r"\s+" + r["arch"], out)
@@ -344,28 +349,60 @@ OLDEST_NVRTC = os.environ.get("CUPYFLASH_TEST_OLDEST_NVRTC")
 # can reject is source and inline PTX, which no kernel spells differently per
 # architecture (only wgmma.cuh needs sm_90a), so sm_90 alone -- every entry file,
 # the wgmma ones too -- is the check (both archs took 190 s of CI's 17 minutes).
+# And of sm_90's rows, one template instance per form (_forms): the rows of a form
+# differ only in integer constants, which 13.5's report compiles in every row.
 OLDEST_NVRTC_12 = os.environ.get("CUPYFLASH_TEST_OLDEST_NVRTC_12")
 
 
-def _report_with_nvrtc(lib: Path, archs=("sm_90",)) -> list[dict]:
+def _forms(rows) -> list:
+    """Of ``rows``, the smallest and the largest head dim of each form: a kernel template
+    with its type and bool arguments (the integer ones are tile constants), so every
+    ``if constexpr`` on a type or flag, and both ends of the head-dim branches, compile.
+
+    >>> from cupyflash._families import FWD_DMMA
+    >>> dims = sorted({r.head_dim for r in FWD_DMMA.rows})
+    >>> sorted({r.head_dim for r in _forms(FWD_DMMA.rows)}) == [dims[0], dims[-1]] and len(dims) > 2
+    True
+    """
+    forms: dict[tuple, list] = {}
+    for r in rows:
+        template, args = re.fullmatch(r"([\w:]+)<(.*)>", r.name_expression).groups()
+        form = tuple("N" if re.fullmatch(r"-?\d+", a.strip()) else a.strip() for a in args.split(","))
+        forms.setdefault((template, form), []).append(r)
+    keep = {id(f(group, key=lambda r: r.head_dim)) for group in forms.values() for f in (min, max)}
+    return [r for r in rows if id(r) in keep]
+
+
+def _report_with_nvrtc(lib: Path, archs=("sm_90",), select=None) -> list[dict]:
     """``python -m cupyflash kernels --launchable --json`` for ``archs`` with the libnvrtc
-    ``lib``: what a GPU of each arch compiles with that NVRTC.  The other tile classes'
-    rows are the same templates with other constants, and the main report compiles
-    them for their own targets."""
+    ``lib``: what a GPU of each arch compiles with that NVRTC (``select``: of those rows,
+    ``select(rows)``).  The other tile classes' rows are the same templates with other
+    constants, and the main report compiles them for their own targets."""
     from cupyflash._families import catalogue, launchable
 
     env = dict(os.environ, CUPYFLASH_NVRTC=str(lib),   # its builtins library sits beside it
                LD_LIBRARY_PATH=os.pathsep.join(filter(None, [str(lib.parent),
                                                              os.environ.get("LD_LIBRARY_PATH")])))
-    arch_options = [option for arch in archs for option in ("--arch", arch)]
-    done = subprocess.run([sys.executable, "-m", "cupyflash", "kernels", *arch_options, "--launchable",
-                           "--no-sass", "--json"],
+    rows_in = {arch: [i for i in catalogue() if i.family.compile_target(arch) is not None
+                      and i in launchable(int(arch.removeprefix("sm_")))] for arch in archs}
+    if select is not None:
+        rows_in = {arch: select(rows) for arch, rows in rows_in.items()}
+    # the CLI's --launchable, with the selection: the rows go to the child by name
+    code = ("import json, sys\n"
+            "from cupyflash import _report\n"
+            "from cupyflash._families import catalogue\n"
+            "rows = []\n"
+            "for arch, names in json.load(sys.stdin).items():\n"
+            "    rows += _report.kernel_report([arch], [i for i in catalogue() if i.name_expression in names],\n"
+            "                                  sass=False)\n"
+            "json.dump(rows, sys.stdout)\n")
+    request = json.dumps({arch: [i.name_expression for i in rows] for arch, rows in rows_in.items()})
+    done = subprocess.run([sys.executable, "-c", code], input=request,
                           env=env, capture_output=True, text=True, timeout=1200, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = json.loads(done.stdout)
-    names = {arch: {r.name_expression for r in launchable(int(arch.removeprefix("sm_")))} for arch in archs}
-    assert len(rows) == sum(i.family.compile_target(arch) is not None
-                            for arch in archs for i in catalogue() if i.name_expression in names[arch])
+    assert [(r["arch"], r["name"]) for r in rows] == [(arch, i.name_expression) for arch in archs
+                                                      for i in rows_in[arch]]
     return rows
 
 
@@ -382,7 +419,7 @@ def test_every_kernel_compiles_with_the_oldest_cuda12_nvrtc():
     from cupyflash._families import catalogue
 
     needs_nvrtc(OLDEST_NVRTC_12, "CUPYFLASH_TEST_OLDEST_NVRTC_12")
-    rows = _report_with_nvrtc(Path(OLDEST_NVRTC_12))
+    rows = _report_with_nvrtc(Path(OLDEST_NVRTC_12), select=_forms)
     assert {r["entry"] for r in rows} == {i.entry for i in catalogue()}
 
 
