@@ -3,11 +3,13 @@
 Two kinds of shared library are built, both keyed by a hash of everything that
 goes into them (source text, headers, flags, compiler and CUDA headers used):
 
-* the **runtime** (``src/runtime.cpp``: fibers, barriers, warp collectives,
-  cp.async queues, shared-memory checks), built once per compiler;
+* the **runtime** (``src/runtime.cpp``: fibers, block, named and mbarrier
+  barriers, warp collectives, cp.async and bulk queues, shared-memory checks),
+  built once per compiler;
 * one **kernel module** per (entry file, set of name expressions compiled
   together, instrumentation flag): the assembled ``cuda_src/`` text compiled
-  against ``include/cuda_emu.h`` and the emulated ``include/ptx.cuh``, plus one
+  against ``include/cuda_emu.h`` and the emulated ``include/ptx.cuh``,
+  ``wgmma.cuh`` and ``barriers.cuh`` (:data:`SUBSTITUTIONS`), plus one
   ``extern "C"`` launch function per name expression.  With race checking the
   module is compiled with ``-fsanitize=kernel-address`` and outlined
   instrumentation, so that GCC calls the runtime's ``__asan_*`` hooks on every
@@ -43,6 +45,8 @@ __all__ = ["EmulatorBuildError", "EmulatorError", "ModuleCache", "Toolchain", "f
 _HERE = Path(__file__).resolve().parent
 INCLUDE_DIR = _HERE / "include"
 RUNTIME_SOURCE = _HERE / "src" / "runtime.cpp"
+# The cuda_src/ headers of inline PTX and their emulated twins, swapped in by name.
+SUBSTITUTIONS = {name: INCLUDE_DIR / name for name in ("ptx.cuh", "wgmma.cuh", "barriers.cuh")}
 
 # -g gives error messages file:line through addr2line; -fno-strict-aliasing
 # because CUDA code type-puns freely through pointers.  A module took ~0.3-0.5 s
@@ -51,7 +55,12 @@ RUNTIME_SOURCE = _HERE / "src" / "runtime.cpp"
 # -O1 keeps the instrumented code fast to run without -O2's compile cost on
 # larger kernels.
 _COMMON_FLAGS = ("-std=c++17", "-fPIC", "-g", "-fno-strict-aliasing", "-fvisibility=hidden")
-_RUNTIME_FLAGS = _COMMON_FLAGS + ("-O2",)
+# The runtime's own debug information need only map its code to lines (-g1): with
+# full -g its build took 5.4 s instead of 4.0 s once it modelled barriers.cuh.
+# -falign-loops=32: the emulated toy forward spends a tenth of its time in one small
+# loop (the sum of an mma's products), whose speed otherwise moved by 7% with where
+# unrelated edits happened to place it.
+_RUNTIME_FLAGS = tuple(f for f in _COMMON_FLAGS if f != "-g") + ("-g1", "-O2", "-falign-loops=32")
 # -fstack-clash-protection probes large frames page by page, so that a stack
 # overflow hits the fiber's guard page instead of a neighbour's stack.
 _MODULE_FLAGS = _COMMON_FLAGS + ("-O1", "-Wno-attributes", "-fstack-clash-protection")
@@ -67,9 +76,10 @@ class EmulatorError(RuntimeError):
     """An emulated kernel launch failed.
 
     Raised for races, deadlocks, divergent warp collectives, out-of-bounds or
-    misaligned shared-memory accesses, cp.async copies never waited for, bad
-    launch configurations and build failures; the message names the kernel,
-    the block and the threads involved.
+    misaligned shared-memory accesses, cp.async copies never waited for,
+    misuse of mbarriers, named barriers and bulk reductions, bad launch
+    configurations and build failures; the message names the kernel, the
+    block and the threads involved.
     """
 
 
@@ -245,6 +255,11 @@ template <typename P> struct kernel_params<void (*)(P)> { using type = P; };
 template <typename... A> struct kernel_params<void (*)(A...)> {
     static_assert(sizeof...(A) == 1, "an emulated kernel takes exactly one argument: a params struct by value");
 };
+#ifdef CFEMU_USES_BARRIERS
+constexpr uint32_t module_flags = CFEMU_MODULE_BARRIERS;
+#else
+constexpr uint32_t module_flags = 0;
+#endif
 }  // namespace cfemu_wrap"""
     )
     for i, name in enumerate(name_expressions):
@@ -253,7 +268,8 @@ template <typename... A> struct kernel_params<void (*)(A...)> {
 int cfemu_launch_{i}(const cfemu_launch_desc* d, char* err, uint64_t errlen) {{
     using P = typename cfemu_wrap::kernel_params<decltype(&{name})>::type;
     static_assert(std::is_standard_layout<P>::value, "the params struct must be a plain (standard-layout) struct");
-    return cfemu_run(d, [](const void* p) {{ {name}(*static_cast<const P*>(p)); }}, sizeof(P), alignof(P), err, errlen);
+    return cfemu_run(d, [](const void* p) {{ {name}(*static_cast<const P*>(p)); }}, sizeof(P), alignof(P),
+                     cfemu_wrap::module_flags, err, errlen);
 }}"""
         )
     return "\n".join(out) + "\n"
@@ -323,8 +339,7 @@ class ModuleCache:
             return self._runtimes[cache_dir]
 
     def assembled(self, entry: str) -> str:
-        return _source.assemble(entry, substitutions={"ptx.cuh": INCLUDE_DIR / "ptx.cuh",
-                                                      "wgmma.cuh": INCLUDE_DIR / "wgmma.cuh"})
+        return _source.assemble(entry, substitutions=SUBSTITUTIONS)
 
     def module_for(self, entry: str, name_expressions: list[str], instrument: bool) -> Module:
         """Build (or find) and load the module holding exactly these instantiations."""

@@ -2,10 +2,11 @@
 //
 // A kernel module (one shared library per set of instantiations, built by
 // cupyflash/emulator/_build.py) contains the unchanged cuda_src/ kernels compiled
-// by the host compiler against cuda_emu.h and the emulated ptx.cuh.  Everything
-// those headers cannot do locally -- scheduling the block's threads as fibers,
-// barriers, warp-collective instructions, cp.async queues, the shared-memory
-// checks -- is a call into the runtime library (src/runtime.cpp) declared here.
+// by the host compiler against cuda_emu.h and the emulated ptx.cuh, wgmma.cuh and
+// barriers.cuh.  Everything those headers cannot do locally -- scheduling the
+// block's threads as fibers, barriers (block, named, mbarriers), warp-collective
+// instructions, cp.async and bulk queues, the shared-memory checks -- is a call
+// into the runtime library (src/runtime.cpp) declared here.
 // The runtime is plain C++17 and does not include any CUDA header.
 #pragma once
 
@@ -68,9 +69,15 @@ enum cfemu_accum { CFEMU_ACCUM_EXACT = 0, CFEMU_ACCUM_TRUNCATE = 1 };
 
 typedef void (*cfemu_thunk)(const void* params);
 
+// What a kernel module uses, told to the runtime by its launch functions.
+// CFEMU_MODULE_BARRIERS: the module includes barriers.cuh (mbarriers, named
+// barriers), so the race check keeps vector clocks for their happens-before
+// edges (a module without them runs without that cost).
+enum cfemu_module_flags { CFEMU_MODULE_BARRIERS = 1 };
+
 // Runs the grid; returns 0 on success, else writes a message into err.
 CFEMU_API int cfemu_run(const cfemu_launch_desc* desc, cfemu_thunk thunk, uint64_t kernel_params_size,
-                        uint64_t kernel_params_align, char* err, uint64_t errlen);
+                        uint64_t kernel_params_align, uint32_t module_flags, char* err, uint64_t errlen);
 
 // ---- synchronisation and warp-collective operations (called from kernels) ----
 
@@ -101,5 +108,26 @@ CFEMU_API void cfemu_wgmma_fence(void);
 CFEMU_API void cfemu_wgmma_commit(void);
 CFEMU_API void cfemu_wgmma_wait(int n);
 CFEMU_API void cfemu_fence_proxy_async(void);
+
+// ---- barriers.cuh: mbarriers, named barriers, bulk reductions (see that header) ----
+enum cfemu_mbar_arrive_kind {
+    CFEMU_MBAR_ARRIVE = 0,            // mbarrier.arrive
+    CFEMU_MBAR_ARRIVE_EXPECT_TX = 1,  // mbarrier.arrive.expect_tx: tx-count += tx, then arrive
+    CFEMU_MBAR_EXPECT_TX = 2,         // mbarrier.expect_tx: tx-count += tx
+    CFEMU_MBAR_COMPLETE_TX = 3        // mbarrier.complete_tx: tx-count -= tx
+};
+CFEMU_API void cfemu_mbar_init(void* bar, uint32_t count);
+CFEMU_API void cfemu_mbar_arrive(void* bar, int kind, uint32_t tx);
+// try_wait.parity (blocking = 0: returns whether the phase completed) or a wait
+// until it has (blocking = 1, returns 1).
+CFEMU_API int cfemu_mbar_wait(void* bar, uint32_t parity, int blocking);
+CFEMU_API void cfemu_cp_async_mbar_arrive(void* bar);
+CFEMU_API void cfemu_mbar_inval(void* bar);
+// bar.sync (sync = 1) or bar.arrive (sync = 0) id, threads.
+CFEMU_API void cfemu_named_barrier(int id, int threads, int sync);
+CFEMU_API void cfemu_bulk_reduce_add_f32(float* gmem_dst, const float* smem_src, uint32_t bytes);
+CFEMU_API void cfemu_bulk_commit(void);
+// cp.async.bulk.wait_group(.read when read_only) n.
+CFEMU_API void cfemu_bulk_wait(int n, int read_only);
 // Ends the launch with an error (assert, __trap).
 CFEMU_API void cfemu_trap(const char* what, const char* file, int line) __attribute__((noreturn));

@@ -19,11 +19,52 @@
 //    fill, destination written -- when the issuing thread's cp.async.wait_group
 //    retires their group.  Copies never waited for never land, and a thread that
 //    exits with copies in flight is an error.
+//  * mbarriers (barriers.cuh) are state here, keyed by shared offset: phase,
+//    pending arrivals, expected count, tx-count.  A phase completes when its
+//    pending count and tx-count are zero.  mbarrier_wait_parity blocks the
+//    thread until the phase completes; a false mbarrier_try_wait_parity yields
+//    it (rounds in which every thread that runs only fails a try_wait, 4096 in
+//    a row, are a deadlock).  cp_async_mbarrier_arrive counts its arrival at
+//    once; the copies it tracks land at the first wait that returns true for
+//    the phase it completed (or at the issuing thread's cp.async.wait_group, or
+//    when the barrier is invalidated).
+//    Errors: use before init, before a __syncthreads() (or barrier edge) makes
+//    the init visible, or after inval; a second init; an arrival when none is
+//    pending (tx-count keeps the phase open); an arrival in a phase before any
+//    wait returned true for the previous one (PTX ISA, "Phase of the mbarrier
+//    object"); a parity other than 0 or 1; a try_wait whose thread failed for
+//    phase F and tries again when the barrier is in phase F + 2 or later (it
+//    was lapped); a plain load or store of a live barrier's 8 bytes.
+//  * Named barriers (bar.sync / bar.arrive id, threads): each warp's non-exited
+//    lanes meet at the same instruction (a lane elsewhere is divergence, or a
+//    deadlock naming the warp's arrived lanes), then the warp counts 32
+//    threads; a sync waits for `threads`.  Errors: id outside 0..15, a count
+//    not a multiple of 32 or above the block's, one id with two counts at once,
+//    a warp arriving twice before the barrier completes.  named_barrier_sync(0,
+//    all threads) is __syncthreads() at its own call site; any other use of
+//    barrier 0 while threads wait at __syncthreads() is an error.
+//  * Bulk reductions (cp.reduce.async.bulk ... add.f32) are queued per thread
+//    in bulk groups: the source (16-byte aligned, a multiple of 16 bytes) may
+//    be read until bulk.wait_group.read retires the group -- a write to it
+//    before is an error -- and the float additions into global memory happen
+//    when bulk.wait_group retires it or the thread exits, in a shuffled element
+//    order.  A thread that exits while a group still reads its source is an
+//    error.
 //  * With race checking on (the kernel module is compiled with
 //    -fsanitize=kernel-address so that every load and store calls a hook below),
 //    every shared-memory byte keeps its last writer and its readers since the last
 //    __syncthreads(); conflicting accesses by two threads not ordered by a
 //    __syncthreads() (or, within a warp, a full-warp __syncwarp()) are reported.
+//    In a module that uses barriers.cuh each thread also keeps a vector clock
+//    (one entry per thread, and one per thread's cp.async copies): an arrival
+//    releases the thread's clock into the phase (a named barrier's arrivals into
+//    the barrier), a wait that returns true for the phase (a named barrier's
+//    sync) acquires it, and a __syncwarp() joins its lanes' clocks; two accesses
+//    so ordered are not a race.  Each byte then keeps its writer's clock and
+//    the clocks of its readers (an interned set of (thread, clock) pairs).  The
+//    async proxy's reads (wgmma, bulk reductions) need a fence.proxy.async by
+//    the writer after the write (for copies landed through an mbarrier: by the
+//    issuing or the reading thread after they landed).
 //  * A fault in kernel code (an out-of-bounds global access, a stack overflow
 //    into a fiber's guard page) is caught by a SIGSEGV/SIGBUS handler and becomes
 //    an error; so does a thread that runs 2^30 instrumented memory accesses
@@ -53,6 +94,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 extern "C" {
@@ -149,6 +191,14 @@ inline void context_switch(Context& from, Context& to) { swapcontext(&from.uc, &
 namespace {
 
 constexpr unsigned kFullMask = 0xffffffffu;
+// Rounds in a row in which every thread that runs fails an mbarrier_try_wait_parity and
+// nothing else happens: then the block is a deadlock (a kernel may poll a barrier a
+// bounded number of times and then do something else; 4096 polls is far beyond that).
+constexpr int kSpinRounds = 4096;
+// An mbarrier's counts: expected arrivals 1 .. 2^20 - 1, tx-count within +-(2^20 - 1).
+constexpr int64_t kMbarMax = (1 << 20) - 1;
+// The "file" of a named_barrier_sync(0, all threads), which is a __syncthreads().
+constexpr const char kBar0[] = "named_barrier_sync(0, all threads)";
 
 std::string format(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 std::string format(const char* fmt, ...) {
@@ -231,7 +281,10 @@ float truncated_sum(double c, const double* prod, int k, int extra) {
 
 // ---- per-launch state ----------------------------------------------------------
 
-enum class St : uint8_t { Runnable, BlockBar, WarpOp, Exited };
+// NamedWarp: at a named barrier, waiting for the rest of its warp; NamedBar: the
+// warp has arrived at a named_barrier_sync that has not completed; MbarWait: in
+// mbarrier_wait_parity for a phase that has not completed.
+enum class St : uint8_t { Runnable, BlockBar, WarpOp, NamedWarp, NamedBar, MbarWait, Exited };
 enum class Op : uint8_t { None, Syncwarp, Shfl, Vote, Mma, Ldmatrix, Wgmma };
 
 struct ShflArgs {
@@ -295,17 +348,77 @@ struct Copy {
     int size, src_bytes;
     uint32_t group;
     const void* pc;
+    uint32_t seq;      // the issuing thread's copies before this one
+    int arrival = -1;  // the first cp_async_mbarrier_arrive that tracks it (Launch::arrivals), or -1
+};
+
+// Writer ids of the shared-memory shadow: threads 0..1023, and the cp.async
+// copies of thread t that land through an mbarrier (the async proxy's writes,
+// ordered only by that barrier's phase) as kAgentBase + t.
+constexpr unsigned kAgentBase = 1024;
+
+// Shadow::pending: 0, issuing thread + 1 of an in-flight cp.async, or one of these.
+constexpr uint16_t kPendMbar = 0xffff;  // a live mbarrier's 8 bytes
+constexpr uint16_t kPendBulk = 0xfffe;  // the source of a bulk reduction not yet retired by wait_group.read
+
+// One cp_async_mbarrier_arrive: thread `tid`'s copies issued before it (seq <
+// `seq`) land when a wait returns true for the phase it was counted in.
+struct AsyncArrival {
+    int tid;
+    uint32_t seq;
+    uint32_t agent_clock;  // the clock its copies are stamped with (kAgentBase + tid's entry)
+    size_t bar;            // the barrier's shared offset
+};
+
+// An mbarrier (PTX ISA "Contents of the mbarrier object"), by shared offset.
+struct Mbar {
+    size_t off = 0;
+    bool live = false;
+    uint32_t expected = 0;
+    int64_t pending = 0, tx = 0;
+    uint64_t phase = 0;
+    bool waited_prev = true;  // some wait returned true for phase - 1 (none needed for phase 0)
+    int init_tid = -1;
+    uint32_t init_clock = 0, init_epoch = 0;
+    const void* init_pc = nullptr;
+    const void* inval_pc = nullptr;
+    std::vector<uint32_t> vc_cur, vc_prev;  // released into the current / the completed phase
+    std::vector<int> arr_cur, arr_prev;     // async arrivals counted in them, copies not landed
+};
+
+// A named barrier (bar.sync / bar.arrive): count 0 when idle.
+struct NamedBar {
+    int count = 0, arrived = 0;
+    uint32_t warps = 0;  // warps arrived in this use (bit w)
+    const void* first_pc = nullptr;
+    int first_warp = -1;
+    std::vector<int> waiters;  // threads of sync-ing warps, released at completion
+    std::vector<uint32_t> vc;
+};
+
+// One bulk reduction: dst[i] += the source's floats as they were at issue.
+struct BulkOp {
+    float* dst;
+    size_t src_off;
+    uint32_t bytes, group;
+    bool read_retired;
+    std::vector<float> values;
+    const void* pc;
 };
 
 struct Launch;
 
-struct Fiber {
+// The scheduler and the warp rendezvous read a few fields of many fibers: 256 bytes
+// (the barriers.cuh state lives apart, in ThreadSync) on cache-line boundaries, so
+// that those fields sit at the same place in a line for every fiber.
+struct alignas(64) Fiber {
     cfemu_thread_ctx ctx;
     Context context;
     Launch* L;
     int tid, warp, lane;
     St state;
     Op op;
+    bool spinning = false;  // its last yield was a false mbarrier_try_wait_parity
     int op_variant;
     unsigned op_mask;
     void* op_args;
@@ -314,6 +427,7 @@ struct Fiber {
     int bar_line;
     int bar_pred;    // __syncthreads_count/_and/_or: this thread's predicate
     int bar_result;  // ... and the block's count of true predicates
+    uint32_t issued;  // cp.async copies issued (Copy::seq)
     std::vector<Copy> copies;  // issued, not yet performed (group == committed: uncommitted)
     uint32_t committed;
     // wgmma: fenced since the registers were last handed back, groups committed,
@@ -329,15 +443,91 @@ struct Fiber {
     uint32_t proxy_fences = 0;
 };
 
+// A thread's state for barriers.cuh (Launch::sync, by thread id): apart from the
+// Fiber, whose fields the scheduler and the warp collectives read for many threads
+// at a time (with these in it, 128 fibers no longer fit in a 32 KiB L1 cache).
+struct ThreadSync {
+    uint32_t fence_seq = 0;         // Launch::proxy_seq at the thread's last fence.proxy.async
+    int nb_id = 0, nb_threads = 0;  // the named barrier it is at (St::NamedWarp, St::NamedBar)
+    bool nb_sync = false;
+    size_t mb_off = 0;              // the mbarrier it waits (St::MbarWait) or spins (Fiber::spinning) on
+    uint32_t mb_parity = 0;
+    // (barrier offset, phase) of its last false try_wait on that barrier, for the lapped check
+    std::vector<std::pair<size_t, uint64_t>> mb_failed;
+    std::vector<BulkOp> bulk;
+    uint32_t bulk_committed = 0;
+    uint32_t clock = 1;             // its own entry of its vector clock (modules with barriers.cuh)
+};
+
 // What one shared-memory byte remembers since the last __syncthreads().
 struct Shadow {
     uint32_t w_epoch, r_epoch;  // barrier epoch of the last write / of the readers
     uint32_t w_wsync, r_wsync;  // the warp's __syncwarp count at the write / latest read
-    uint32_t w_proxy;                            // the writer's fence.proxy.async count at the write
+    uint32_t w_proxy;  // the writer's fence.proxy.async count at the write (agent writes: Launch::proxy_seq)
     uint16_t w_tid, r_first, r_second, pending;  // pending: issuing thread + 1 of an in-flight cp.async
     uint8_t r_many, r_mixed;                     // several readers / readers of several warps
     const void* w_pc;
     const void* r_pc;
+};
+
+// What a byte remembers for the vector clocks (modules with barriers.cuh, in an array
+// beside the Shadow ones): the writer's clock at the write, r_first's at its latest
+// read, and with several readers their (thread, clock) set (ReadSets).
+struct ShadowClocks {
+    uint32_t w_clock, r_clock, r_set;
+};
+
+// The reader sets of shared-memory bytes, interned: a set is a sorted list of
+// (thread, clock at its latest read), one id per distinct list; id 0 is unused.
+// Emptied at every __syncthreads() (a byte's set matters only within its epoch).
+struct ReadSets {
+    using Set = std::vector<std::pair<uint16_t, uint32_t>>;
+    std::vector<Set> sets{Set{}};
+    std::vector<std::vector<uint32_t>> buckets = std::vector<std::vector<uint32_t>>(4096);  // ids by hash
+    // The last steps taken (direct-mapped): a thread reading a row meets the same set byte after byte.
+    struct Step {
+        uint32_t gen, from, clock, to;
+        uint16_t tid;
+    };
+    std::vector<Step> steps = std::vector<Step>(4096, Step{0, 0, 0, 0, 0});
+    uint32_t gen = 1;
+
+    void clear() {
+        ++gen;
+        if (sets.size() == 1) return;
+        for (size_t id = 1; id < sets.size(); ++id) buckets[hash(sets[id])].clear();
+        sets.resize(1);
+    }
+    static size_t hash(const Set& s) {
+        uint64_t h = 0xcbf29ce484222325ull;
+        for (const auto& e : s) h = (h ^ (uint64_t(e.first) << 32 | e.second)) * 0x100000001b3ull;
+        return static_cast<size_t>(h >> 52);
+    }
+    // The set `from` (0: the empty set) with thread `tid` having read at `clock`.
+    uint32_t add(uint32_t from, uint16_t tid, uint32_t clock) {
+        Step& e = steps[((from * 0x9e3779b1u) ^ (tid * 0x85ebca77u) ^ (clock * 0xc2b2ae3du)) >> 20];
+        if (e.gen == gen && e.from == from && e.tid == tid && e.clock == clock) return e.to;
+        Set s = sets[from];
+        auto it = std::lower_bound(s.begin(), s.end(), std::make_pair(tid, uint32_t(0)));
+        uint32_t to = from;
+        if (it == s.end() || it->first != tid || it->second < clock) {
+            if (it != s.end() && it->first == tid)
+                it->second = clock;
+            else
+                s.insert(it, {tid, clock});
+            std::vector<uint32_t>& bucket = buckets[hash(s)];
+            to = 0;
+            for (uint32_t id : bucket)
+                if (sets[id] == s) to = id;
+            if (!to) {
+                to = static_cast<uint32_t>(sets.size());
+                bucket.push_back(to);
+                sets.push_back(std::move(s));
+            }
+        }
+        e = Step{gen, from, clock, to, tid};
+        return to;
+    }
 };
 
 const char* op_name(Op op, int variant) {
@@ -398,11 +588,32 @@ struct Launch {
     uint32_t epoch = 0;
     std::vector<uint32_t> wsync;
 
+    // barriers.cuh
+    uint32_t module_flags = 0;  // cfemu_module_flags of the kernel's module
+    std::vector<Mbar> mbars;
+    NamedBar nbars[16];
+    std::vector<AsyncArrival> arrivals;
+    std::vector<uint32_t> agent_clock;              // per thread: the clock of its copies' next arrival
+    std::vector<uint16_t> bulk_src_refs;            // per shared byte: bulk reductions reading it (race check)
+    uint32_t proxy_seq = 0;                         // fence.proxy.async calls so far
+    uint64_t progress = 0;                          // runtime calls, less the false try_waits
+    // Vector clocks: on when the module uses barriers.cuh and races are checked.
+    // Entry u < nthreads: thread u; nthreads + t: thread t's copies landed through an mbarrier.
+    bool hb = false;
+    size_t nclocks = 0;
+    std::vector<uint32_t> vcs;  // thread t's clock: vcs[t * nclocks, (t + 1) * nclocks)
+    std::vector<ShadowClocks> shadow_clocks;
+    ReadSets rsets;
+    std::vector<ThreadSync> sync;  // per thread
+    bool barriers = false;         // the module uses barriers.cuh
+    std::vector<const void*> bar0_sites;  // the call sites of named_barrier_sync(0, all threads)
+
     // scheduling
     Context sched;
     Fiber* cur = nullptr;
     std::vector<int> run_now, run_next;
     unsigned live = 0, at_bar = 0;
+    unsigned at_named = 0;  // threads waiting for the rest of their warp at a named barrier (St::NamedWarp)
     cfemu_xyz block{0, 0, 0};
 
     bool failed = false;
@@ -434,6 +645,8 @@ struct Launch {
     }
 
     std::string who(int tid) const {
+        if (tid >= static_cast<int>(kAgentBase))
+            return "the cp.async copies of " + who(tid - static_cast<int>(kAgentBase)) + " (landed through an mbarrier)";
         const Fiber& f = fibers[tid];
         return format("thread (%u,%u,%u) [warp %d, lane %d]", f.ctx.thread_idx.x, f.ctx.thread_idx.y,
                       f.ctx.thread_idx.z, f.warp, f.lane);
@@ -463,6 +676,11 @@ struct Launch {
     }
 
     void yield(Fiber* f) { context_switch(f->context, sched); }
+    // A scheduling point at which f stays runnable (it runs again next round).
+    void reschedule(Fiber* f) {
+        run_next.push_back(f->tid);
+        yield(f);
+    }
     void make_runnable(Fiber& f) {
         f.state = St::Runnable;
         f.op = Op::None;
@@ -476,14 +694,101 @@ struct Launch {
                                  const char* via) {
         fail(format("shared-memory race (%s): %s %s byte %zu of dynamic shared memory%s (%zu-byte access at offset "
                     "%zu)%s, which %s %s%s since the last __syncthreads(); separate the two accesses with "
-                    "__syncthreads() (or __syncwarp() within one warp)",
+                    "__syncthreads() (or __syncwarp() within one warp%s)",
                     kind, who(f->tid).c_str(), write ? "writes" : "reads", off, via, n, first,
-                    location(pc).c_str(), who(other).c_str(), other_did, location(other_pc).c_str()));
+                    location(pc).c_str(), who(other).c_str(), other_did, location(other_pc).c_str(),
+                    hb ? ", or a wait for the mbarrier phase or the named barrier the other access was released to"
+                       : ""));
+    }
+
+    // ---- vector clocks (modules with barriers.cuh, race checking on) -------------
+
+    size_t clock_index(unsigned u) const { return u < kAgentBase ? u : nthreads + (u - kAgentBase); }
+    uint32_t* clock_of(int tid) { return &vcs[static_cast<size_t>(tid) * nclocks]; }
+    // Whether f has seen entry u's clock reach c (u's access at clock c happens before f's now).
+    bool ordered(const Fiber* f, unsigned u, uint32_t c) const {
+        return vcs[static_cast<size_t>(f->tid) * nclocks + clock_index(u)] >= c;
+    }
+    // f's clock joins `into` (an arrival: f's accesses so far happen before whoever acquires it).
+    void release(Fiber* f, std::vector<uint32_t>& into) {
+        uint32_t* v = clock_of(f->tid);
+        if (into.size() != nclocks) into.assign(nclocks, 0);
+        for (size_t i = 0; i < nclocks; ++i) into[i] = std::max(into[i], v[i]);
+        v[f->tid] = ++sync[f->tid].clock;
+    }
+    void acquire(Fiber* f, const std::vector<uint32_t>& from) {
+        if (from.empty()) return;
+        uint32_t* v = clock_of(f->tid);
+        for (size_t i = 0; i < nclocks; ++i) v[i] = std::max(v[i], from[i]);
+    }
+    // Every earlier reader of byte s (other than f) happens before f; else `other` is one that does not.
+    bool readers_ordered(const Fiber* f, const Shadow& s, const ShadowClocks& c, int& other) const {
+        if (!s.r_many) {
+            if (s.r_first == f->tid || ordered(f, s.r_first, c.r_clock)) return true;
+            other = s.r_first;
+            return false;
+        }
+        for (const auto& rc : rsets.sets[c.r_set])
+            if (rc.first != f->tid && !ordered(f, rc.first, rc.second)) {
+                other = rc.first;
+                return false;
+            }
+        return true;
+    }
+
+    // An access by f to byte off of shared memory, whose Shadow::pending is set.
+    [[noreturn]] void pending_error(Fiber* f, size_t off, bool write, const void* pc, const char* via,
+                                    const Shadow& s) {
+        const int tid = f->tid;
+        if (s.pending == kPendMbar) {
+            const Mbar* b = find_mbar(off & ~size_t(7));
+            fail(format("%s %s byte %zu of shared memory%s%s, which belongs to the live mbarrier at shared offset "
+                        "%zu (initialised%s): only mbarrier operations may access a barrier's 8 bytes until "
+                        "mbarrier_inval",
+                        who(tid).c_str(), write ? "writes" : "reads", off, via, location(pc).c_str(),
+                        off & ~size_t(7), b ? location(b->init_pc).c_str() : ""));
+        }
+        if (s.pending == kPendBulk) {
+            const void* issued = nullptr;
+            for (const Fiber& g : fibers)
+                for (const BulkOp& op : sync[g.tid].bulk)
+                    if (!op.read_retired && off >= op.src_off && off < op.src_off + op.bytes) issued = op.pc;
+            fail(format("%s writes byte %zu of shared memory%s%s, the source of a bulk reduction (cp.reduce.async.bulk, "
+                        "issued%s) that may still be reading it: the issuing thread's bulk_wait_read must retire "
+                        "it first",
+                        who(tid).c_str(), off, via, location(pc).c_str(), location(issued).c_str()));
+        }
+        const int issuer = s.pending - 1;
+        bool tracked = false;  // by a cp_async_mbarrier_arrive
+        for (const Copy& c : fibers[issuer].copies)
+            tracked = tracked || (c.arrival >= 0 && off >= static_cast<size_t>(c.dst - smem) &&
+                                  off < static_cast<size_t>(c.dst - smem) + c.size);
+        const char* lands = tracked ? "at the first wait that returns true for the mbarrier phase its "
+                                      "cp_async_mbarrier_arrive completed"
+                                    : "only after that thread's cp.async.wait_group and a __syncthreads()";
+        if (issuer == tid)
+            fail(format("%s %s byte %zu of shared memory%s%s while its own cp.async into it is still in "
+                        "flight (issued%s); the copy lands %s",
+                        who(tid).c_str(), write ? "writes" : "reads", off, via, location(pc).c_str(),
+                        location(s.w_pc).c_str(), tracked ? lands : "at its cp.async.wait_group: wait for it first"));
+        fail(format("shared-memory race (cp.async in flight): %s %s byte %zu of shared memory%s%s while %s "
+                    "is still copying into it with cp.async (issued%s); the copy lands %s",
+                    who(tid).c_str(), write ? "writes" : "reads", off, via, location(pc).c_str(),
+                    who(issuer).c_str(), location(s.w_pc).c_str(), lands));
     }
 
     // A load or store of n bytes at address a by thread f (checked only when the
     // address is within the red zones around the block's shared memory).
     void access(Fiber* f, uintptr_t a, size_t n, bool write, const void* pc, const char* via) {
+        if (hb)
+            access_checked<true>(f, a, n, write, pc, via);
+        else
+            access_checked<false>(f, a, n, write, pc, via);
+    }
+    // kHb: with vector clocks (the module uses barriers.cuh), a separate instance so that
+    // other modules run the loop they ran before.
+    template <bool kHb>
+    void access_checked(Fiber* f, uintptr_t a, size_t n, bool write, const void* pc, const char* via) {
         char* p = reinterpret_cast<char*>(a);
         if (p < smem || p + n > smem + smem_size) {
             long long off = static_cast<long long>(p - smem);
@@ -495,22 +800,15 @@ struct Launch {
         const size_t first = static_cast<size_t>(p - smem);
         const int tid = f->tid, warp = f->warp;
         const uint32_t ws = wsync[warp];
+        const uint32_t clock = kHb ? sync[tid].clock : 0;
         Shadow* s = &shadow[first];
-        for (size_t i = 0; i < n; ++i, ++s) {
-            if (s->pending) {
-                int issuer = s->pending - 1;
-                if (issuer == tid)
-                    fail(format("%s %s byte %zu of shared memory%s%s while its own cp.async into it is still in "
-                                "flight (issued%s); wait for it with cp.async.wait_group first",
-                                who(tid).c_str(), write ? "writes" : "reads", first + i, via, location(pc).c_str(),
-                                location(s->w_pc).c_str()));
-                fail(format("shared-memory race (cp.async in flight): %s %s byte %zu of shared memory%s%s while %s "
-                            "is still copying into it with cp.async (issued%s); the copy lands only after that "
-                            "thread's cp.async.wait_group and a __syncthreads()",
-                            who(tid).c_str(), write ? "writes" : "reads", first + i, via, location(pc).c_str(),
-                            who(issuer).c_str(), location(s->w_pc).c_str()));
-            }
-            if (s->w_epoch == epoch && s->w_tid != tid && !((s->w_tid >> 5) == warp && ws > s->w_wsync))
+        ShadowClocks* c = kHb ? &shadow_clocks[first] : nullptr;
+        for (size_t i = 0; i < n; ++i, ++s, c += kHb) {
+            // (several bulk reductions, and the thread's own loads, may read one source)
+            if (s->pending && (write || s->pending != kPendBulk)) pending_error(f, first + i, write, pc, via, *s);
+            // Unordered by __syncthreads() or __syncwarp(): with vector clocks, ordered by a barrier edge?
+            if (s->w_epoch == epoch && s->w_tid != tid && !((s->w_tid >> 5) == warp && ws > s->w_wsync) &&
+                !(kHb && ordered(f, s->w_tid, c->w_clock)))
                 race_error(f, first + i, n, first, write, write ? "write-after-write" : "read-after-write",
                            s->w_tid, s->w_pc, "wrote", pc, via);
             if (write) {
@@ -519,8 +817,9 @@ struct Launch {
                     bool warp_ordered = !s->r_mixed && (s->r_first >> 5) == warp && ws > s->r_wsync;
                     if (!only_self && !warp_ordered) {
                         int other = s->r_first != tid ? s->r_first : s->r_second;
-                        race_error(f, first + i, n, first, true, "write-after-read", other,
-                                   other == s->r_first ? s->r_pc : nullptr, "read", pc, via);
+                        if (!kHb || !readers_ordered(f, *s, *c, other))
+                            race_error(f, first + i, n, first, true, "write-after-read", other,
+                                       other == s->r_first ? s->r_pc : nullptr, "read", pc, via);
                     }
                 }
                 s->w_epoch = epoch;
@@ -528,6 +827,7 @@ struct Launch {
                 s->w_wsync = ws;
                 s->w_pc = pc;
                 s->w_proxy = f->proxy_fences;
+                if (kHb) c->w_clock = clock;
                 s->r_epoch = 0;
             } else if (s->r_epoch != epoch) {
                 s->r_epoch = epoch;
@@ -536,10 +836,18 @@ struct Launch {
                 s->r_mixed = 0;
                 s->r_wsync = ws;
                 s->r_pc = pc;
+                if (kHb) c->r_clock = clock;
             } else {
                 if (s->r_first != tid && !s->r_many) {
                     s->r_many = 1;
                     s->r_second = static_cast<uint16_t>(tid);
+                    if (kHb)
+                        c->r_set = rsets.add(rsets.add(0, s->r_first, c->r_clock), static_cast<uint16_t>(tid), clock);
+                } else if (kHb) {
+                    if (s->r_many)
+                        c->r_set = rsets.add(c->r_set, static_cast<uint16_t>(tid), clock);
+                    else
+                        c->r_clock = clock;
                 }
                 if ((s->r_first >> 5) != warp) s->r_mixed = 1;
                 if (ws > s->r_wsync) s->r_wsync = ws;
@@ -549,8 +857,14 @@ struct Launch {
 
     // ---- barriers and warp collectives ----------------------------------------
 
-    // Returns the number of live threads whose predicate is non-zero.
+    // Returns the number of live threads whose predicate is non-zero.  (A
+    // named_barrier_sync(0, all threads) is one too: file kBar0, line an index into bar0_sites.)
     int syncthreads(Fiber* f, const char* file, int line, int pred) {
+        if (nbars[0].count)
+            fail(format("%s waits at %s while named barrier 0 is in use with %d threads (warp %d arrived%s): "
+                        "barrier 0 is __syncthreads()' own, with all %u threads",
+                        who(f->tid).c_str(), barrier_site(file, line).c_str(), nbars[0].count, nbars[0].first_warp,
+                        location(nbars[0].first_pc).c_str(), nthreads));
         f->state = St::BlockBar;
         f->bar_file = file;
         f->bar_line = line;
@@ -563,13 +877,58 @@ struct Launch {
     std::string waiting_for(const Fiber& g) const {
         switch (g.state) {
             case St::Exited: return "have exited";
-            case St::BlockBar: return format("wait at __syncthreads() (%s:%d)", g.bar_file, g.bar_line);
+            case St::BlockBar: return "wait at " + barrier_site(g.bar_file, g.bar_line);
             case St::WarpOp:
                 return format("wait at %s with mask 0x%08x%s", op_name(g.op, g.op_variant), g.op_mask,
                               location(g.op_pc).c_str());
-            case St::Runnable: return "are runnable";
+            case St::NamedWarp: {
+                uint32_t lanes = 0;
+                const int base = g.warp * 32;
+                for (int l = 0; l < 32 && base + l < static_cast<int>(nthreads); ++l) {
+                    const Fiber& h = fibers[base + l];
+                    if (h.state == St::NamedWarp && sync[h.tid].nb_id == sync[g.tid].nb_id) lanes |= 1u << l;
+                }
+                return format("wait at %s(%d, %d)%s for the rest of warp %d (lanes %s of it arrived; a warp "
+                              "arrives at a named barrier as a whole)",
+                              sync[g.tid].nb_sync ? "named_barrier_sync" : "named_barrier_arrive", sync[g.tid].nb_id, sync[g.tid].nb_threads,
+                              location(g.op_pc).c_str(), g.warp, ranges(lanes).c_str());
+            }
+            case St::NamedBar: {
+                const NamedBar& nb = nbars[sync[g.tid].nb_id];
+                return format("wait at named_barrier_sync(%d, %d)%s, where %d of %d threads arrived (warps %s)",
+                              sync[g.tid].nb_id, sync[g.tid].nb_threads, location(g.op_pc).c_str(), nb.arrived, nb.count,
+                              ranges(nb.warps).c_str());
+            }
+            case St::MbarWait:
+                return format("wait at mbarrier_wait_parity(parity %u)%s, where %s", sync[g.tid].mb_parity,
+                              location(g.op_pc).c_str(), mbar_state(sync[g.tid].mb_off).c_str());
+            case St::Runnable:
+                if (g.spinning)
+                    return format("spin in mbarrier_try_wait_parity(parity %u)%s, where %s", sync[g.tid].mb_parity,
+                                  location(g.op_pc).c_str(), mbar_state(sync[g.tid].mb_off).c_str());
+                return "are runnable";
         }
         return "?";
+    }
+    // "__syncthreads() (file:line)", or "named_barrier_sync(0, all threads) at file:line".
+    std::string barrier_site(const char* file, int line) const {
+        if (file == kBar0) return std::string(kBar0) + location(bar0_sites[line]);
+        return format("__syncthreads() (%s:%d)", file, line);
+    }
+    // "0-15, 20" for the set bits of m.
+    static std::string ranges(uint32_t m) {
+        std::string out;
+        for (int i = 0; i < 32;) {
+            if (!((m >> i) & 1)) {
+                ++i;
+                continue;
+            }
+            int j = i;
+            while (j + 1 < 32 && ((m >> (j + 1)) & 1)) ++j;
+            out += (out.empty() ? "" : ", ") + (i == j ? format("%d", i) : format("%d-%d", i, j));
+            i = j + 1;
+        }
+        return out.empty() ? "none" : out;
     }
     // "threads 0-31: wait at ...; threads 32-63: have exited"
     std::string describe_threads() const {
@@ -654,8 +1013,16 @@ struct Launch {
 
     void finish_syncwarp(int base, unsigned mask) {
         // Only a full-warp __syncwarp() orders shared-memory accesses for the race
-        // check (a partial one synchronises its lanes but is not tracked).
+        // check (a partial one synchronises its lanes but is not tracked) -- except
+        // with vector clocks, where the lanes of the mask join their clocks.
         if (mask == kFullMask) ++wsync[base / 32];
+        if (hb) {
+            std::vector<uint32_t> joined(nclocks, 0);
+            for (int l = 0; l < 32; ++l)
+                if ((mask >> l) & 1) release(&fibers[base + l], joined);
+            for (int l = 0; l < 32; ++l)
+                if ((mask >> l) & 1) acquire(&fibers[base + l], joined);
+        }
     }
 
     void finish_shfl(int base, unsigned mask, int variant) {
@@ -1011,17 +1378,30 @@ struct Launch {
         rec.bytes.push_back(smem[off]);
         rec.bytes.push_back(smem[off + 1]);
         if (race) {
-            for (size_t i = off; i < off + 2; ++i) {
-                const Shadow& s = shadow[i];
-                if (s.w_epoch != 0 && !s.pending && fibers[s.w_tid].proxy_fences <= s.w_proxy)
-                    fail(format("%s reads shared offset %zu, written by %s%s, which ran no fence.proxy.async "
-                                "after that write: the tensor core (async proxy) may not see it%s",
-                                what, i, who(s.w_tid).c_str(), location(s.w_pc).c_str(),
-                                location(reader.op_pc).c_str()));
-            }
+            for (size_t i = off; i < off + 2; ++i) check_proxy_fence(reader, i, what, "the tensor core", reader.op_pc);
             access(&reader, reinterpret_cast<uintptr_t>(smem + off), 2, false, reader.op_pc, " in wgmma");
         }
         return e;
+    }
+
+    // The async proxy (a wgmma's operands, a bulk reduction's source) reads shared byte
+    // `off` for `reader`: its last write must be followed by a fence.proxy.async of the
+    // writer -- for copies landed through an mbarrier, of the issuing or the reading
+    // thread after they landed.
+    void check_proxy_fence(const Fiber& reader, size_t off, const char* what, const char* engine, const void* pc) {
+        const Shadow& s = shadow[off];
+        if (s.w_epoch == 0 || s.pending) return;
+        if (s.w_tid >= kAgentBase) {
+            if (sync[s.w_tid - kAgentBase].fence_seq > s.w_proxy || sync[reader.tid].fence_seq > s.w_proxy) return;
+            fail(format("%s reads shared offset %zu, written by %s%s, and neither that thread nor %s ran a "
+                        "fence.proxy.async after the copy landed: %s (async proxy) may not see it%s",
+                        what, off, who(s.w_tid).c_str(), location(s.w_pc).c_str(), who(reader.tid).c_str(), engine,
+                        location(pc).c_str()));
+        }
+        if (fibers[s.w_tid].proxy_fences <= s.w_proxy)
+            fail(format("%s reads shared offset %zu, written by %s%s, which ran no fence.proxy.async "
+                        "after that write: %s (async proxy) may not see it%s",
+                        what, off, who(s.w_tid).c_str(), location(s.w_pc).c_str(), engine, location(pc).c_str()));
     }
 
     void finish_wgmma(int first) {
@@ -1187,7 +1567,7 @@ struct Launch {
             const size_t off = static_cast<size_t>(dst - smem);
             for (int i = 0; i < size; ++i) {
                 Shadow& s = shadow[off + i];
-                if (s.pending)
+                if (s.pending && s.pending < kPendBulk)  // (a barrier or a bulk source: access() says)
                     fail(format("%s: %s into shared offset %zu overlaps a cp.async of %s that is still in flight "
                                 "(issued%s)%s",
                                 who(f->tid).c_str(), what, off + i, who(s.pending - 1).c_str(),
@@ -1200,7 +1580,44 @@ struct Launch {
                 s.w_pc = pc;
             }
         }
-        f->copies.push_back(Copy{dst, src, size, src_bytes, f->committed, pc});
+        f->copies.push_back(Copy{dst, src, size, src_bytes, f->committed, pc, f->issued++, -1});
+    }
+
+    // A copy tracked by a cp_async_mbarrier_arrive lands: an async-proxy write of its
+    // issuing thread's agent, at the clock of the first arrival that tracked it.
+    void land_tracked(const Copy& c, int tid) {
+        if (race) {
+            const size_t off = static_cast<size_t>(c.dst - smem);
+            const uint32_t clock = arrivals[c.arrival].agent_clock;
+            for (int k = 0; k < c.size; ++k) {
+                Shadow& s = shadow[off + k];
+                s.pending = 0;
+                s.w_epoch = epoch;
+                s.w_tid = static_cast<uint16_t>(kAgentBase + tid);
+                s.w_wsync = 0;
+                if (hb) shadow_clocks[off + k].w_clock = clock;
+                s.w_pc = c.pc;
+                s.w_proxy = proxy_seq;
+                s.r_epoch = 0;
+            }
+        }
+        if (c.src_bytes) std::memcpy(c.dst, c.src, c.src_bytes);
+        std::memset(c.dst + c.src_bytes, 0, c.size - c.src_bytes);
+    }
+
+    // The copies arrival a tracks (its thread's, issued before it) land.
+    void land_arrival(int a) {
+        const AsyncArrival arr = arrivals[a];
+        std::vector<Copy>& q = fibers[arr.tid].copies;
+        size_t kept = 0;
+        for (size_t i = 0; i < q.size(); ++i) {
+            if (q[i].seq >= arr.seq) {
+                q[kept++] = q[i];
+                continue;
+            }
+            land_tracked(q[i], arr.tid);
+        }
+        q.resize(kept);
     }
 
     void cp_async_wait(Fiber* f, int n, const void* pc) {
@@ -1211,6 +1628,14 @@ struct Launch {
             Copy c = f->copies[i];
             if (c.group >= limit) {
                 f->copies[kept++] = c;
+                continue;
+            }
+            if (c.arrival >= 0) {  // tracked by an mbarrier too: its own wait orders it for this thread
+                land_tracked(c, f->tid);
+                if (hb) {
+                    uint32_t& seen = clock_of(f->tid)[clock_index(kAgentBase + f->tid)];
+                    seen = std::max(seen, arrivals[c.arrival].agent_clock);
+                }
                 continue;
             }
             if (race) {
@@ -1226,16 +1651,449 @@ struct Launch {
         f->copies.resize(kept);
     }
 
+    // ---- mbarriers (barriers.cuh) ------------------------------------------------
+    // The model: PTX ISA "Parallel Synchronization and Communication Instructions:
+    // mbarrier".  An arrival by a thread releases its clock into the current phase; a
+    // wait that returns true for a phase acquires what its arrivals released and lands
+    // the copies its cp_async_mbarrier_arrive arrivals track.
+
+    Mbar* find_mbar(size_t off) {
+        for (Mbar& b : mbars)
+            if (b.off == off) return &b;
+        return nullptr;
+    }
+    const Mbar* find_mbar(size_t off) const {
+        for (const Mbar& b : mbars)
+            if (b.off == off) return &b;
+        return nullptr;
+    }
+    std::string mbar_state(size_t off) const {
+        const Mbar* b = find_mbar(off);
+        if (!b) return format("shared offset %zu holds no mbarrier", off);
+        return format("the mbarrier at shared offset %zu is in phase %llu with %lld of %u arrivals pending and "
+                      "tx-count %lld",
+                      off, static_cast<unsigned long long>(b->phase), static_cast<long long>(b->pending),
+                      b->expected, static_cast<long long>(b->tx));
+    }
+
+    // The shared offset of an mbarrier operand (in shared memory, 8-byte aligned).
+    size_t mbar_offset(Fiber* f, const void* bar, const char* what, const void* pc) {
+        const char* p = static_cast<const char*>(bar);
+        if (p < smem || p + 8 > smem + smem_size)
+            fail(format("%s: %s on address %p, which is not within the %zu bytes of dynamic shared memory (an "
+                        "mbarrier is a uint64_t there)%s",
+                        who(f->tid).c_str(), what, bar, smem_size, location(pc).c_str()));
+        const size_t off = static_cast<size_t>(p - smem);
+        if (off % 8)
+            fail(format("%s: %s on shared offset %zu, which is not 8-byte aligned (an mbarrier is a uint64_t)%s",
+                        who(f->tid).c_str(), what, off, location(pc).c_str()));
+        return off;
+    }
+
+    // The live barrier at bar, whose initialisation f must see.
+    Mbar& mbar_live(Fiber* f, const void* bar, const char* what, const void* pc) {
+        const size_t off = mbar_offset(f, bar, what, pc);
+        Mbar* b = find_mbar(off);
+        if (!b || !b->live)
+            fail(format("%s: %s on shared offset %zu, which holds no initialised mbarrier (%s)%s", who(f->tid).c_str(),
+                        what, off,
+                        b ? ("it was invalidated" + location(b->inval_pc)).c_str() : "mbarrier_init was never called on it",
+                        location(pc).c_str()));
+        if (race && f->tid != b->init_tid && b->init_epoch == epoch && !(hb && ordered(f, b->init_tid, b->init_clock)))
+            fail(format("%s: %s on the mbarrier at shared offset %zu before its mbarrier_init by %s%s is visible to "
+                        "it: a __syncthreads() must separate the initialisation from other threads' uses%s",
+                        who(f->tid).c_str(), what, off, who(b->init_tid).c_str(), location(b->init_pc).c_str(),
+                        location(pc).c_str()));
+        return *b;
+    }
+
+    void mbar_init(Fiber* f, void* bar, uint32_t count, const void* pc) {
+        const size_t off = mbar_offset(f, bar, "mbarrier_init", pc);
+        if (count < 1 || count > kMbarMax)
+            fail(format("%s: mbarrier_init on shared offset %zu with count %u (must be 1 .. 2^20 - 1)%s",
+                        who(f->tid).c_str(), off, count, location(pc).c_str()));
+        Mbar* b = find_mbar(off);
+        if (b && b->live)
+            fail(format("%s: mbarrier_init on shared offset %zu, which holds a live mbarrier (initialised by %s%s; "
+                        "%s): mbarrier_inval it before initialising it again%s",
+                        who(f->tid).c_str(), off, who(b->init_tid).c_str(), location(b->init_pc).c_str(),
+                        mbar_state(off).c_str(), location(pc).c_str()));
+        if (race) {  // the initialisation writes the barrier's memory; from now on only mbarrier operations may
+            access(f, reinterpret_cast<uintptr_t>(smem + off), 8, true, pc, " (mbarrier_init)");
+            for (size_t i = off; i < off + 8; ++i) shadow[i].pending = kPendMbar;
+        }
+        if (!b) {
+            mbars.emplace_back();
+            b = &mbars.back();
+        }
+        for (Fiber& g : fibers)  // false waits on a former barrier here say nothing about this one
+            sync[g.tid].mb_failed.erase(std::remove_if(sync[g.tid].mb_failed.begin(), sync[g.tid].mb_failed.end(),
+                                             [off](const std::pair<size_t, uint64_t>& e) { return e.first == off; }),
+                              sync[g.tid].mb_failed.end());
+        *b = Mbar{};
+        b->off = off;
+        b->live = true;
+        b->expected = count;
+        b->pending = count;
+        b->init_tid = f->tid;
+        b->init_clock = sync[f->tid].clock;
+        b->init_epoch = epoch;
+        b->init_pc = pc;
+    }
+
+    // The checks of an arrive-on, and its count.
+    void mbar_arrive_on(Fiber* f, Mbar& b, const char* what, const void* pc) {
+        if (b.phase > 0 && !b.waited_prev)
+            fail(format("%s: %s on the mbarrier at shared offset %zu in phase %llu before any wait returned true "
+                        "for phase %llu: a phase must be waited for before the next one's first arrival (PTX ISA, "
+                        "\"Phase of the mbarrier object\"), or the phases of a fast and a slow thread mix%s",
+                        who(f->tid).c_str(), what, b.off, static_cast<unsigned long long>(b.phase),
+                        static_cast<unsigned long long>(b.phase - 1), location(pc).c_str()));
+        if (b.pending <= 0)
+            fail(format("%s: %s: more arrivals than pending -- %s (all %u arrivals of the phase are in; its "
+                        "tx-count keeps it open)%s",
+                        who(f->tid).c_str(), what, mbar_state(b.off).c_str(), b.expected, location(pc).c_str()));
+        --b.pending;
+    }
+
+    void mbar_update(Fiber* f, void* bar, int kind, uint32_t tx, const void* pc) {
+        static const char* const names[] = {"mbarrier_arrive", "mbarrier_arrive_expect_tx", "mbarrier_expect_tx",
+                                            "mbarrier_complete_tx"};
+        const char* what = names[kind & 3];
+        Mbar& b = mbar_live(f, bar, what, pc);
+        if (kind != CFEMU_MBAR_ARRIVE) {
+            const int64_t now = kind == CFEMU_MBAR_COMPLETE_TX ? b.tx - int64_t(tx) : b.tx + int64_t(tx);
+            if (tx > kMbarMax || now < -kMbarMax || now > kMbarMax)
+                fail(format("%s: %s of %u bytes takes the tx-count of the mbarrier at shared offset %zu from %lld to "
+                            "%lld, outside -(2^20 - 1) .. 2^20 - 1%s",
+                            who(f->tid).c_str(), what, tx, b.off, static_cast<long long>(b.tx),
+                            static_cast<long long>(now), location(pc).c_str()));
+            b.tx = now;
+        }
+        if (kind == CFEMU_MBAR_ARRIVE || kind == CFEMU_MBAR_ARRIVE_EXPECT_TX) {
+            mbar_arrive_on(f, b, what, pc);
+            if (hb) release(f, b.vc_cur);
+        }
+        if (b.pending == 0 && b.tx == 0) mbar_complete(b);
+    }
+
+    void cp_async_mbar_arrive(Fiber* f, void* bar, const void* pc) {
+        Mbar& b = mbar_live(f, bar, "cp_async_mbarrier_arrive", pc);
+        mbar_arrive_on(f, b, "cp_async_mbarrier_arrive", pc);
+        const int a = static_cast<int>(arrivals.size());
+        arrivals.push_back(AsyncArrival{f->tid, f->issued, agent_clock[f->tid], b.off});
+        for (Copy& c : f->copies)
+            if (c.arrival < 0) c.arrival = a;
+        if (hb) {  // it releases the copies (the async proxy's writes), not the thread's own accesses
+            if (b.vc_cur.size() != nclocks) b.vc_cur.assign(nclocks, 0);
+            uint32_t& e = b.vc_cur[clock_index(kAgentBase + f->tid)];
+            e = std::max(e, agent_clock[f->tid]);
+        }
+        ++agent_clock[f->tid];
+        b.arr_cur.push_back(a);
+        if (b.pending == 0 && b.tx == 0) mbar_complete(b);
+    }
+
+    void mbar_complete(Mbar& b) {
+        for (int a : b.arr_prev) land_arrival(a);  // never waited for: they land before being forgotten
+        b.arr_prev.swap(b.arr_cur);
+        b.arr_cur.clear();
+        b.vc_prev.swap(b.vc_cur);
+        std::fill(b.vc_cur.begin(), b.vc_cur.end(), 0u);
+        ++b.phase;
+        b.pending = b.expected;
+        b.waited_prev = false;
+        for (Fiber& g : fibers)
+            if (g.state == St::MbarWait && sync[g.tid].mb_off == b.off) {
+                mbar_waited(&g, b);
+                make_runnable(g);
+            }
+    }
+
+    // g's wait for b's completed phase returned true.
+    void mbar_waited(Fiber* g, Mbar& b) {
+        b.waited_prev = true;
+        for (int a : b.arr_prev) land_arrival(a);
+        b.arr_prev.clear();
+        if (hb) acquire(g, b.vc_prev);
+        auto& failed_waits = sync[g->tid].mb_failed;
+        failed_waits.erase(std::remove_if(failed_waits.begin(), failed_waits.end(),
+                                          [&](const std::pair<size_t, uint64_t>& e) { return e.first == b.off; }),
+                           failed_waits.end());
+    }
+
+    // try_wait.parity (returns whether the phase of that parity completed) or, blocking,
+    // a wait until it has.  Either is a scheduling point.
+    int mbar_wait(Fiber* f, void* bar, uint32_t parity, bool blocking, const void* pc) {
+        const char* what = blocking ? "mbarrier_wait_parity" : "mbarrier_try_wait_parity";
+        Mbar& b = mbar_live(f, bar, what, pc);
+        if (parity > 1)
+            fail(format("%s: %s with parity %u (must be 0 or 1, the parity of the phase waited for)%s",
+                        who(f->tid).c_str(), what, parity, location(pc).c_str()));
+        for (const auto& e : sync[f->tid].mb_failed)
+            if (e.first == b.off && (e.second & 1) == parity && b.phase >= e.second + 2)
+                fail(format("%s: %s(parity %u) on the mbarrier at shared offset %zu: this thread's wait for phase "
+                            "%llu returned false, and the barrier has since completed it and is now in phase %llu, "
+                            "which parity %u names instead: the waiter was lapped (an arrival count too small, or "
+                            "a thread that does not wait before arriving again)%s",
+                            who(f->tid).c_str(), what, parity, b.off, static_cast<unsigned long long>(e.second),
+                            static_cast<unsigned long long>(b.phase), parity, location(pc).c_str()));
+        sync[f->tid].mb_off = b.off;
+        sync[f->tid].mb_parity = parity;
+        f->op_pc = pc;
+        if ((b.phase & 1) != parity) {  // the phase just before the current one (none before phase 0)
+            mbar_waited(f, b);
+            reschedule(f);
+            return 1;
+        }
+        if (blocking) {
+            f->state = St::MbarWait;
+            yield(f);  // mbar_complete releases it
+            return 1;
+        }
+        bool seen = false;
+        for (auto& e : sync[f->tid].mb_failed)
+            if (e.first == b.off) {
+                e.second = b.phase;
+                seen = true;
+            }
+        if (!seen) sync[f->tid].mb_failed.emplace_back(b.off, b.phase);
+        f->spinning = true;
+        --progress;  // a false try_wait lets no other thread proceed
+        reschedule(f);
+        return 0;
+    }
+
+    void mbar_inval(Fiber* f, void* bar, const void* pc) {
+        Mbar& b = mbar_live(f, bar, "mbarrier_inval", pc);
+        for (const Fiber& g : fibers)
+            if (g.state == St::MbarWait && sync[g.tid].mb_off == b.off)
+                fail(format("%s: mbarrier_inval on the mbarrier at shared offset %zu while %s waits on it%s%s",
+                            who(f->tid).c_str(), b.off, who(g.tid).c_str(), location(g.op_pc).c_str(),
+                            location(pc).c_str()));
+        for (int a : b.arr_prev) land_arrival(a);  // counted arrivals: their copies are complete
+        for (int a : b.arr_cur) land_arrival(a);
+        b.live = false;
+        b.inval_pc = pc;
+        if (race) {  // the memory is ordinary again, written now
+            for (size_t i = b.off; i < b.off + 8; ++i) shadow[i].pending = 0;
+            access(f, reinterpret_cast<uintptr_t>(smem + b.off), 8, true, pc, " (mbarrier_inval)");
+        }
+    }
+
+    // ---- named barriers (bar.sync / bar.arrive) ------------------------------------
+    // Each warp's non-exited lanes meet at the same instruction (PTX: "causes executing
+    // thread to wait for all non-exited threads from its warp"); the warp then counts 32
+    // threads and releases its lanes' clocks into the barrier; a sync-ing warp waits
+    // until `threads` have arrived and acquires them.
+
+    void named_barrier(Fiber* f, int id, int threads, bool wait, const void* pc) {
+        const char* what = wait ? "named_barrier_sync" : "named_barrier_arrive";
+        const int block_threads = static_cast<int>(nwarps) * 32;
+        if (id < 0 || id > 15)
+            fail(format("%s: %s(%d, %d): barrier id %d is outside 0..15%s", who(f->tid).c_str(), what, id, threads,
+                        id, location(pc).c_str()));
+        if (threads <= 0 || threads % 32 || threads > block_threads)
+            fail(format("%s: %s(%d, %d): the thread count must be a positive multiple of 32 (warps arrive whole) and "
+                        "at most the block's %d (%u warps)%s",
+                        who(f->tid).c_str(), what, id, threads, block_threads, nwarps, location(pc).c_str()));
+        if (id == 0 && wait && threads == block_threads) {  // bar.sync 0 of the whole block: __syncthreads()
+            auto site = std::find(bar0_sites.begin(), bar0_sites.end(), pc);
+            if (site == bar0_sites.end()) site = bar0_sites.insert(site, pc);
+            syncthreads(f, kBar0, static_cast<int>(site - bar0_sites.begin()), 0);
+            return;
+        }
+        if (id == 0 && at_bar)
+            fail(format("%s: %s(0, %d)%s while threads wait at __syncthreads() (barrier 0 with all %d threads): %s",
+                        who(f->tid).c_str(), what, threads, location(pc).c_str(), block_threads,
+                        threads != block_threads ? "barrier 0 is used with two thread counts at once"
+                                                 : "the emulator does not combine bar.arrive 0 with __syncthreads(); "
+                                                   "use a barrier id from 1 to 15"));
+        f->state = St::NamedWarp;
+        ++at_named;
+        sync[f->tid].nb_id = id;
+        sync[f->tid].nb_threads = threads;
+        sync[f->tid].nb_sync = wait;
+        f->op_pc = pc;
+        const int base = f->warp * 32;
+        for (int l = 0; l < 32 && base + l < static_cast<int>(nthreads); ++l) {
+            const Fiber& g = fibers[base + l];
+            if (&g == f) continue;
+            const bool other_bar = g.state == St::NamedWarp &&
+                                   (sync[g.tid].nb_id != id || sync[g.tid].nb_threads != threads || sync[g.tid].nb_sync != wait || g.op_pc != pc);
+            if (other_bar || g.state == St::WarpOp || g.state == St::BlockBar)
+                fail(format("divergent named barrier: %s executes %s(%d, %d)%s while lane %d of its warp is "
+                            "elsewhere (it would %s); a warp arrives at a named barrier as a whole, all its "
+                            "non-exited lanes at the same bar instruction",
+                            who(f->tid).c_str(), what, id, threads, location(pc).c_str(), l,
+                            waiting_for(g).c_str()));
+        }
+        named_warp_arrival(f->warp);
+        yield(f);
+    }
+
+    // When every non-exited lane of `warp` waits at its named barrier: the warp arrives.
+    void named_warp_arrival(int warp) {
+        const int base = warp * 32;
+        const Fiber* lead = nullptr;
+        for (int l = 0; l < 32 && base + l < static_cast<int>(nthreads); ++l) {
+            const Fiber& g = fibers[base + l];
+            if (g.state == St::Exited) continue;
+            if (g.state != St::NamedWarp) return;
+            if (!lead) lead = &g;
+        }
+        if (!lead) return;
+        const int id = sync[lead->tid].nb_id, threads = sync[lead->tid].nb_threads;
+        NamedBar& nb = nbars[id];
+        const char* what = sync[lead->tid].nb_sync ? "named_barrier_sync" : "named_barrier_arrive";
+        if (nb.count && nb.count != threads)
+            fail(format("named barrier %d is used with two thread counts at once: warp %d arrives at %s(%d, %d)%s "
+                        "while it waits for %d threads (warp %d arrived first%s)",
+                        id, warp, what, id, threads, location(lead->op_pc).c_str(), nb.count, nb.first_warp,
+                        location(nb.first_pc).c_str()));
+        if ((nb.warps >> warp) & 1)
+            fail(format("warp %d arrives twice at named barrier %d (%d threads) before it completes (%s%s; %d of %d "
+                        "threads arrived, warps %s): a warp counts once per use, so its second arrival would count "
+                        "towards the next one",
+                        warp, id, threads, what, location(lead->op_pc).c_str(), nb.arrived, nb.count,
+                        ranges(nb.warps).c_str()));
+        if (!nb.count) {
+            nb.count = threads;
+            nb.first_pc = lead->op_pc;
+            nb.first_warp = warp;
+        }
+        nb.warps |= 1u << warp;
+        nb.arrived += 32;
+        for (int l = 0; l < 32 && base + l < static_cast<int>(nthreads); ++l) {
+            Fiber& g = fibers[base + l];
+            if (g.state == St::Exited) continue;
+            --at_named;
+            if (hb) release(&g, nb.vc);
+            if (sync[g.tid].nb_sync) {
+                g.state = St::NamedBar;
+                nb.waiters.push_back(g.tid);
+            } else {
+                make_runnable(g);
+            }
+        }
+        if (nb.arrived == nb.count) {
+            NamedBar done = std::move(nb);
+            nb = NamedBar{};
+            for (int t : done.waiters) {
+                if (hb) acquire(&fibers[t], done.vc);
+                make_runnable(fibers[t]);
+            }
+        }
+    }
+
+    // ---- bulk reductions (cp.reduce.async.bulk .add.f32, bulk groups) ---------------
+
+    void bulk_reduce(Fiber* f, float* dst, const float* src, uint32_t bytes, const void* pc) {
+        const char* what = "bulk_reduce_add_f32";
+        const char* s = reinterpret_cast<const char*>(src);
+        const char* d = reinterpret_cast<const char*>(dst);
+        if (bytes == 0 || bytes % 16)
+            fail(format("%s: %s of %u bytes (must be a positive multiple of 16)%s", who(f->tid).c_str(), what, bytes,
+                        location(pc).c_str()));
+        if (s < smem || s + bytes > smem + smem_size)
+            fail(format("%s: %s source at %p (%u bytes) is not within the %zu bytes of dynamic shared memory%s",
+                        who(f->tid).c_str(), what, static_cast<const void*>(s), bytes, smem_size,
+                        location(pc).c_str()));
+        const size_t off = static_cast<size_t>(s - smem);
+        if (off % 16)
+            fail(format("%s: %s source at shared offset %zu is not 16-byte aligned%s", who(f->tid).c_str(), what, off,
+                        location(pc).c_str()));
+        if (d + bytes > smem_alloc && d < smem_alloc + smem_alloc_size)
+            fail(format("%s: %s destination %p is in shared memory: the reduction adds into global memory%s",
+                        who(f->tid).c_str(), what, static_cast<const void*>(d), location(pc).c_str()));
+        if (reinterpret_cast<uintptr_t>(d) % 16)
+            fail(format("%s: %s destination address %p is not 16-byte aligned%s", who(f->tid).c_str(), what,
+                        static_cast<const void*>(d), location(pc).c_str()));
+        if (race) {
+            access(f, reinterpret_cast<uintptr_t>(s), bytes, false, pc, " (the source of bulk_reduce_add_f32)");
+            for (size_t i = off; i < off + bytes; ++i) check_proxy_fence(*f, i, what, "the bulk copy engine", pc);
+            for (size_t i = off; i < off + bytes; ++i) {
+                shadow[i].pending = kPendBulk;
+                ++bulk_src_refs[i];
+            }
+        }
+        BulkOp op{dst, off, bytes, sync[f->tid].bulk_committed, false, std::vector<float>(bytes / 4), pc};
+        std::memcpy(op.values.data(), s, bytes);
+        sync[f->tid].bulk.push_back(std::move(op));
+    }
+
+    // The group of op no longer reads its source, which must be as it was at the issue.
+    void bulk_retire_read(Fiber* f, BulkOp& op, const void* pc) {
+        const char* now = smem + op.src_off;
+        const char* then = reinterpret_cast<const char*>(op.values.data());
+        for (uint32_t i = 0; i < op.bytes; ++i)
+            if (now[i] != then[i])
+                fail(format("shared offset %zu, the source of a bulk reduction (issued%s), was overwritten before "
+                            "bulk_wait_read retired it (found by %s%s)",
+                            op.src_off + i, location(op.pc).c_str(), who(f->tid).c_str(), location(pc).c_str()));
+        if (race)
+            for (size_t i = op.src_off; i < op.src_off + op.bytes; ++i)
+                if (--bulk_src_refs[i] == 0) shadow[i].pending = 0;
+        op.read_retired = true;
+    }
+
+    // The additions of f's reductions of groups below `limit`, in a shuffled order
+    // (reductions and elements) when shuffling; each element added atomically.
+    void bulk_perform(Fiber* f, uint32_t limit) {
+        if (sync[f->tid].bulk.empty()) return;
+        std::vector<BulkOp> done, kept;
+        for (BulkOp& op : sync[f->tid].bulk) (op.group < limit ? done : kept).push_back(std::move(op));
+        sync[f->tid].bulk.swap(kept);
+        if (shuffle) shuffle_vec(done);
+        for (const BulkOp& op : done) {
+            std::vector<uint32_t> order(op.values.size());
+            for (uint32_t i = 0; i < order.size(); ++i) order[i] = i;
+            if (shuffle) shuffle_vec(order);
+            for (uint32_t i : order) {
+                float* p = op.dst + i;
+                float old, sum;
+                __atomic_load(p, &old, __ATOMIC_SEQ_CST);
+                do {
+                    sum = old + op.values[i];
+                } while (!__atomic_compare_exchange(p, &old, &sum, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST));
+            }
+        }
+    }
+
+    void bulk_wait(Fiber* f, int n, bool read_only, const void* pc) {
+        if (n < 0)
+            fail(format("%s: cp.async.bulk.wait_group %d%s", who(f->tid).c_str(), n, location(pc).c_str()));
+        const uint32_t limit = sync[f->tid].bulk_committed > static_cast<uint32_t>(n) ? sync[f->tid].bulk_committed - n : 0;
+        for (BulkOp& op : sync[f->tid].bulk)
+            if (op.group < limit && !op.read_retired) bulk_retire_read(f, op, pc);
+        if (!read_only) bulk_perform(f, limit);
+    }
+
     // ---- threads and blocks -------------------------------------------------
 
     void thread_exit(Fiber* f) {
-        if (!f->copies.empty()) {
-            size_t uncommitted = 0;
-            for (const Copy& c : f->copies) uncommitted += c.group == f->committed;
-            fail(format("%s exits with %zu cp.async cop%s never waited for (%zu not even committed); they never "
-                        "land (first issued%s)",
-                        who(f->tid).c_str(), f->copies.size(), f->copies.size() == 1 ? "y" : "ies", uncommitted,
-                        location(f->copies.front().pc).c_str()));
+        // Copies a cp_async_mbarrier_arrive tracks have had their arrival counted: they
+        // land at a wait for its phase.  Any other copy must have been waited for.
+        size_t untracked = 0, uncommitted = 0;
+        const void* first_pc = nullptr;
+        for (const Copy& c : f->copies)
+            if (c.arrival < 0) {
+                if (!untracked++) first_pc = c.pc;
+                uncommitted += c.group == f->committed;
+            }
+        if (untracked)
+            fail(format("%s exits with %zu cp.async cop%s never waited for (cp.async.wait_group) nor tracked by "
+                        "cp_async_mbarrier_arrive (%zu not even committed); they never land (first issued%s)",
+                        who(f->tid).c_str(), untracked, untracked == 1 ? "y" : "ies", uncommitted,
+                        location(first_pc).c_str()));
+        if (barriers) {
+            for (const BulkOp& op : sync[f->tid].bulk)
+                if (!op.read_retired)
+                    fail(format("%s exits while a bulk reduction it issued%s may still read its shared-memory "
+                                "source (offset %zu, %u bytes): retire it with bulk_wait_read first (the block's "
+                                "shared memory is released once its threads have exited)",
+                                who(f->tid).c_str(), location(op.pc).c_str(), op.src_off, op.bytes));
+            bulk_perform(f, std::numeric_limits<uint32_t>::max());
         }
         if (!f->wg_pending.empty())
             fail(format("%s exits with %zu wgmma operation%s in flight (first issued%s); retire them with "
@@ -1252,6 +2110,8 @@ struct Launch {
                             who(f->tid).c_str(), l, op_name(g.op, g.op_variant), g.op_mask,
                             location(g.op_pc).c_str()));
         }
+        // A named barrier waits for the warp's non-exited lanes: this exit may complete the warp.
+        if (at_named) named_warp_arrival(f->warp);
         yield(f);
         abort();  // an exited fiber is never resumed
     }
@@ -1273,15 +2133,39 @@ struct Launch {
             f.wg_fenced = false;
             f.wg_committed = 0;
             f.wg_pending.clear();  // proxy_fences keeps counting: shadow entries outlive a block
+            f.spinning = false;
+            f.issued = 0;
+            if (barriers) {
+                ThreadSync& ts = sync[f.tid];  // (fence_seq keeps counting, as proxy_fences)
+                ts.bulk.clear();
+                ts.bulk_committed = 0;
+                ts.mb_failed.clear();
+                ts.clock = 1;
+            }
             context_init(f.context, stacks + static_cast<size_t>(f.tid) * stack_bytes + page_size(),
                          stack_bytes - page_size(), &Launch::fiber_main, &f);
         }
         std::memset(smem, 0xff, smem_size);
         ++epoch;
+        if (barriers) {
+            mbars.clear();
+            for (NamedBar& nb : nbars) nb = NamedBar{};
+            arrivals.clear();
+            agent_clock.assign(nthreads, 1);
+        }
+        if (hb) {
+            for (Shadow& s : shadow) s.pending = 0;  // barriers and copies the last block left
+            std::fill(bulk_src_refs.begin(), bulk_src_refs.end(), uint16_t(0));
+            rsets.clear();
+            std::fill(vcs.begin(), vcs.end(), 0u);
+            for (unsigned t = 0; t < nthreads; ++t) vcs[t * nclocks + t] = 1;
+        }
         live = nthreads;
         at_bar = 0;
+        at_named = 0;
         run_next.clear();
         for (unsigned t = 0; t < nthreads; ++t) run_next.push_back(static_cast<int>(t));
+        int idle_rounds = 0;  // rounds in a row in which every thread that ran only spun
         for (;;) {
             if (run_next.empty()) {
                 if (live == 0) return true;
@@ -1295,8 +2179,11 @@ struct Launch {
             run_now.swap(run_next);
             run_next.clear();
             if (shuffle) shuffle_vec(run_now);
+            const uint64_t progress_before = progress;
+            bool all_spun = true;
             for (int t : run_now) {
                 Fiber& f = fibers[t];
+                f.spinning = false;
                 cur = &f;
                 cfemu_current_ctx = &f.ctx;
                 steps = 0;
@@ -1304,6 +2191,15 @@ struct Launch {
                 cur = nullptr;
                 cfemu_current_ctx = nullptr;
                 if (failed) return false;
+                all_spun = all_spun && f.spinning;
+            }
+            // Threads that only fail mbarrier_try_wait_parity change nothing another thread
+            // could see: if no other thread can run, they spin forever.
+            idle_rounds = all_spun && progress == progress_before ? idle_rounds + 1 : 0;
+            if (idle_rounds == kSpinRounds) {
+                fail_sched("deadlock: no thread can proceed, the runnable ones only spin (" + describe_threads() +
+                           ")");
+                return false;
             }
         }
     }
@@ -1323,6 +2219,7 @@ struct Launch {
         int count = 0;
         for (const Fiber& f : fibers) count += f.state == St::BlockBar && f.bar_pred;
         ++epoch;
+        if (hb) rsets.clear();  // reader sets of the past epoch are never consulted again
         at_bar = 0;
         for (Fiber& f : fibers)
             if (f.state == St::BlockBar) {
@@ -1420,7 +2317,16 @@ struct Launch {
         chk_lo = reinterpret_cast<uintptr_t>(smem_alloc);
         chk_hi = chk_lo + smem_alloc_size;
         if (race) shadow.assign(smem_size, Shadow{});
+        if (race) bulk_src_refs.assign(smem_size, 0);
+        barriers = module_flags & CFEMU_MODULE_BARRIERS;
+        if (barriers) sync.assign(nthreads, ThreadSync{});
         wsync.assign(nwarps, 0);
+        hb = race && barriers;
+        if (hb) {
+            nclocks = 2 * static_cast<size_t>(nthreads);
+            vcs.assign(nthreads * nclocks, 0);
+            shadow_clocks.assign(smem_size, ShadowClocks{});
+        }
 
         fibers.resize(nthreads);
         for (unsigned t = 0; t < nthreads; ++t) {
@@ -1450,6 +2356,7 @@ inline Launch* current_launch(const char* api) {
         fprintf(stderr, "cupyflash emulator: %s called outside an emulated kernel\n", api);
         abort();
     }
+    ++L->progress;
     return L;
 }
 
@@ -1536,7 +2443,7 @@ bool run_guarded(Launch* L, const std::vector<uint64_t>& order) {
 // ---------------------------------------------------------------------------
 
 CFEMU_API int cfemu_run(const cfemu_launch_desc* desc, cfemu_thunk thunk, uint64_t kernel_params_size,
-                        uint64_t kernel_params_align, char* err, uint64_t errlen) {
+                        uint64_t kernel_params_align, uint32_t module_flags, char* err, uint64_t errlen) {
     const char* name = desc->kernel_name ? desc->kernel_name : "?";
     if (desc->params_size != kernel_params_size || desc->params_align != kernel_params_align) {
         snprintf(err, errlen,
@@ -1562,6 +2469,7 @@ CFEMU_API int cfemu_run(const cfemu_launch_desc* desc, cfemu_thunk thunk, uint64
     Launch L;
     L.desc = desc;
     L.thunk = thunk;
+    L.module_flags = module_flags;
     if (!L.setup(err, errlen)) return 1;
     const size_t align = std::max<size_t>(16, kernel_params_align);
     const size_t psize = ((std::max<size_t>(kernel_params_size, 1) + align - 1) / align) * align;
@@ -1685,6 +2593,52 @@ CFEMU_API void cfemu_wgmma_wait(int n) {
 CFEMU_API void cfemu_fence_proxy_async(void) {
     Launch* L = current_launch("fence.proxy.async");
     ++L->cur->proxy_fences;
+    if (L->barriers) L->sync[L->cur->tid].fence_seq = ++L->proxy_seq;
+}
+
+CFEMU_API void cfemu_mbar_init(void* bar, uint32_t count) {
+    Launch* L = current_launch("mbarrier_init");
+    L->mbar_init(L->cur, bar, count, __builtin_return_address(0));
+}
+
+CFEMU_API void cfemu_mbar_arrive(void* bar, int kind, uint32_t tx) {
+    Launch* L = current_launch("mbarrier_arrive");
+    L->mbar_update(L->cur, bar, kind, tx, __builtin_return_address(0));
+}
+
+CFEMU_API int cfemu_mbar_wait(void* bar, uint32_t parity, int blocking) {
+    Launch* L = current_launch("mbarrier_try_wait_parity");
+    return L->mbar_wait(L->cur, bar, parity, blocking != 0, __builtin_return_address(0));
+}
+
+CFEMU_API void cfemu_cp_async_mbar_arrive(void* bar) {
+    Launch* L = current_launch("cp_async_mbarrier_arrive");
+    L->cp_async_mbar_arrive(L->cur, bar, __builtin_return_address(0));
+}
+
+CFEMU_API void cfemu_mbar_inval(void* bar) {
+    Launch* L = current_launch("mbarrier_inval");
+    L->mbar_inval(L->cur, bar, __builtin_return_address(0));
+}
+
+CFEMU_API void cfemu_named_barrier(int id, int threads, int sync) {
+    Launch* L = current_launch("named_barrier_sync");
+    L->named_barrier(L->cur, id, threads, sync != 0, __builtin_return_address(0));
+}
+
+CFEMU_API void cfemu_bulk_reduce_add_f32(float* gmem_dst, const float* smem_src, uint32_t bytes) {
+    Launch* L = current_launch("bulk_reduce_add_f32");
+    L->bulk_reduce(L->cur, gmem_dst, smem_src, bytes, __builtin_return_address(0));
+}
+
+CFEMU_API void cfemu_bulk_commit(void) {
+    Launch* L = current_launch("bulk_commit");
+    ++L->sync[L->cur->tid].bulk_committed;
+}
+
+CFEMU_API void cfemu_bulk_wait(int n, int read_only) {
+    Launch* L = current_launch("bulk_wait");
+    L->bulk_wait(L->cur, n, read_only != 0, __builtin_return_address(0));
 }
 
 CFEMU_API void cfemu_trap(const char* what, const char* file, int line) {
