@@ -26,9 +26,10 @@ Step 0 of ``benchmarks/gpu_check.sh``; run alone from the checkout's root::
 2. **The wgmma probes** of ``tests/test_gpu_wgmma.py`` (one instruction per operand
    form, then each product as the kernels call it), under a time limit.
 3. **An A/B table** in this one process, the same inputs for every row of a case:
-   fwd_mma against fwd_wgmma (bf16, d = 64 and 128, L = 8192, causal and not), the
-   backward deterministic and with dQ by atomics (``deterministic=False``), PyTorch's
-   flash and cuDNN backends beside them when torch is installed; the timers are
+   fwd_mma against fwd_wgmma and its timing-only builds without the softmax or the
+   copies (bf16, d = 64 and 128, L = 8192, causal and not), the backward deterministic,
+   with dQ by atomics (``deterministic=False``) and by bulk reductions (async dQ),
+   PyTorch's flash and cuDNN backends beside them when torch is installed; the timers are
    :mod:`cupyflash._bench`'s (CUDA events through ``cupyx.profiler.benchmark`` after a
    warm-up; medians), TFLOP/s by FlashAttention's FLOP count.  Variants issue 32 names
    that are not built yet are listed as such (:data:`NOT_BUILT`).
@@ -91,10 +92,7 @@ NOT_BUILT = (
     # kernel before them is not kept as a variant
     ("forward", "fwd_wgmma before fixes 1+2 (P V waited for before the exponentials; copies first)"),
     ("forward", "fwd_wgmma decoupled (per-stage mbarriers, ping-pong warpgroups)"),
-    ("forward", "timing-only fwd_wgmma without exponentials"),
-    ("forward", "timing-only fwd_wgmma without copies"),
     ("backward", "bwd_wgmma decoupled (per-stage mbarriers, ping-pong warpgroups)"),
-    ("backward", "bwd_wgmma with asynchronous dQ (bulk reduce-add)"),
     ("backward", "timing-only bwd_wgmma without copies"),
 )
 # The table's cases: (B, H, L, d) as benchmarks/gpu_check.py's; each forward and
@@ -102,9 +100,12 @@ NOT_BUILT = (
 TABLE_SHAPES = ((2, 16, 8192, 128), (2, 16, 8192, 64))
 # _bench implementation -> what the row is called here
 TABLE_IMPLS = {
-    "forward": ("cupyflash", "cupyflash-wgmma", "torch-flash", "torch-cudnn"),
+    # cupyflash-wgmma-no-exp / -no-copy: timing-only builds (wrong outputs), what the
+    # exponentials and the copies cost
+    "forward": ("cupyflash", "cupyflash-wgmma", "cupyflash-wgmma-no-exp", "cupyflash-wgmma-no-copy",
+                "torch-flash", "torch-cudnn"),
     "backward": ("cupyflash", "cupyflash-atomic", "cupyflash-wgmma", "cupyflash-wgmma-atomic",
-                 "torch-flash", "torch-cudnn"),
+                 "cupyflash-wgmma-async-dq", "torch-flash", "torch-cudnn"),
 }
 WGMMA_SELECTION = "one_wgmma_of_each_operand_form or each_kernel_product"
 
@@ -456,7 +457,7 @@ def fill_table(rows: list[dict], deadline: float, log=print, *, device: str = "g
             for r in case_rows:
                 r["status"] = f"inputs failed: {type(error).__name__}"
             continue
-        available = set(_bench.implementations(device, case))
+        available = set(_bench.implementations(device, case, timing_only=True))
         for r in case_rows:
             left = deadline - time.perf_counter()
             if left <= 1.0:

@@ -25,6 +25,10 @@ constexpr int kGradDK = 2;
 // With kGradDK: also add this CTA's share of dQ = scale dS K to dq with float
 // atomics (deterministic=False), so that no dQ kernel recomputes S and dP.
 constexpr int kGradDQAtomic = 4;
+// With kGradDQAtomic (bwd_wgmma only): the share goes through shared memory and
+// one warp adds it to dq by bulk asynchronous reductions (barriers.cuh), one per
+// query row, instead of every thread issuing its own atomics.
+constexpr int kGradDQBulk = 8;
 
 // A query row's statistics come from `stat(r, c)`, a callable giving the value
 // for accumulator element [r][c]: indexed by the row in the dQ kernel (one

@@ -33,6 +33,13 @@
 // queries and one slice of the head dim -- and adds it to dq with float
 // atomics (8-byte vector reductions: dq's rows must start 8-byte aligned);
 // no dQ kernel runs (5 block products per block pair instead of 7).
+// kGradDQBulk (asynchronous dQ, opt-in until timed): the same product, its
+// result staged as floats in shared memory, and warp 0 adds each query row to
+// dq with one bulk asynchronous reduction (cp.reduce.async.bulk .add.f32,
+// barriers.cuh; dq's rows 16-byte aligned) while the CTA goes on to the next
+// query block: 64 instructions of one warp per block in place of every
+// thread's 8-byte atomics.  The staging tile is written again only after
+// warp 0 has waited for the bulk reads, before the next block's barrier.
 //
 // Shared tiles are SwizzledTile pages, wgmma's 128-byte-swizzle layout
 // (wgmma.cuh), 1024-byte aligned.  Every thread copies with cp.async and runs
@@ -44,6 +51,7 @@
 // dispatcher's conditions (cupyflash/_gpu_bwd.py).  Gradients are float32.
 #pragma once
 
+#include "barriers.cuh"
 #include "block_info.cuh"
 #include "block_info_bwd.cuh"
 #include "bwd_blocks.cuh"
@@ -67,6 +75,7 @@ struct WgmmaBwdTraits {
     static constexpr int kWarpGroups = kWarpGroups_, kGrads = kGrads_;
     static constexpr bool kDV = (kGrads & kGradDV) != 0, kDK = (kGrads & kGradDK) != 0;
     static constexpr bool kAtomicDq = (kGrads & kGradDQAtomic) != 0;
+    static constexpr bool kBulkDq = (kGrads & kGradDQBulk) != 0;
     static constexpr bool kNeedsV = kDK;  // dP^T = V dO^T only for dK (the dQ kernel: both own tiles)
     static constexpr int kWarps = 4 * kWarpGroups;
     static constexpr int kThreads = 32 * kWarps;
@@ -84,12 +93,17 @@ struct WgmmaBwdTraits {
     // Shared memory, in bytes from a 1024-byte aligned start: the own tiles
     // (K, and V with kDK; Q and dO), two stages of two streamed tiles (Q, dO or
     // K, V), two stages of the streamed rows' lse * log2(e) and delta (the dK/dV
-    // kernel), and the dS^T tile with kAtomicDq; plus 1 KB of alignment slack.
+    // kernel), the dS^T tile with kAtomicDq and the float dQ tile with kBulkDq
+    // (rows of kDqStride floats: 16 bytes of padding move each row four banks,
+    // so a warp's fragment stores do not all hit one bank); plus 1 KB of
+    // alignment slack.
     static constexpr int kOwnBytes = (kNeedsV ? 2 : 1) * OwnTile::kElements * 2;
     static constexpr int kStageBytes = 2 * StreamTile::kElements * 2;
     static constexpr int kStatsOffset = kOwnBytes + 2 * kStageBytes;
     static constexpr int kDsOffset = kStatsOffset + 2 * 2 * kBlockStream * 4;
-    static constexpr int kSmemBytes = kDsOffset + (kAtomicDq ? DsTile::kElements * 2 : 0) + 1024;
+    static constexpr int kDqOffset = kDsOffset + (kAtomicDq ? DsTile::kElements * 2 : 0);
+    static constexpr int kDqStride = kHeadDim + 4;
+    static constexpr int kSmemBytes = kDqOffset + (kBulkDq ? kBlockStream * kDqStride * 4 : 0) + 1024;
 
     // Descriptor strides (wgmma.cuh): 8-row groups 1024 bytes apart; an
     // MN-major operand's 64-column pages a tile's page apart.
@@ -108,7 +122,8 @@ struct WgmmaBwdTraits {
     static_assert(kBlockStream % 32 == 0 && kBlockStream <= 256, "streamed block: an n of wgmma, 32 or whole pages");
     static_assert(kBlockStream <= 32 || kBlockStream % 64 == 0, "streamed block: 32 or whole 64-row pages");
     static_assert(kWarpGroups >= 1 && kWarpGroups <= 3, "1 to 3 warpgroups");
-    static_assert(kGrads >= 1 && kGrads <= 7 && (!kAtomicDq || kDK), "kGrads: kGradDV, kGradDK, kGradDQAtomic");
+    static_assert(kGrads >= 1 && kGrads <= 15 && (!kAtomicDq || kDK) && (!kBulkDq || kAtomicDq),
+                  "kGrads: kGradDV, kGradDK, kGradDQAtomic, kGradDQBulk");
     static_assert(!kAtomicDq || ((kBlockStream / 64) * kDqSlices == kWarpGroups && kDqCols % 64 == 0),
                   "atomic dQ: one (m64 slice, whole-page head-dim slice) per warpgroup");
     static_assert(!kAtomicDq || kDsOffset % 1024 == 0, "the dS^T tile starts 1024-byte aligned");
@@ -153,16 +168,17 @@ __device__ __forceinline__ void pack_a(uint32_t (&a)[Tr::kStreamSteps][4], const
     for (int kk = 0; kk < Tr::kStreamSteps; ++kk) accumulator_to_a<T>(a[kk], x, 0, kk);
 }
 
-// kAtomicDq: dq[rows of one query block] += scale * dS K over the CTA's keys.
-// sdS holds dS^T ([key][query]) of every warpgroup; warpgroup w computes m64
-// slice w / kDqSlices of the queries and head-dim slice w % kDqSlices.  dq
-// points at the block's first query row.
+// kAtomicDq: acc = this warpgroup's slice of dS K over the CTA's keys.  sdS
+// holds dS^T ([key][query]) of every warpgroup; warpgroup w computes m64 slice
+// w / kDqSlices of the queries and head-dim slice w % kDqSlices, from column
+// col0 (returned) of the block's query rows row_base + fragment_row(r)
+// (row_base returned).
 template <class Tr, typename T>
-__device__ __forceinline__ void add_dq_atomically(float* dq, int64_t row_stride, const T* sdS, const T* sK,
-                                                  float scale, int rows_valid, int cols_valid) {
+__device__ __forceinline__ void dq_slice(float (&acc)[Tr::kRows][Tr::kDqCols / 4], const T* sdS, const T* sK,
+                                         int& row_base, int& col0) {
     const int wg = warp_id() >> 2;
-    const int m_slice = wg / Tr::kDqSlices, col0 = (wg % Tr::kDqSlices) * Tr::kDqCols;
-    float acc[Tr::kRows][Tr::kDqCols / 4];
+    const int m_slice = wg / Tr::kDqSlices;
+    col0 = (wg % Tr::kDqSlices) * Tr::kDqCols;
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < Tr::kBlockOwn / 16; ++kk)
@@ -173,7 +189,18 @@ __device__ __forceinline__ void add_dq_atomically(float* dq, int64_t row_stride,
             kk > 0);
     wgmma_commit();
     wgmma_wait<0>(acc);
-    const int row_base = 64 * m_slice + 16 * (warp_id() & 3);
+    row_base = 64 * m_slice + 16 * (warp_id() & 3);
+}
+
+// kAtomicDq: dq[rows of one query block] += scale * dS K over the CTA's keys
+// (dq_slice), by every thread's float atomics.  dq points at the block's first
+// query row.
+template <class Tr, typename T>
+__device__ __forceinline__ void add_dq_atomically(float* dq, int64_t row_stride, const T* sdS, const T* sK,
+                                                  float scale, int rows_valid, int cols_valid) {
+    float acc[Tr::kRows][Tr::kDqCols / 4];
+    int row_base, col0;
+    dq_slice<Tr>(acc, sdS, sK, row_base, col0);
     // A lane's columns come in pairs (c even: 2t, 2t + 1 of an 8-column group),
     // added by one vector reduction: every row of dq starts 8-byte aligned (the
     // dispatcher's condition, cupyflash/_gpu_bwd.py) and cols_valid is even
@@ -189,6 +216,35 @@ __device__ __forceinline__ void add_dq_atomically(float* dq, int64_t row_stride,
                 red_add_v2(dq + row * row_stride + col, acc[r][c] * scale, acc[r][c + 1] * scale);
         }
     }
+}
+
+// kBulkDq: scale * dS K (dq_slice) into the float tile sdQ ([query row][kDqStride]),
+// every row and column of the block (those past the valid ones are never sent).
+// The caller fences the async proxy and publishes the tile to warp 0.
+template <class Tr, typename T>
+__device__ __forceinline__ void stage_dq(float* sdQ, const T* sdS, const T* sK, float scale) {
+    float acc[Tr::kRows][Tr::kDqCols / 4];
+    int row_base, col0;
+    dq_slice<Tr>(acc, sdS, sK, row_base, col0);
+#pragma unroll
+    for (int r = 0; r < Tr::kRows; ++r) {
+        float* row = sdQ + (row_base + fragment_row(r)) * Tr::kDqStride + col0;
+#pragma unroll
+        for (int c = 0; c < Tr::kDqCols / 4; c += 2)
+            *reinterpret_cast<float2*>(row + fragment_col(c)) = make_float2(acc[r][c] * scale, acc[r][c + 1] * scale);
+    }
+}
+
+// kBulkDq, warp 0: dq[row] += sdQ[row] for the block's rows_valid query rows,
+// cols_valid floats each (a multiple of 4: 16-byte rows of q), one bulk
+// reduction per row and one bulk group per lane.  dq points at the block's
+// first query row; its rows start 16-byte aligned (the dispatcher's condition).
+template <class Tr>
+__device__ __forceinline__ void send_dq(float* dq, int64_t row_stride, const float* sdQ, int rows_valid,
+                                        int cols_valid) {
+    for (int row = lane_id(); row < rows_valid; row += 32)
+        bulk_reduce_add_f32(dq + row * row_stride, sdQ + row * Tr::kDqStride, static_cast<uint32_t>(cols_valid) * 4u);
+    bulk_commit();
 }
 
 // ---- kernels ---------------------------------------------------------------------------------
@@ -225,6 +281,7 @@ bwd_wgmma_dkdv_kernel(const BwdParams launch) {
     const QueryStream<Tr, T> queries{params, tile.batch, d, sK + (kDK ? 2 : 1) * Own::kElements,
                                      reinterpret_cast<float*>(smem + Tr::kStatsOffset)};  // 2 x (Q, dO), (lse, delta)
     T* const sdS = reinterpret_cast<T*>(smem + Tr::kDsOffset);  // kAtomicDq only
+    float* const sdQ = reinterpret_cast<float*>(smem + Tr::kDqOffset);  // kBulkDq only
 
     // The query blocks that see these keys, head by head through the kv head's group.
     const int64_t m_begin = block.m_begin(kBlockM), m_end = block.m_end(kBlockM);
@@ -301,11 +358,28 @@ bwd_wgmma_dkdv_kernel(const BwdParams launch) {
             else wgmma_wait<0>(dk, ds);
             if constexpr (kAtomicDq) {
                 fence_proxy_async_shared();
-                __syncthreads();  // every warpgroup's dS^T visible (the last block's dQ read it before the top barrier)
+                if constexpr (Tr::kBulkDq) {
+                    if (warp_id() == 0) bulk_wait_read<0>();  // the last block's dQ read from sdQ
+                }
+                __syncthreads();  // every warpgroup's dS^T visible (the last block's dQ read it before the top
+                                  // barrier), sdQ free again
                 const GradSlice<T, float> grad(params, tile.batch, head);
-                add_dq_atomically<Tr>(grad.dq + m0 * params.dq_row_stride, params.dq_row_stride, sdS, sK,
-                                      static_cast<float>(p.scale), static_cast<int>(min64(kBlockM, p.seqlen_q - m0)),
-                                      d);
+                const int rows_valid = static_cast<int>(min64(kBlockM, p.seqlen_q - m0));
+                if constexpr (Tr::kBulkDq) {
+                    stage_dq<Tr>(sdQ, sdS, sK, static_cast<float>(p.scale));
+                    fence_proxy_async_shared();  // the tile's stores before the bulk reads
+                    // Every warp's rows staged; warp 0 sends them.  The barrier before the
+                    // next block's dQ orders the bulk reads before sdQ is written again, so
+                    // the reads overlap the next block's products.  (Only warp 0 waiting
+                    // here, the others arriving at a named barrier, spilled 8 bytes at
+                    // d = 128.)
+                    __syncthreads();
+                    if (warp_id() == 0)
+                        send_dq<Tr>(grad.dq + m0 * params.dq_row_stride, params.dq_row_stride, sdQ, rows_valid, d);
+                } else {
+                    add_dq_atomically<Tr>(grad.dq + m0 * params.dq_row_stride, params.dq_row_stride, sdS, sK,
+                                          static_cast<float>(p.scale), rows_valid, d);
+                }
             }
             // the other stage's statistics were last read before this block's barrier
             if (has_next && threadIdx.x < kBlockM) queries.store_stats(stage ^ 1, next_lse_log2, next_delta);
@@ -313,6 +387,9 @@ bwd_wgmma_dkdv_kernel(const BwdParams launch) {
         }
     }
     cp_async_wait<0>();  // without a query block, K and V were never waited for
+    if constexpr (Tr::kBulkDq) {
+        if (warp_id() == 0) bulk_wait<0>();  // sdQ read before the CTA's shared memory goes
+    }
 
     const GradSlice<T, float> kv_grad(params, tile.batch, first_head);
     const int keys_valid = block.keys - row0;

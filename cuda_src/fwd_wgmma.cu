@@ -47,6 +47,21 @@
 
 namespace cf {
 
+// Timing-only builds (benchmarks/gpu_first_contact.py's A/B table through
+// KernelOptions.timing; never dispatched): CF_TIMING_NO_EXP leaves out the
+// softmax (the raw scores become P), CF_TIMING_NO_COPY every K/V copy after
+// the first two blocks (the products re-read those buffers).  Their outputs
+// are meaningless; their time against the real kernel's is what the
+// exponentials and the copies cost.
+#ifndef CF_TIMING_NO_EXP
+#define CF_TIMING_NO_EXP 0
+#endif
+#ifndef CF_TIMING_NO_COPY
+#define CF_TIMING_NO_COPY 0
+#endif
+constexpr bool kTimingNoExp = CF_TIMING_NO_EXP != 0;
+constexpr bool kTimingNoCopy = CF_TIMING_NO_COPY != 0;
+
 // Every compile-time quantity of one instantiation (the table with the
 // reason for each row: _WGMMA_TILES in cupyflash/_kernels.py).
 template <typename T, int kHeadDim_, int kBlockN_, int kWarpGroups_, bool kLazyRescale_>
@@ -167,6 +182,7 @@ fwd_wgmma_kernel(const FwdParams launch) {
     // Issued after the products, not before: their address arithmetic and bounds
     // checks (about 100 instructions a warp) no longer delay the tensor cores.
     const auto copy_next = [&](int n_block, int stage) {
+        if (kTimingNoCopy && n_block > n_begin + 1) return;
         if (n_block + 1 < n_end) kv.load(kv.k(stage ^ 1), in.k, params.k_row_stride, n_block + 1);
         kv.load(kv.v(stage), in.v, params.v_row_stride, n_block);
         cp_async_commit();
@@ -180,7 +196,7 @@ fwd_wgmma_kernel(const FwdParams launch) {
             unmasked.needs_mask(n_block));
 #pragma unroll
         for (int r = 0; r < Tr::kRows; ++r) rescale[r] = 1.0f;
-        softmax.template update_unscaled<Tr::kLazyRescale>(s, rescale, scale_log2);
+        if constexpr (!kTimingNoExp) softmax.template update_unscaled<Tr::kLazyRescale>(s, rescale, scale_log2);
     };
     if (n_begin < n_end) {  // block n_begin: S only
         wait_for_block();

@@ -14,7 +14,8 @@ on the GPU
     capability 8.0+ ``cupyflash-tf32`` and ``cupyflash-tf32x3``
     (``precision="tf32"`` / ``"tf32x3"``: fwd_tf32, bwd_tf32),
     on an sm_90 GPU with float16/bfloat16 ``cupyflash-wgmma`` (the Hopper kernels, opt-in:
-    fwd_wgmma, bwd_wgmma) and for backward cases ``cupyflash-wgmma-atomic``,
+    fwd_wgmma, bwd_wgmma) and for backward cases ``cupyflash-wgmma-atomic`` and
+    ``cupyflash-wgmma-async-dq`` (dQ by bulk asynchronous reductions, opt-in),
     ``cupyflash-v1`` (Algorithm 1, the fwd_v1 kernel, through
     :func:`cupyflash.reference.flash_attention_v1`), ``cupy-naive`` (matmul,
     softmax in place, matmul: :func:`~cupyflash.reference.naive_attention` with
@@ -297,8 +298,11 @@ def _torch_available(device: str) -> bool:
     return device == "cpu" or bool(torch.cuda.is_available())
 
 
-def implementations(device: str, case: Case) -> list[str]:
-    """Names of the implementations that apply to ``case`` on ``device`` (cupyflash first)."""
+def implementations(device: str, case: Case, timing_only: bool = False) -> list[str]:
+    """Names of the implementations that apply to ``case`` on ``device`` (cupyflash first);
+    ``timing_only``: with the timing-only builds of fwd_wgmma (``cupyflash-wgmma-no-exp``,
+    ``cupyflash-wgmma-no-copy``: :attr:`KernelOptions.timing
+    <cupyflash._options.KernelOptions.timing>`, wrong outputs) for forward cases."""
     names = ["cupyflash"]
     if case.scores:   # the other cupyflash rows (kernel variants) are timed without score operands
         names.append("numpy-naive" if device == "cpu" else "cupy-naive")
@@ -311,8 +315,10 @@ def implementations(device: str, case: Case) -> list[str]:
     # the Hopper wgmma kernels (opt-in until measured), on compute capability 9.0
     if device == "gpu" and case.dtype in ("float16", "bfloat16") and _is_sm90():
         names.append("cupyflash-wgmma")
+        if timing_only and not case.backward:
+            names += ["cupyflash-wgmma-no-exp", "cupyflash-wgmma-no-copy"]
         if case.backward:
-            names.append("cupyflash-wgmma-atomic")
+            names += ["cupyflash-wgmma-atomic", "cupyflash-wgmma-async-dq"]
     # fwd_dmma / bwd_dmma, float64 on the FP64 tensor cores, and float32 computed there
     # in double (opt-in until measured)
     if device == "gpu" and case.dtype in ("float64", "float32") and _dmma_gpu():
@@ -354,14 +360,16 @@ def prepare(impl: str, case: Case, inputs, device: str):
         return (lambda: cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal,
                                                      deterministic=False),
                 _cupyflash_kernel(case, q, k, v, deterministic=False))
-    if impl in ("cupyflash-wgmma", "cupyflash-wgmma-atomic", "cupyflash-dmma"):
+    if impl in ("cupyflash-wgmma", "cupyflash-wgmma-atomic", "cupyflash-wgmma-async-dq", "cupyflash-wgmma-no-exp",
+                "cupyflash-wgmma-no-copy", "cupyflash-dmma"):
         from ._api import run_attention, run_attention_backward
         from ._options import KernelOptions
 
-        deterministic = impl != "cupyflash-wgmma-atomic"
+        deterministic = impl not in ("cupyflash-wgmma-atomic", "cupyflash-wgmma-async-dq")
         env = KernelOptions.from_environment()
-        options = (env.replace(wgmma=True) if impl.startswith("cupyflash-wgmma")
-                   else env.replace(dmma=frozenset({"float64", "float32"})))
+        timing = {"cupyflash-wgmma-no-exp": "no-exp", "cupyflash-wgmma-no-copy": "no-copy"}.get(impl)
+        options = (env.replace(wgmma=True, async_dq=impl.endswith("async-dq"), timing=timing)
+                   if impl.startswith("cupyflash-wgmma") else env.replace(dmma=frozenset({"float64", "float32"})))
         kernel = _cupyflash_kernel(case, q, k, v, deterministic=deterministic, options=options)
         if not case.backward:
             return (lambda: run_attention(q, k, v, causal=causal, options=options)), kernel

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
-__all__ = ["KernelOptions", "WGMMA_ENV", "DMMA_ENV"]
+__all__ = ["KernelOptions", "WGMMA_ENV", "DMMA_ENV", "ASYNC_DQ_ENV"]
 
 # The wgmma kernels (fwd_wgmma, bwd_wgmma) have not run on a GPU yet: they are
 # opt-in until the GPU tier has checked them.
@@ -24,8 +24,14 @@ WGMMA_ENV = "CUPYFLASH_WGMMA"
 # SIMT kernels.  CUPYFLASH_DMMA=1 (or float64) turns them on for float64; float32
 # (or "float64,float32", or all) runs float32 on them too (computed in double).
 DMMA_ENV = "CUPYFLASH_DMMA"
+# bwd_wgmma's asynchronous dQ (bulk reductions from shared memory in place of
+# every thread's atomics, deterministic=False): opt-in until a GPU has timed it
+# against the atomics (benchmarks/gpu_first_contact.py's table).
+ASYNC_DQ_ENV = "CUPYFLASH_ASYNC_DQ"
 
 _TRUE = {"1", "true", "yes", "on"}
+# KernelOptions.timing -> the macro of cuda_src/fwd_wgmma.cu that builds it
+TIMING_BUILDS = {"no-exp": "CF_TIMING_NO_EXP", "no-copy": "CF_TIMING_NO_COPY"}
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,14 @@ class KernelOptions:
         where they apply; False times the bounds-checked copies.
     families : tuple of Family, default ()
         Replacements for the registry's families of the same name (tile sweeps).
+    async_dq : bool, default False
+        bwd_wgmma adds dQ (``deterministic=False``) by bulk asynchronous reductions
+        from shared memory, where dq's rows start 16-byte aligned.
+    timing : str or None, default None
+        A timing-only build of the forward kernel (:data:`TIMING_BUILDS`: ``"no-exp"``
+        without the softmax, ``"no-copy"`` without the K/V copies after the first two
+        blocks; fwd_wgmma reads them): its outputs are meaningless.  For
+        ``benchmarks/gpu_first_contact.py``'s table only.
 
     Examples
     --------
@@ -62,6 +76,8 @@ class KernelOptions:
     splits: int | None = None
     whole_blocks: bool = True
     families: tuple = ()
+    async_dq: bool = False
+    timing: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "dmma", frozenset(self.dmma))
@@ -71,19 +87,28 @@ class KernelOptions:
             raise ValueError(f"`dmma`: dtype names float64 and float32 only, got {sorted(unknown)}")
         if self.splits is not None and int(self.splits) < 1:
             raise ValueError(f"`splits` must be None or at least 1, got {self.splits}")
+        if self.timing is not None and self.timing not in TIMING_BUILDS:
+            raise ValueError(f"`timing`: None or one of {sorted(TIMING_BUILDS)}, got {self.timing!r}")
+
+    @property
+    def timing_defines(self) -> tuple:
+        """The macro definitions of the forward kernel's module for :attr:`timing`."""
+        return () if self.timing is None else ((TIMING_BUILDS[self.timing], "1"),)
 
     @classmethod
     def from_environment(cls, environ=None) -> "KernelOptions":
-        """The options ``CUPYFLASH_WGMMA`` and ``CUPYFLASH_DMMA`` ask for (read now)."""
+        """The options ``CUPYFLASH_WGMMA``, ``CUPYFLASH_DMMA`` and ``CUPYFLASH_ASYNC_DQ``
+        ask for (read now)."""
         env = os.environ if environ is None else environ
         wgmma = env.get(WGMMA_ENV, "").strip().lower() in _TRUE
+        async_dq = env.get(ASYNC_DQ_ENV, "").strip().lower() in _TRUE
         words = {w.strip() for w in env.get(DMMA_ENV, "").lower().split(",")}
         dmma = set()
         if words & (_TRUE | {"float64", "all"}):
             dmma.add("float64")
         if words & {"float32", "all"}:
             dmma.add("float32")
-        return cls(wgmma=wgmma, dmma=frozenset(dmma))
+        return cls(wgmma=wgmma, dmma=frozenset(dmma), async_dq=async_dq)
 
     def replace(self, **changes) -> "KernelOptions":
         """A copy with ``changes`` (as :func:`dataclasses.replace`)."""

@@ -227,7 +227,8 @@ def forward(q, k, v, out, lse, *, scale, window_left, window_right, gqa_ratio, e
                         num_splits=splits, terms=terms, sequences=table,
                         pages=None if paged is None else (paged.table, paged.page_size))
     sizes = Sizes(batch, heads, k.shape[1], seqlen_q, seqlen_k, head_dim, head_dim_v, num_splits=splits)
-    executor.launch(with_defines(terms.entry(row.entry), PAGED_DEFINES if paged is not None else defines),
+    executor.launch(with_defines(terms.entry(row.entry),
+                                 (PAGED_DEFINES if paged is not None else defines) + options.timing_defines),
                     row.name_expression, *row.family.launch_config(row, sizes), params)
     if splits > 1:   # fwd_combine merges the partials into out and lse
         (combine,) = FWD_COMBINE.plan(call, executor.arch, options)
@@ -269,6 +270,7 @@ def backward_plan(dout, q, k, v, dq, *, arch: int, options: KernelOptions, deter
     seqlen_q, seqlen_k = (None, None) if lengths else (q.shape[2], k.shape[2])
     call = Call(dtype_name(q.dtype), q.shape[3], v.shape[3], seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                 aligned=rows_aligned(q, k, v, dout), dq_aligned=rows_aligned(dq, boundary=8),
+                dq_aligned_16=rows_aligned(dq),
                 precision=precision, deterministic=bool(deterministic), features=features)
     return select(BACKWARD, call, arch, options)
 

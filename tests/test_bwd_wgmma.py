@@ -174,3 +174,40 @@ def test_atomic_dq_needs_8_byte_aligned_dq_rows_else_the_dq_kernel_runs(ex90):
         case.check(grads)
         odd = dq_storage[-1] % 2
         assert ("cf::bwd_wgmma_dq_kernel" in launched) == bool(odd), launched
+
+
+@needs_emulator
+def test_async_dq_is_opt_in_and_needs_16_byte_aligned_dq_rows(ex90):
+    # KernelOptions.async_dq (CUPYFLASH_ASYNC_DQ) stages dQ in shared memory and adds each row
+    # by one bulk reduction, whose global address must be 16-byte aligned: a dq with rows
+    # on 8-byte boundaries only gets the atomics, one on 4-byte ones the dQ kernel -- each
+    # with the same result; never with score features (their d = 128 tiles take no atomics).
+    from cupyflash._options import KernelOptions
+
+    assert KernelOptions.from_environment({"CUPYFLASH_ASYNC_DQ": "1"}).async_dq
+    assert not KernelOptions.from_environment({}).async_dq
+    bulk = WGMMA.replace(async_dq=True)
+    for d in (64, 128):
+        plain = _select("float16", d, deterministic=False)[1]
+        assert plain.atomic_dq and not plain.bulk_dq
+        row = _select("float16", d, bulk, deterministic=False, dq_aligned_16=True)[1]
+        assert row.bulk_dq and row.name_expression == plain.name_expression[:-2] + "15>"
+        assert _select("float16", d, bulk, deterministic=False, dq_aligned_16=False)[1] == plain
+        assert _select("float16", d, bulk, deterministic=True, dq_aligned_16=True) == _select("float16", d)
+    assert not any(r.atomic_dq for r in _select("float16", 128, bulk, deterministic=False, dq_aligned_16=True,
+                                                features=frozenset({"mask"})))
+    assert not any(r.bulk_dq for d in (192, 256)
+                   for r in _select("float16", d, bulk, deterministic=False, dq_aligned_16=True))
+
+    rng = np.random.default_rng(43)
+    q, k, v = qkv(rng, np.float16, seqlen_q=70, seqlen_k=90, head_dim=64)
+    case = Case(rng, q, k, v, window=(None, 0), options=bulk)
+    for dq_storage, kind in (((1, 1, 70, 64), 15), ((1, 1, 70, 66), 7), ((1, 1, 70, 65), None)):
+        spy = LaunchSpy(ex90)
+        dq = poisoned(dq_storage, np.float32)[..., dq_storage[-1] - 64:]
+        grads = (dq,) + case.grads()[1:]
+        _backward(case, spy, deterministic=False, grads=grads)
+        case.check(grads)
+        dkdv = next(n for n in spy.launched if "dkdv" in n)
+        assert (dkdv.endswith(f", {kind}>") if kind else any("bwd_wgmma_dq_kernel" in n for n in spy.launched)), \
+            spy.launched

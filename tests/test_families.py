@@ -88,8 +88,9 @@ CATALOGUE = {
     "bwd_mma": (None, HALF_SET, SM80_ON, False),
     # per dtype and head dim: dK/dV (deterministic and atomic-dQ) and dQ, or (192, 256) dV,
     # dK and dQ -- and the dQ kernel's whole-stream row; at d = 128, for calls with score
-    # features, a dQ kernel of 64-key blocks (and its whole-stream row) and dV, dK apart
-    "bwd_wgmma": (2 * (len(WGMMA_HEAD_DIMS) * 4 + 4), HALF_SET, {90}, True),
+    # features, a dQ kernel of 64-key blocks (and its whole-stream row) and dV, dK apart;
+    # and the atomic-dQ dK/dV rows (d = 64, 128) with dQ by bulk reductions (async_dq)
+    "bwd_wgmma": (2 * (len(WGMMA_HEAD_DIMS) * 4 + 4 + 2), HALF_SET, {90}, True),
     "bwd_dmma": (2 * len(DMMA_HEAD_DIMS) * len(DMMA_DTYPES), DMMA_SET, set(DMMA_ARCHS), True),   # dK/dV, dQ
     # dK/dV and dQ per head dim and pass count, and d = 128's for calls with score features
     "bwd_tf32": (2 * (len(TF32_HEAD_DIMS) + 1) * len(TF32_PASSES), TF32_SET, SM80_ON, True),
@@ -136,11 +137,13 @@ def _mma_bwd(row):
 
 
 def _wgmma_bwd(row):
-    # K (and V for dK); two stages of Q, dO and of lse, delta; the dS^T tile; 1 KB alignment
+    # K (and V for dK); two stages of Q, dO and of lse, delta; the dS^T tile; the float dQ
+    # tile of bulk dQ (rows padded by 16 bytes); 1 KB alignment
     own, streamed = (row.block_n, row.block_m) if row.role == DKDV else (row.block_m, row.block_n)
     own_tiles = 2 if row.role == DQ or row.grads & 2 else 1
     return (own_tiles * own * row.head_dim * 2 + 2 * 2 * streamed * row.head_dim * 2 + 2 * 2 * streamed * 4
-            + (own * streamed * 2 if row.grads & 4 else 0) + 1024)
+            + (own * streamed * 2 if row.grads & 4 else 0) + (streamed * (row.head_dim + 4) * 4 if row.grads & 8 else 0)
+            + 1024)
 
 
 def _tf32_fwd(row):
@@ -933,6 +936,15 @@ def test_backward_every_instantiation_matches_oracle(executors, family, run):
         fast = case.run(executors[run.arch], deterministic=False)   # dq poisoned: zeroed, then added to
         case.check(fast)
         assert np.array_equal(fast[1], exact[1]) and np.array_equal(fast[2], exact[2])
+        if family == "bwd_wgmma":   # and dQ by bulk reductions (KernelOptions.async_dq)
+            case.options = run.options.replace(async_dq=True)
+            bulk_plan = case.plan(run.arch, deterministic=False)
+            assert [r.role for r in bulk_plan] == [DELTA, DKDV] and bulk_plan[1].bulk_dq
+            spy = LaunchSpy(executors[run.arch])
+            bulk = case.run(spy, deterministic=False)
+            assert spy.launched == [r.name_expression for r in bulk_plan]
+            case.check(bulk)
+            assert np.array_equal(bulk[1], exact[1]) and np.array_equal(bulk[2], exact[2])
 
 
 BACKWARD_MASKS = {

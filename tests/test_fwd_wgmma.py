@@ -22,6 +22,7 @@ from cupyflash import _report, _run
 from cupyflash._families import FWD_WGMMA
 from cupyflash._families.fwd_wgmma import WGMMA_HEAD_DIMS
 from cupyflash._options import KernelOptions
+from cupyflash.reference import naive_attention
 from cupyflash.emulator import EmulatorError, EmulatorExecutor
 
 from _emulator_util import bf16_round, planted_params
@@ -191,3 +192,36 @@ def test_wgmma_rows_are_in_the_catalogue_table():
     assert (sum(r.split for r in rows) == sum(r.whole_kv for r in rows)
             == 2 * (len(WGMMA_HEAD_DIMS) + len(FWD_WGMMA.feature_tiles)))
     assert not any(r.split and r.whole_kv for r in rows)
+
+
+@needs_emulator
+@pytest.mark.parametrize("timing", ["no-exp", "no-copy"])
+def test_timing_only_builds_run_and_leave_out_what_they_say(ex90, timing):
+    # KernelOptions.timing (benchmarks/gpu_first_contact.py's table): the forward kernel's
+    # module built with CF_TIMING_NO_EXP / CF_TIMING_NO_COPY runs on the emulator without a
+    # race or wgmma ordering error, and computes something else than attention: what it
+    # leaves out is left out (five key blocks: the copies stop after the second).
+    from cupyflash._options import TIMING_BUILDS
+    from cupyflash._source import Variant
+
+    rng = np.random.default_rng(21)
+    q, k, v = qkv(rng, np.float16, seqlen_q=70, seqlen_k=5 * 192 + 3, head_dim=64)
+    entries = []
+
+    class Recording:
+        arch = ex90.arch
+
+        def launch(self, entry, name, *args):
+            entries.append((entry, name))
+            ex90.launch(entry, name, *args)
+
+    out = poisoned((1, 1, 70, 64), np.float16)
+    lse = poisoned((1, 1, 70), np.float32)
+    _run.forward(q, k, v, out, lse, scale=0.125, window_left=None, window_right=None, gqa_ratio=1,
+                 executor=Recording(), options=WGMMA.replace(timing=timing, splits=1))
+    ((entry, name),) = entries
+    assert name.startswith("cf::fwd_wgmma_kernel") and entry == Variant("fwd_wgmma.cu", ((TIMING_BUILDS[timing], "1"),))
+    expected = naive_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), scale=0.125)
+    assert not np.allclose(out.astype(np.float64), expected, atol=0.05, equal_nan=False)
+    with pytest.raises(ValueError, match="`timing`"):
+        KernelOptions(timing="no-softmax")

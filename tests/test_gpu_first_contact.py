@@ -241,7 +241,7 @@ def test_the_table_times_each_row_of_a_case_on_the_same_inputs_until_the_deadlin
         return real_prepare(impl, case, inputs, device)
 
     monkeypatch.setattr(_bench, "prepare", prepare)
-    monkeypatch.setattr(_bench, "implementations", lambda device, case: ["cupyflash", "torch-flash"])
+    monkeypatch.setattr(_bench, "implementations", lambda device, case, timing_only=False: ["cupyflash", "torch-flash"])
     rows = fc.table_rows(shapes=((1, 2, 64, 16),))
     lines = []
     fc.fill_table(rows, time.perf_counter() + 60, log=lines.append, device="cpu")

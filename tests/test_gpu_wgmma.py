@@ -12,7 +12,7 @@ against NumPy, then each product of the kernels as they call it
 (tests/emulator_planted/wgmma_products.cu): together they isolate a misread
 descriptor or layout.  The backward: bwd_wgmma's
 head dims (padded ones too) with GQA, tails, causal and window masks, both
-deterministic and with dQ by atomics, against the float64 oracle
+deterministic, with dQ by atomics and by bulk reductions, against the float64 oracle
 (tests/_backward_util.py's check_gradients); deterministic runs bit-identical and
 dK, dV the same bit for bit either way.  Skipped on other GPUs.
 """
@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 import cupyflash
 from cupyflash._families import BACKWARD, Call, select
-from cupyflash._options import WGMMA_ENV, KernelOptions
+from cupyflash._options import ASYNC_DQ_ENV, WGMMA_ENV, KernelOptions
 
 from _backward_util import check_gradients
 from _emulator_util import PLANTED_DTYPE, bf16_round
@@ -153,8 +153,11 @@ def test_long_sequence_d128_against_float32_reference_and_bit_identical(launched
 # ---- bwd_wgmma ---------------------------------------------------------------------------------
 
 def _backward_both_ways(rng, launched, dtype, shape_q, shape_kv, **kw):  # noqa: F811
-    """Forward, then the backward deterministic (twice) and with atomic dQ; checks each
-    against the oracle, the deterministic runs and dK, dV across the two modes bit for bit."""
+    """Forward, then the backward deterministic (twice), with atomic dQ and with dQ by bulk
+    reductions (CUPYFLASH_ASYNC_DQ); checks each against the oracle, the deterministic runs
+    and dK, dV across the three modes bit for bit."""
+    import os
+
     q, k, v = random_qkv(rng, shape_q, shape_kv, shape_kv, dtype)
     qd, kd, vd = (cp.asarray(x) for x in (q, k, v))
     out, lse = cupyflash.attention(qd, kd, vd, return_lse=True, **kw)
@@ -162,17 +165,23 @@ def _backward_both_ways(rng, launched, dtype, shape_q, shape_kv, **kw):  # noqa:
     launched.clear()
     runs = [cupyflash.attention_backward(cp.asarray(dout), qd, kd, vd, out, lse, deterministic=det, **kw)
             for det in (True, True, False)]
+    os.environ[ASYNC_DQ_ENV] = "1"
+    try:
+        runs.append(cupyflash.attention_backward(cp.asarray(dout), qd, kd, vd, out, lse, deterministic=False, **kw))
+    finally:
+        del os.environ[ASYNC_DQ_ENV]
     d = q.shape[-1]
-    expected = [r.name_expression for det in (True, True, False)
-                for r in select(BACKWARD, Call(np.dtype(dtype).name, d, d, aligned=True, deterministic=det), 90,
-                                KernelOptions(wgmma=True))]
+    expected = [r.name_expression for det, bulk in ((True, False), (True, False), (False, False), (False, True))
+                for r in select(BACKWARD, Call(np.dtype(dtype).name, d, d, aligned=True, deterministic=det,
+                                               dq_aligned_16=True), 90, KernelOptions(wgmma=True, async_dq=bulk))]
     assert [n for n in launched if "bwd_wgmma" in n] == [n for n in expected if "bwd_wgmma" in n]
-    for grads in (runs[0], runs[2]):
+    for grads in (runs[0], runs[2], runs[3]):
         check_gradients(tuple(cp.asnumpy(g) for g in grads), dout, q, k, v, cp.asnumpy(out), dtype, **kw)
     for a, b in zip(runs[0], runs[1]):
         assert cp.array_equal(a.view(cp.uint8), b.view(cp.uint8)), "deterministic runs differ"
-    for a, b in zip(runs[0][1:], runs[2][1:]):
-        assert cp.array_equal(a.view(cp.uint8), b.view(cp.uint8)), "dk / dv depend on the dQ mode"
+    for fast in runs[2:]:
+        for a, b in zip(runs[0][1:], fast[1:]):
+            assert cp.array_equal(a.view(cp.uint8), b.view(cp.uint8)), "dk / dv depend on the dQ mode"
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -54,8 +54,7 @@ def _sibling(inst) -> str:
 def _host_program(entry: str, rows) -> str:
     """The emulator's translation unit for ``entry`` (see wrapper_source) with a
     main() printing each row's sibling, one per line, instead of launch wrappers."""
-    assembled = _source.assemble(entry, substitutions={"ptx.cuh": _build.INCLUDE_DIR / "ptx.cuh",
-                                                       "wgmma.cuh": _build.INCLUDE_DIR / "wgmma.cuh"})
+    assembled = _source.assemble(entry, substitutions=_build.SUBSTITUTIONS)
     prints = "\n".join(f'    std::printf("%d\\n", {_sibling(inst)}());' for inst in rows)
     return f'#include "cuda_emu.h"\n{assembled}\n#include <cstdio>\nint main() {{\n{prints}\n    return 0;\n}}\n'
 

@@ -84,6 +84,11 @@ class Instantiation:
         """A dK/dV kernel that also adds dQ by float atomics."""
         return bool(self.grads & 4)
 
+    @property
+    def bulk_dq(self) -> bool:
+        """A dK/dV kernel that adds dQ by bulk asynchronous reductions (bwd_wgmma)."""
+        return bool(self.grads & 8)
+
     def __repr__(self) -> str:
         return f"Instantiation({self.name_expression!r})"
 
@@ -94,7 +99,7 @@ class Call:
 
     ``aligned``: every row of q, k, v and out (dout) starts on a 16-byte
     boundary; ``dq_aligned``: every row of dq on an 8-byte one (atomic dQ adds
-    float pairs).  ``seqlen_q`` / ``seqlen_k`` None: unknown (never the
+    float pairs); ``dq_aligned_16``: on a 16-byte one (bulk reductions of dQ rows).  ``seqlen_q`` / ``seqlen_k`` None: unknown (never the
     whole-block instantiations).  ``split``: the split-KV instantiation.
     ``paged``: K and V come from a paged KV cache (``cuda_src/paged.cuh``; the
     forward only), ``aligned`` then covering every page's rows.
@@ -107,6 +112,7 @@ class Call:
     seqlen_k: int | None = None
     aligned: bool = False
     dq_aligned: bool = True
+    dq_aligned_16: bool = False
     scale: float = 1.0
     precision: str = "ieee"
     deterministic: bool = True

@@ -5,7 +5,8 @@ and :attr:`KernelOptions.wgmma <cupyflash._options.KernelOptions.wgmma>` allows
 it (the forward's switch): bwd_simt's delta kernel, the dK/dV kernel (dV then
 dK from head dim 192 on) and the dQ kernel -- or, not deterministic, up to
 head dim 128 and with 8-byte aligned dq rows, the dK/dV kernel that adds dQ by
-atomics.
+atomics (with :attr:`KernelOptions.async_dq <cupyflash._options.KernelOptions.async_dq>`
+and 16-byte aligned dq rows: by bulk asynchronous reductions, ``kGradDQBulk``).
 """
 
 from __future__ import annotations
@@ -16,15 +17,22 @@ from .bwd_mma import BWD_GRAD_DK, BWD_GRAD_DQ_ATOMIC, BWD_GRAD_DV
 from .bwd_simt import BWD_SIMT
 from .fwd_mma import MMA_DTYPES, mma_bucket, whole_blocks
 
-__all__ = ["BWD_WGMMA"]
+__all__ = ["BWD_WGMMA", "BWD_GRAD_DQ_BULK"]
+
+# kGradDQBulk (bwd_blocks.cuh), with BWD_GRAD_DQ_ATOMIC: the dK/dV kernel stages its
+# dQ share in shared memory and adds it by bulk asynchronous reductions.
+BWD_GRAD_DQ_BULK = 8
 
 
-def wgmma_bwd_shared_bytes(head_dim: int, own: int, streamed: int, needs_v: bool, atomic_dq: bool) -> int:
+def wgmma_bwd_shared_bytes(head_dim: int, own: int, streamed: int, needs_v: bool, atomic_dq: bool,
+                           bulk_dq: bool = False) -> int:
     """``WgmmaBwdTraits::kSmemBytes`` (bwd_wgmma.cu): the own tiles (two with ``needs_v``),
     two stages of two streamed tiles and of two floats per streamed row, the dS^T tile
-    with ``atomic_dq``, and 1 KB to align the start to 1024 bytes."""
+    with ``atomic_dq``, the float dQ tile (rows padded by 4 floats) with ``bulk_dq``,
+    and 1 KB to align the start to 1024 bytes."""
     return ((2 if needs_v else 1) * own * head_dim * 2 + 2 * 2 * streamed * head_dim * 2
-            + 2 * 2 * streamed * 4 + (own * streamed * 2 if atomic_dq else 0) + 1024)
+            + 2 * 2 * streamed * 4 + (own * streamed * 2 if atomic_dq else 0)
+            + (streamed * (head_dim + 4) * 4 if bulk_dq else 0) + 1024)
 
 
 class BwdWgmma(Family):
@@ -69,19 +77,23 @@ class BwdWgmma(Family):
         cols = head_dim // (groups // (streamed // 64))
         return cols % 64 == 0 and wgmma_bwd_shared_bytes(head_dim, 64 * groups, streamed, True, True) <= 227 * 1024
 
+    def _bulk_dq(self, head_dim: int, streamed: int, groups: int) -> bool:
+        """Whether an atomic-dQ launch also has room for the float dQ tile of bulk dQ."""
+        return wgmma_bwd_shared_bytes(head_dim, 64 * groups, streamed, True, True, True) <= 227 * 1024
+
     def dq_keys(self, head_dim: int, features: frozenset = frozenset()) -> int:
         """Keys per block of the dQ kernel at compile-time ``head_dim`` (for a call with
         score ``features``)."""
         return self.tile(head_dim, bool(features))[2]
 
     def kernels(self, dtype: str, head_dim: int, deterministic: bool = True, whole_k: bool = False,
-                features: frozenset = frozenset()) -> tuple:
+                features: frozenset = frozenset(), bulk_dq: bool = False) -> tuple:
         """The dK/dV launches (or dV, then dK), then dQ -- or, not ``deterministic`` where
         the dK launch can (:meth:`_atomic_dq`), no dQ kernel.  ``whole_k``: the dQ
         kernel's whole-stream instantiation (``kWholeStream``).  The dK/dV kernels have
         none: at 255 registers, ptxas spent more instructions without their bounds than
         with them.  ``features``: the call's score features (:attr:`feature_tiles`,
-        :attr:`mod_tiles`)."""
+        :attr:`mod_tiles`).  ``bulk_dq``: atomic dQ by bulk reductions where the tile fits."""
         if head_dim not in self.tiles:
             raise ValueError(f"bwd_wgmma has no kernel for head_dim={head_dim}")
         modified = bool(features & set(MOD_FEATURES))
@@ -96,6 +108,8 @@ class BwdWgmma(Family):
         for grads, streamed in launches:
             if atomic and grads & BWD_GRAD_DK:
                 grads |= BWD_GRAD_DQ_ATOMIC
+                if bulk_dq and self._bulk_dq(head_dim, streamed, groups):
+                    grads |= BWD_GRAD_DQ_BULK
             rows.append(self.row("bwd_wgmma_dkdv_kernel", dtype, head_dim, own, streamed, groups, grads,
                                  role=DKDV, block_m=streamed, block_n=own, grads=grads, **common))
         if not atomic:
@@ -105,9 +119,12 @@ class BwdWgmma(Family):
         return tuple(rows)
 
     def build_rows(self):
-        return [r for dtype in MMA_DTYPES for d in self.tiles for deterministic in (True, False)
+        rows = [r for dtype in MMA_DTYPES for d in self.tiles for deterministic in (True, False)
                 for whole in (False, True) for features in ((), ("mask",), ("score_mod",))
                 for r in self.kernels(dtype, d, deterministic, whole, frozenset(features))]
+        # asynchronous dQ (opt-in): the atomic-dQ launches without score features
+        return rows + [r for dtype in MMA_DTYPES for d in self.tiles
+                       for r in self.kernels(dtype, d, False, bulk_dq=True) if r.bulk_dq]
 
     def applies(self, call: Call, arch: int, options) -> bool:
         return options.wgmma and int(arch) == WGMMA_ARCH and mma_bucket(call, arch) in self.tiles
@@ -117,13 +134,13 @@ class BwdWgmma(Family):
         return (BWD_SIMT.delta(call),) + self.kernels(
             call.dtype, bucket, call.deterministic or not call.dq_aligned,
             whole_k=whole_blocks(call.seqlen_k, self.dq_keys(bucket, call.features), call.head_dim, bucket, options),
-            features=call.features)
+            features=call.features, bulk_dq=options.async_dq and call.dq_aligned_16)
 
     def shared_bytes(self, row, sizes: Sizes | None = None) -> int:
         # WgmmaBwdTraits::kSmemBytes; the dK/dV kernel needs V only for dK
         if row.role == DKDV:
             return wgmma_bwd_shared_bytes(row.head_dim, row.block_n, row.block_m, bool(row.grads & BWD_GRAD_DK),
-                                          row.atomic_dq)
+                                          row.atomic_dq, row.bulk_dq)
         return wgmma_bwd_shared_bytes(row.head_dim, row.block_m, row.block_n, True, False)
 
 
