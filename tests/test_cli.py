@@ -41,7 +41,7 @@ def test_the_check_times_the_naive_attention_bench_times(monkeypatch):
     assert calls == [False, False]
 
 
-def _fake_report(archs, rows_in, *, sass=True, sass_text=False, progress=None):
+def _fake_report(archs, rows_in, *, sass=True, sass_text=False, progress=None, launchable=False):
     for done in (1, 2, 3):
         if progress is not None:
             progress(done, 3, ["fwd_simt", "fwd_mma", "bwd_mma"][done - 1], archs[0])

@@ -606,7 +606,10 @@ def _sass_bwd_wgmma(row, sass):
         expected = d // 16 + (streamed // 16 if grads & 1 else 0) + (d // 16 + streamed // 16 if grads & 2 else 0)
         if grads & 4:
             expected += own // 16
-            assert any(k.startswith(("RED", "ATOM")) for k in sass)   # dq += by atomics
+            if grads & 8:   # dq += by bulk reductions (cp.reduce.async.bulk), no atomics
+                assert sass.get("UBLKRED", 0) > 0 and not any(k.startswith(("RED", "ATOM")) for k in sass)
+            else:
+                assert any(k.startswith(("RED", "ATOM")) for k in sass)   # dq += by atomics
     else:
         expected = 2 * d // 16 + row.block_n // 16   # S, dP (d / 16 each), dQ (streamed keys / 16)
     assert sass.get("HGMMA") == expected, (sass.get("HGMMA"), expected)
