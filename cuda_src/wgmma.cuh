@@ -91,6 +91,22 @@ __device__ __forceinline__ void wgmma_wait_all_apart(int uniform, Regs&... regs)
         asm volatile("wgmma.wait_group.sync.aligned 0; // even\n" ::: "memory");
     (pin_registers(regs), ...);
 }
+// Register reallocation between warpgroups (setmaxnreg, sm_90a): every warp of
+// the warpgroup executes the same call, with the same count (a multiple of 8,
+// 24 .. 256).  _dec gives the warp's registers above kRegs back to the CTA's
+// pool; _inc waits until the pool holds enough to raise the warp's count to
+// kRegs.  ptxas compiles the code after the call to kRegs registers.
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+    static_assert(kRegs % 8 == 0 && kRegs >= 24 && kRegs <= 256, "setmaxnreg: a multiple of 8 in 24 .. 256");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+    static_assert(kRegs % 8 == 0 && kRegs >= 24 && kRegs <= 256, "setmaxnreg: a multiple of 8 in 24 .. 256");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(kRegs));
+}
+
 // Orders this thread's generic-proxy shared-memory writes (stores, landed
 // cp.async copies) before later async-proxy reads (wgmma) of that memory.
 __device__ __forceinline__ void fence_proxy_async_shared() {

@@ -108,6 +108,8 @@ CFEMU_API void cfemu_wgmma_fence(void);
 CFEMU_API void cfemu_wgmma_commit(void);
 CFEMU_API void cfemu_wgmma_wait(int n);
 CFEMU_API void cfemu_fence_proxy_async(void);
+// setmaxnreg.inc (inc = 1) or .dec (inc = 0) .sync.aligned.u32 count: a warpgroup collective.
+CFEMU_API void cfemu_setmaxnreg(int inc, int count);
 
 // ---- barriers.cuh: mbarriers, named barriers, bulk reductions (see that header) ----
 enum cfemu_mbar_arrive_kind {

@@ -29,6 +29,16 @@ __device__ __forceinline__ void wgmma_wait(Regs&...) {
 template <typename... Regs>
 __device__ __forceinline__ void wgmma_wait_all_apart(int, Regs&...) { cfemu_wgmma_wait(0); }
 __device__ __forceinline__ void fence_proxy_async_shared() { cfemu_fence_proxy_async(); }
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+    static_assert(kRegs % 8 == 0 && kRegs >= 24 && kRegs <= 256, "setmaxnreg: a multiple of 8 in 24 .. 256");
+    cfemu_setmaxnreg(0, kRegs);
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+    static_assert(kRegs % 8 == 0 && kRegs >= 24 && kRegs <= 256, "setmaxnreg: a multiple of 8 in 24 .. 256");
+    cfemu_setmaxnreg(1, kRegs);
+}
 
 // Two atomic additions; the alignment the vector instruction needs is checked.
 __device__ __forceinline__ void red_add_v2(float* p, float a, float b) {

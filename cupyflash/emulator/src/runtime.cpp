@@ -50,6 +50,18 @@
 //    when bulk.wait_group retires it or the thread exits, in a shuffled element
 //    order.  A thread that exits while a group still reads its source is an
 //    error.
+//  * setmaxnreg (wgmma.cuh, sm_90a) is a warpgroup collective: the 128 threads of
+//    warps 4k..4k+3 meet at the same instruction (call site, action and count).
+//    Errors: an incomplete warpgroup, an exited thread of it, another call site,
+//    action or count in it, a lane of the warp waiting at another collective, a
+//    count outside 24..256 or not a multiple of 8, a .dec that would raise the
+//    warpgroup's count or an .inc that would lower it.  Every warp starts with
+//    the most registers a thread can have at one block of this size per SM
+//    (Launch::reg_start) and the CTA's register pool empty: a .dec gives
+//    (old - new) * 128 registers to the pool, an .inc takes (new - old) * 128 from
+//    it and holds the warpgroup until the pool has them (other threads run on;
+//    a deadlock report names the warpgroup, what it needs and what the pool
+//    holds).  Exiting threads give nothing back.  It orders no memory accesses.
 //  * With race checking on (the kernel module is compiled with
 //    -fsanitize=kernel-address so that every load and store calls a hook below),
 //    every shared-memory byte keeps its last writer and its readers since the last
@@ -283,9 +295,11 @@ float truncated_sum(double c, const double* prod, int k, int extra) {
 
 // NamedWarp: at a named barrier, waiting for the rest of its warp; NamedBar: the
 // warp has arrived at a named_barrier_sync that has not completed; MbarWait: in
-// mbarrier_wait_parity for a phase that has not completed.
-enum class St : uint8_t { Runnable, BlockBar, WarpOp, NamedWarp, NamedBar, MbarWait, Exited };
-enum class Op : uint8_t { None, Syncwarp, Shfl, Vote, Mma, Ldmatrix, Wgmma };
+// mbarrier_wait_parity for a phase that has not completed; RegWait: its whole
+// warpgroup is at a setmaxnreg.inc, waiting for the CTA's register pool.
+enum class St : uint8_t { Runnable, BlockBar, WarpOp, NamedWarp, NamedBar, MbarWait, RegWait, Exited };
+// Setmaxnreg: op_variant is (count << 1) | inc.
+enum class Op : uint8_t { None, Syncwarp, Shfl, Vote, Mma, Ldmatrix, Wgmma, Setmaxnreg };
 
 struct ShflArgs {
     uint64_t in, out;
@@ -556,6 +570,7 @@ const char* op_name(Op op, int variant) {
             int num = variant >> 1, idx = (num == 1 ? 0 : num == 2 ? 1 : 2) * 2 + (variant & 1);
             return names[idx];
         }
+        case Op::Setmaxnreg: return variant & 1 ? "setmaxnreg.inc.sync.aligned.u32" : "setmaxnreg.dec.sync.aligned.u32";
         case Op::None: break;
     }
     return "?";
@@ -607,6 +622,15 @@ struct Launch {
     std::vector<ThreadSync> sync;  // per thread
     bool barriers = false;         // the module uses barriers.cuh
     std::vector<const void*> bar0_sites;  // the call sites of named_barrier_sync(0, all threads)
+
+    // setmaxnreg: each warpgroup's per-thread register count, the CTA's pool,
+    // the warpgroups waiting for it (in the order they got there) and the threads at a
+    // setmaxnreg whose warpgroup has not all arrived.
+    int reg_start = 0;
+    std::vector<int> wg_regs;
+    int64_t reg_pool = 0;
+    std::vector<int> reg_waiting;
+    unsigned at_setmaxnreg = 0;
 
     // scheduling
     Context sched;
@@ -878,9 +902,26 @@ struct Launch {
         switch (g.state) {
             case St::Exited: return "have exited";
             case St::BlockBar: return "wait at " + barrier_site(g.bar_file, g.bar_line);
-            case St::WarpOp:
-                return format("wait at %s with mask 0x%08x%s", op_name(g.op, g.op_variant), g.op_mask,
-                              location(g.op_pc).c_str());
+            case St::WarpOp: {
+                if (g.op != Op::Setmaxnreg)
+                    return format("wait at %s with mask 0x%08x%s", op_name(g.op, g.op_variant), g.op_mask,
+                                  location(g.op_pc).c_str());
+                const int first = (g.warp & ~3) * 32, end = std::min(first + 128, static_cast<int>(nthreads));
+                int arrived = 0;
+                for (int t = first; t < end; ++t)
+                    arrived += fibers[t].state == St::WarpOp && fibers[t].op == Op::Setmaxnreg;
+                return format("wait at %s%s for the rest of warpgroup %d (%d of its 128 threads arrived; the whole "
+                              "warpgroup executes it)",
+                              setmaxnreg_name(g.op_variant).c_str(), location(g.op_pc).c_str(), g.warp / 4, arrived);
+            }
+            case St::RegWait: {
+                const int wg = g.warp / 4, regs = g.op_variant >> 1;
+                return format("wait at %s%s for registers: warpgroup %d (warps %d-%d) needs %lld from the CTA's pool "
+                              "(%d a thread, from %d to %d), which holds %lld",
+                              setmaxnreg_name(g.op_variant).c_str(), location(g.op_pc).c_str(), wg, 4 * wg, 4 * wg + 3,
+                              static_cast<long long>(regs - wg_regs[wg]) * 128, regs - wg_regs[wg], wg_regs[wg], regs,
+                              static_cast<long long>(reg_pool));
+            }
             case St::NamedWarp: {
                 uint32_t lanes = 0;
                 const int base = g.warp * 32;
@@ -2069,6 +2110,122 @@ struct Launch {
         if (!read_only) bulk_perform(f, limit);
     }
 
+    // ---- setmaxnreg (register reallocation between warpgroups, sm_90a) -------------
+    // PTX ISA, "setmaxnreg": the same instruction must be executed by all warps of a
+    // warpgroup (.sync.aligned); the count is "in the range 24 to 256 (both inclusive)
+    // and must be a multiple of 8"; before a .dec the warp's count "should be greater
+    // than or equal to" the new one, before an .inc "less than or equal to" it
+    // ("Otherwise, the behaviour is undefined") -- so an equal count is allowed either
+    // way; "A pool of available registers is maintained per-CTA": a .dec releases the
+    // warp's extra registers to it, an .inc "blocks the execution until enough
+    // registers are available in the CTA's register pool".
+    //
+    // The pool starts empty (the ISA gives it no other registers) and exiting warps
+    // give nothing back to it (the ISA does not say that they do), so a kernel that
+    // counts on either deadlocks here.  What a warpgroup takes, another gave back, and
+    // each warpgroup has one warp in each quarter of the register file: every
+    // quarter holds at most what it held at launch, so an .inc past what a quarter
+    // could hold beside the other warps' counts is one the pool never satisfies --
+    // the deadlock report, no check of its own.  (The ISA also asks the warpgroup to
+    // synchronise explicitly between two setmaxnreg; here they meet at each one anyway,
+    // and a missing synchronisation is not reported.)
+
+    // "setmaxnreg.inc.sync.aligned.u32 232" for an Op::Setmaxnreg variant.
+    static std::string setmaxnreg_name(int variant) {
+        return format("%s %d", op_name(Op::Setmaxnreg, variant), variant >> 1);
+    }
+
+    void setmaxnreg(Fiber* f, bool inc, int regs, const void* pc) {
+        const std::string what = format("%s %d", op_name(Op::Setmaxnreg, inc), regs);
+        // (wgmma.cuh's static_assert refuses such an immediate; the ABI takes any int)
+        if (regs < 24 || regs > 256 || regs % 8)
+            fail(format("%s executes %s%s: the count must be a multiple of 8 in 24..256", who(f->tid).c_str(),
+                        what.c_str(), location(pc).c_str()));
+        const int variant = (regs << 1) | (inc ? 1 : 0);
+        const int wg = f->warp / 4, first = wg * 128;
+        if (first + 128 > static_cast<int>(nthreads))
+            fail(format("%s executes %s%s, but its warpgroup (warps %d-%d) is incomplete: the block has %u threads "
+                        "(%u warps); setmaxnreg is executed by whole warpgroups",
+                        who(f->tid).c_str(), what.c_str(), location(pc).c_str(), 4 * wg, 4 * wg + 3, nthreads,
+                        nwarps));
+        int arrived = 1;
+        for (int t = first; t < std::min(first + 128, static_cast<int>(nthreads)); ++t) {
+            const Fiber& g = fibers[t];
+            if (&g == f) continue;
+            if (g.state == St::Exited)
+                fail(format("%s executes %s%s, but %s of its warpgroup has exited: every thread of warpgroup %d "
+                            "must execute the same setmaxnreg",
+                            who(f->tid).c_str(), what.c_str(), location(pc).c_str(), who(t).c_str(), wg));
+            if (g.state == St::WarpOp && g.op == Op::Setmaxnreg) {
+                if (g.op_variant != variant || g.op_pc != pc)
+                    fail(format("divergent warpgroup: %s executes %s%s while %s of its warpgroup waits at %s%s "
+                                "(%s); every thread of the warpgroup must execute the same setmaxnreg instruction",
+                                who(f->tid).c_str(), what.c_str(), location(pc).c_str(), who(t).c_str(),
+                                setmaxnreg_name(g.op_variant).c_str(), location(g.op_pc).c_str(),
+                                (g.op_variant & 1) != inc       ? "another action"
+                                : (g.op_variant >> 1) != regs ? "another count"
+                                                                : "another call site"));
+                ++arrived;
+                continue;
+            }
+            // A lane of f's warp at a collective that waits for f: neither can complete.
+            if (g.warp == f->warp && ((g.state == St::WarpOp && ((g.op_mask >> f->lane) & 1)) ||
+                                      g.state == St::NamedWarp || g.state == St::BlockBar))
+                fail(format("divergent warp: %s executes %s%s while lane %d of its warp is elsewhere (it would %s); "
+                            "all lanes of a warp execute the same setmaxnreg",
+                            who(f->tid).c_str(), what.c_str(), location(pc).c_str(), g.lane,
+                            waiting_for(g).c_str()));
+        }
+        const int now = wg_regs[wg];
+        if (!inc && regs > now)
+            fail(format("%s executes %s%s, which would raise warpgroup %d's count of %d registers a thread: .dec may "
+                        "only lower it (or keep it)",
+                        who(f->tid).c_str(), what.c_str(), location(pc).c_str(), wg, now));
+        if (inc && regs < now)
+            fail(format("%s executes %s%s, which would lower warpgroup %d's count of %d registers a thread: .inc may "
+                        "only raise it (or keep it)",
+                        who(f->tid).c_str(), what.c_str(), location(pc).c_str(), wg, now));
+        f->state = St::WarpOp;
+        f->op = Op::Setmaxnreg;
+        f->op_variant = variant;
+        f->op_mask = kFullMask;
+        f->op_args = nullptr;
+        f->op_pc = pc;
+        ++at_setmaxnreg;
+        if (arrived == 128) {
+            at_setmaxnreg -= 128;
+            if (!inc) {
+                reg_pool += static_cast<int64_t>(now - regs) * 128;
+                setmaxnreg_done(wg);
+                for (size_t i = 0; i < reg_waiting.size();) {  // the waiting .inc calls the pool now satisfies
+                    if (setmaxnreg_granted(reg_waiting[i]))
+                        reg_waiting.erase(reg_waiting.begin() + static_cast<std::ptrdiff_t>(i));
+                    else
+                        ++i;
+                }
+            } else if (!setmaxnreg_granted(wg)) {
+                for (int t = first; t < first + 128; ++t) fibers[t].state = St::RegWait;
+                reg_waiting.push_back(wg);
+            }
+        }
+        yield(f);
+    }
+
+    // The .inc of warpgroup wg, every thread of which is at it: takes its registers
+    // from the pool if the pool holds them.
+    bool setmaxnreg_granted(int wg) {
+        const int64_t need = static_cast<int64_t>((fibers[wg * 128].op_variant >> 1) - wg_regs[wg]) * 128;
+        if (reg_pool < need) return false;
+        reg_pool -= need;
+        setmaxnreg_done(wg);
+        return true;
+    }
+
+    void setmaxnreg_done(int wg) {
+        wg_regs[wg] = fibers[wg * 128].op_variant >> 1;
+        for (int t = wg * 128; t < wg * 128 + 128; ++t) make_runnable(fibers[t]);
+    }
+
     // ---- threads and blocks -------------------------------------------------
 
     void thread_exit(Fiber* f) {
@@ -2110,6 +2267,15 @@ struct Launch {
                             who(f->tid).c_str(), l, op_name(g.op, g.op_variant), g.op_mask,
                             location(g.op_pc).c_str()));
         }
+        if (at_setmaxnreg && (f->warp & ~3) * 32 + 128 <= static_cast<int>(nthreads))
+            for (int t = (f->warp & ~3) * 32; t < (f->warp & ~3) * 32 + 128; ++t) {
+                const Fiber& g = fibers[t];
+                if (g.state == St::WarpOp && g.op == Op::Setmaxnreg)
+                    fail(format("%s exits while %s of its warpgroup waits for it at %s%s (every thread of the "
+                                "warpgroup must execute the same setmaxnreg)",
+                                who(f->tid).c_str(), who(t).c_str(), setmaxnreg_name(g.op_variant).c_str(),
+                                location(g.op_pc).c_str()));
+            }
         // A named barrier waits for the warp's non-exited lanes: this exit may complete the warp.
         if (at_named) named_warp_arrival(f->warp);
         yield(f);
@@ -2163,6 +2329,10 @@ struct Launch {
         live = nthreads;
         at_bar = 0;
         at_named = 0;
+        wg_regs.assign((nwarps + 3) / 4, reg_start);
+        reg_pool = 0;
+        reg_waiting.clear();
+        at_setmaxnreg = 0;
         run_next.clear();
         for (unsigned t = 0; t < nthreads; ++t) run_next.push_back(static_cast<int>(t));
         int idle_rounds = 0;  // rounds in a row in which every thread that ran only spun
@@ -2291,6 +2461,17 @@ struct Launch {
         rng = d.seed ^ 0x5eedc0ffee123457ull;
         nthreads = d.block[0] * d.block[1] * d.block[2];
         nwarps = (nthreads + 31) / 32;
+        // The registers a thread owns at launch, for setmaxnreg.  A kernel that uses it
+        // is compiled for a fixed count ("launched with a valid value of maximum number
+        // of per-thread registers", PTX ISA); the emulator takes the most a block of
+        // this size can have at one block per SM.  An SM's 65536 registers are in four
+        // quarters of 16384, warp w in quarter w % 4, so the busiest quarter holds
+        // ceil(nwarps / 4) warps of 32 threads: 16384 / (32 * that), rounded down to
+        // a multiple of 8 (registers are allocated 8 a thread at a time) -- 168 for
+        // 288 or 384 threads, as ptxas gives __launch_bounds__(384, 1).  Up to 8 warps
+        // that is 256 or more: ptxas's limit of 255 (R255 is the zero register), which
+        // occupies 256, so the count starts at 256.
+        reg_start = std::min(256, static_cast<int>(16384 / (32 * ((nwarps + 3) / 4))) / 8 * 8);
         const size_t ps = page_size();
         stack_bytes = ((std::max<uint64_t>(d.stack_bytes, 64 * 1024) + ps - 1) / ps) * ps + ps;  // + guard page
         stacks_total = stack_bytes * nthreads;
@@ -2594,6 +2775,11 @@ CFEMU_API void cfemu_fence_proxy_async(void) {
     Launch* L = current_launch("fence.proxy.async");
     ++L->cur->proxy_fences;
     if (L->barriers) L->sync[L->cur->tid].fence_seq = ++L->proxy_seq;
+}
+
+CFEMU_API void cfemu_setmaxnreg(int inc, int count) {
+    Launch* L = current_launch(inc ? "setmaxnreg.inc" : "setmaxnreg.dec");
+    L->setmaxnreg(L->cur, inc != 0, count, __builtin_return_address(0));
 }
 
 CFEMU_API void cfemu_mbar_init(void* bar, uint32_t count) {
