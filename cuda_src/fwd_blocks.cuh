@@ -85,10 +85,16 @@ struct KVPipeline {
     __device__ const T* values() const { return v(stage); }
 
     __device__ void load(T* dst, const KeyRows<T>& src, int64_t row_stride, int n_block) const {
+        load_by<Tr::kThreads>(static_cast<int>(threadIdx.x), dst, src, row_stride, n_block);
+    }
+    // The same by threads 0 .. kCopyThreads - 1 of a group (fwd_wgmma's producer
+    // warpgroup, kRolled: cp_async_tile_by's passes a loop).
+    template <int kCopyThreads, bool kRolled = false>
+    __device__ void load_by(int thread, T* dst, const KeyRows<T>& src, int64_t row_stride, int n_block) const {
         const int64_t n0 = static_cast<int64_t>(n_block) * Tr::kBlockN;
-        cp_async_tile<Tr::kThreads, typename Tr::KVTile, kWholeKV>(dst, src, n0, row_stride,
-                                                         QueryBlock::keys_in(p, n0, Tr::kBlockN),
-                                                         static_cast<int>(p.head_dim));
+        cp_async_tile_by<kCopyThreads, typename Tr::KVTile, kWholeKV, kRolled>(thread, dst, src, n0, row_stride,
+                                                                      QueryBlock::keys_in(p, n0, Tr::kBlockN),
+                                                                      static_cast<int>(p.head_dim));
     }
 
     // Issue the first block's copies (K, and V with two stages) into the caller's open group.

@@ -102,18 +102,26 @@ struct SwizzledTile {
 //
 // src: a pointer, or the pages of a paged cache (paged.cuh): then each row's
 // address comes from its page, one table lookup per row and pass.
-template <int kThreads, class Tile, bool kWhole = false, typename T, class Src>
-__device__ __forceinline__ void cp_async_tile(T* dst, const Src& src, int64_t first_row, int64_t row_stride,
-                                              int rows_valid, int cols_valid) {
+//
+// cp_async_tile_by: the same by threads 0 .. kThreads - 1 of a group that is
+// not the whole CTA (a producer warpgroup: `thread` its index in it).  With
+// fewer than 16 threads per 8 rows, kLanes shrinks so that a pass still covers
+// whole swizzle periods (32 threads, 16 chunks a row: 4 lanes a row, 8 rows a
+// pass).  kRolled: the passes stay a loop (unrolled, they hold a row address
+// each: a producer that gives its registers back would spill them).
+template <int kThreads, class Tile, bool kWhole = false, bool kRolled = false, typename T, class Src>
+__device__ __forceinline__ void cp_async_tile_by(int thread, T* dst, const Src& src, int64_t first_row,
+                                                 int64_t row_stride, int rows_valid, int cols_valid) {
     static_assert(sizeof(T) == 2, "16-bit elements: 8 per 16-byte chunk");
     constexpr int kLanesRaw = Tile::kChunks & -Tile::kChunks;
-    constexpr int kLanes = kLanesRaw < 16 ? kLanesRaw : 16;
+    constexpr int kLanesCap = kThreads / 8 < 16 ? kThreads / 8 : 16;
+    constexpr int kLanes = kLanesRaw < kLanesCap ? kLanesRaw : kLanesCap;
     constexpr int kRowsPerPass = kThreads / kLanes;
     constexpr int kRowPasses = (Tile::kRows + kRowsPerPass - 1) / kRowsPerPass;
     static_assert(kThreads % kLanes == 0 && kRowsPerPass % (Tile::kCols % 64 ? 16 : 8) == 0,
                   "whole rows per pass, and whole swizzle periods (row_pitch)");
-    const int r0 = static_cast<int>(threadIdx.x) / kLanes;
-    const int c0 = static_cast<int>(threadIdx.x) % kLanes;
+    const int r0 = thread / kLanes;
+    const int c0 = thread % kLanes;
     // Bytes of each of the thread's chunks inside a valid row (columns past
     // cols_valid read nothing): the same for every row, so computed once.
     constexpr int kChunksPerLane = Tile::kChunks / kLanes;
@@ -143,7 +151,7 @@ __device__ __forceinline__ void cp_async_tile(T* dst, const Src& src, int64_t fi
         return;
     }
     const T* row = row_at(src, first_row + r0, row_stride) + 8 * c0;
-#pragma unroll
+#pragma unroll(kRolled ? 1 : kRowPasses)
     for (int rp = 0; rp < kRowPasses; ++rp, row += kRowsPerPass * row_stride) {
         const int r = r0 + rp * kRowsPerPass;
         if (Tile::kRows % kRowsPerPass == 0 || r < Tile::kRows) {
@@ -157,6 +165,14 @@ __device__ __forceinline__ void cp_async_tile(T* dst, const Src& src, int64_t fi
             }
         }
     }
+}
+
+// cp_async_tile_by with every thread of the CTA (threadIdx.x).
+template <int kThreads, class Tile, bool kWhole = false, typename T, class Src>
+__device__ __forceinline__ void cp_async_tile(T* dst, const Src& src, int64_t first_row, int64_t row_stride,
+                                              int rows_valid, int cols_valid) {
+    cp_async_tile_by<kThreads, Tile, kWhole>(static_cast<int>(threadIdx.x), dst, src, first_row, row_stride,
+                                             rows_valid, cols_valid);
 }
 
 // ---- warp-level fragments ------------------------------------------------------------------------

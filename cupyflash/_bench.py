@@ -14,7 +14,9 @@ on the GPU
     capability 8.0+ ``cupyflash-tf32`` and ``cupyflash-tf32x3``
     (``precision="tf32"`` / ``"tf32x3"``: fwd_tf32, bwd_tf32),
     on an sm_90 GPU with float16/bfloat16 ``cupyflash-wgmma`` (the Hopper kernels, opt-in:
-    fwd_wgmma, bwd_wgmma) and for backward cases ``cupyflash-wgmma-atomic`` and
+    fwd_wgmma, bwd_wgmma), for forward cases ``cupyflash-wgmma-decoupled`` (fwd_wgmma's
+    warp-specialised rows: a producer warpgroup, mbarriers, the consumers' turns; opt-in)
+    and for backward cases ``cupyflash-wgmma-atomic`` and
     ``cupyflash-wgmma-async-dq`` (dQ by bulk asynchronous reductions, opt-in),
     ``cupyflash-v1`` (Algorithm 1, the fwd_v1 kernel, through
     :func:`cupyflash.reference.flash_attention_v1`), ``cupy-naive`` (matmul,
@@ -315,6 +317,8 @@ def implementations(device: str, case: Case, timing_only: bool = False) -> list[
     # the Hopper wgmma kernels (opt-in until measured), on compute capability 9.0
     if device == "gpu" and case.dtype in ("float16", "bfloat16") and _is_sm90():
         names.append("cupyflash-wgmma")
+        if not case.backward and case.head_dim in (64, 128):   # fwd_wgmma's decoupled rows
+            names.append("cupyflash-wgmma-decoupled")
         if timing_only and not case.backward:
             names += ["cupyflash-wgmma-no-exp", "cupyflash-wgmma-no-copy"]
         if case.backward:
@@ -361,14 +365,15 @@ def prepare(impl: str, case: Case, inputs, device: str):
                                                      deterministic=False),
                 _cupyflash_kernel(case, q, k, v, deterministic=False))
     if impl in ("cupyflash-wgmma", "cupyflash-wgmma-atomic", "cupyflash-wgmma-async-dq", "cupyflash-wgmma-no-exp",
-                "cupyflash-wgmma-no-copy", "cupyflash-dmma"):
+                "cupyflash-wgmma-no-copy", "cupyflash-wgmma-decoupled", "cupyflash-dmma"):
         from ._api import run_attention, run_attention_backward
         from ._options import KernelOptions
 
         deterministic = impl not in ("cupyflash-wgmma-atomic", "cupyflash-wgmma-async-dq")
         env = KernelOptions.from_environment()
         timing = {"cupyflash-wgmma-no-exp": "no-exp", "cupyflash-wgmma-no-copy": "no-copy"}.get(impl)
-        options = (env.replace(wgmma=True, async_dq=impl.endswith("async-dq"), timing=timing)
+        options = (env.replace(wgmma=True, async_dq=impl.endswith("async-dq"), timing=timing,
+                               decoupled=impl.endswith("decoupled"))
                    if impl.startswith("cupyflash-wgmma") else env.replace(dmma=frozenset({"float64", "float32"})))
         kernel = _cupyflash_kernel(case, q, k, v, deterministic=deterministic, options=options)
         if not case.backward:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
-__all__ = ["KernelOptions", "WGMMA_ENV", "DMMA_ENV", "ASYNC_DQ_ENV"]
+__all__ = ["KernelOptions", "WGMMA_ENV", "DMMA_ENV", "ASYNC_DQ_ENV", "DECOUPLED_ENV"]
 
 # The wgmma kernels (fwd_wgmma, bwd_wgmma) have not run on a GPU yet: they are
 # opt-in until the GPU tier has checked them.
@@ -28,6 +28,10 @@ DMMA_ENV = "CUPYFLASH_DMMA"
 # every thread's atomics, deterministic=False): opt-in until a GPU has timed it
 # against the atomics (benchmarks/gpu_first_contact.py's table).
 ASYNC_DQ_ENV = "CUPYFLASH_ASYNC_DQ"
+# fwd_wgmma's warp-specialised form (a producer warpgroup, per-stage mbarriers,
+# the consumer warpgroups' turns by named barriers): opt-in until a GPU has timed
+# it against the coupled kernel (benchmarks/gpu_first_contact.py's table).
+DECOUPLED_ENV = "CUPYFLASH_DECOUPLED"
 
 _TRUE = {"1", "true", "yes", "on"}
 # KernelOptions.timing -> the macro of cuda_src/fwd_wgmma.cu that builds it
@@ -56,6 +60,10 @@ class KernelOptions:
     async_dq : bool, default False
         bwd_wgmma adds dQ (``deterministic=False``) by bulk asynchronous reductions
         from shared memory, where dq's rows start 16-byte aligned.
+    decoupled : bool, default False
+        fwd_wgmma runs its warp-specialised instantiations where they exist (d = 64 and
+        128, no split-KV, no score features, no paged cache): a producer warpgroup
+        copies K and V, the two consumer warpgroups take turns on the tensor cores.
     timing : str or None, default None
         A timing-only build of the forward kernel (:data:`TIMING_BUILDS`: ``"no-exp"``
         without the softmax, ``"no-copy"`` without the K/V copies after the first two
@@ -77,6 +85,7 @@ class KernelOptions:
     whole_blocks: bool = True
     families: tuple = ()
     async_dq: bool = False
+    decoupled: bool = False
     timing: str | None = None
 
     def __post_init__(self):
@@ -97,18 +106,19 @@ class KernelOptions:
 
     @classmethod
     def from_environment(cls, environ=None) -> "KernelOptions":
-        """The options ``CUPYFLASH_WGMMA``, ``CUPYFLASH_DMMA`` and ``CUPYFLASH_ASYNC_DQ``
-        ask for (read now)."""
+        """The options ``CUPYFLASH_WGMMA``, ``CUPYFLASH_DMMA``, ``CUPYFLASH_ASYNC_DQ`` and
+        ``CUPYFLASH_DECOUPLED`` ask for (read now)."""
         env = os.environ if environ is None else environ
         wgmma = env.get(WGMMA_ENV, "").strip().lower() in _TRUE
         async_dq = env.get(ASYNC_DQ_ENV, "").strip().lower() in _TRUE
+        decoupled = env.get(DECOUPLED_ENV, "").strip().lower() in _TRUE
         words = {w.strip() for w in env.get(DMMA_ENV, "").lower().split(",")}
         dmma = set()
         if words & (_TRUE | {"float64", "all"}):
             dmma.add("float64")
         if words & {"float32", "all"}:
             dmma.add("float32")
-        return cls(wgmma=wgmma, dmma=frozenset(dmma), async_dq=async_dq)
+        return cls(wgmma=wgmma, dmma=frozenset(dmma), async_dq=async_dq, decoupled=decoupled)
 
     def replace(self, **changes) -> "KernelOptions":
         """A copy with ``changes`` (as :func:`dataclasses.replace`)."""

@@ -79,8 +79,9 @@ CATALOGUE = {
     "fwd_combine": (4, ALL, EVERY_ARCH, True),
     "fwd_mma": (None, HALF_SET, SM80_ON, False),                    # each arch class its tiles
     # two dtypes; split-KV and whole-KV rows; each family's other tile at d = 128 for calls
-    # with score features (feature_tiles)
-    "fwd_wgmma": (2 * 3 * (len(WGMMA_HEAD_DIMS) + 1), HALF_SET, {90}, True),
+    # with score features (feature_tiles); decoupled rows (bounds-checked and whole-KV) at
+    # d = 64 and 128 (KernelOptions.decoupled)
+    "fwd_wgmma": (2 * 3 * (len(WGMMA_HEAD_DIMS) + 1) + 2 * 2 * 2, HALF_SET, {90}, True),
     "fwd_dmma": ((len(DMMA_HEAD_DIMS) + 1) * len(DMMA_DTYPES), DMMA_SET, set(DMMA_ARCHS), True),
     # fwd_tf32 also its d = 64 tile for calls over a paged KV cache (paged_tiles)
     "fwd_tf32": ((len(TF32_HEAD_DIMS) + 2) * len(TF32_PASSES), TF32_SET, SM80_ON, True),
@@ -161,8 +162,9 @@ def _own_streamed(row):
 # family's own limit on it in KB).  The shared memory is each kernel's kSmemBytes.
 LAUNCH = {
     "fwd_mma": (lambda r: r.threads, lambda r: (r.block_m + 2 * r.kv_stages * r.block_n) * r.head_dim * 2, 227),
-    "fwd_wgmma": (lambda r: 2 * r.block_m,
-                  lambda r: (r.block_m + 4 * r.block_n) * r.head_dim * 2 + 1024, 227),
+    # (the decoupled rows: a producer warpgroup, and 8 mbarriers after the tiles)
+    "fwd_wgmma": (lambda r: 2 * r.block_m + 128 * r.decoupled,
+                  lambda r: (r.block_m + 4 * r.block_n) * r.head_dim * 2 + 1024 + 64 * r.decoupled, 227),
     # Q, K, V tiles of doubles; float32 is widened on the way in: Q and one K/V buffer
     "fwd_dmma": (lambda r: r.threads,
                  lambda r: (r.block_m + (2 if r.dtype == "float64" else 1) * r.block_n) * r.head_dim * 8, 99),
@@ -689,8 +691,11 @@ class ForwardRun:
     seed: object
     windows: tuple
     archs: tuple = (80,)
-    options: KernelOptions = DEFAULT
+    options: object = DEFAULT   # KernelOptions, or a function of the row
     precision: object = lambda row: "ieee"
+
+    def options_for(self, row) -> KernelOptions:
+        return self.options(row) if callable(self.options) else self.options
 
 
 def _tails(row):
@@ -724,7 +729,8 @@ FORWARD_RUNS = {
     "fwd_simt": ForwardRun(lambda r: (37, 45) + _SIMT_DIMS[r.head_dim] + (2,),
                            lambda r: _SIMT_DIMS[r.head_dim][0] * 1000 + _SIMT_DIMS[r.head_dim][1], (FULL,)),
     "fwd_mma": ForwardRun(_mma_tails, lambda r: r.head_dim * 7 + r.block_n, (CAUSAL,), archs=(80, 86, 90)),
-    "fwd_wgmma": ForwardRun(_wgmma_tails, lambda r: r.head_dim, (FULL, CAUSAL), archs=(90,), options=WGMMA),
+    "fwd_wgmma": ForwardRun(_wgmma_tails, lambda r: r.head_dim, (FULL, CAUSAL), archs=(90,),
+                            options=lambda r: WGMMA.replace(decoupled=r.decoupled)),
     "fwd_dmma": ForwardRun(_tails, lambda r: r.head_dim, (CAUSAL, FULL), options=DMMA),
     "fwd_tf32": ForwardRun(_tails, lambda r: r.head_dim, (CAUSAL, FULL),
                            precision=lambda r: next(p for p, n in TF32_PASSES.items() if n == r.passes)),
@@ -750,16 +756,17 @@ def test_forward_every_instantiation_matches_oracle_with_tails(executors, row):
     precision = run.precision(row)
     call = Call(row.dtype, d, dv, seqlen_q=seqlen_q, seqlen_k=seqlen_k, aligned=_run.rows_aligned(q, k, v),
                 scale=1 / math.sqrt(d), precision=precision, split=row.split)
-    arch = next((a for a in run.archs if select(FORWARD, call, a, run.options) == (row,)), None)
+    options = run.options_for(row)
+    arch = next((a for a in run.archs if select(FORWARD, call, a, options) == (row,)), None)
     assert arch is not None, f"no arch of {run.archs} selects {row.name_expression}"
     splits = 3 if row.split else 1
     for window in run.windows:
         spy = LaunchSpy(executors[arch])
         if dtype.itemsize == 2:
-            run_half_forward(spy, q, k, v, window=window, family=row.family.name, splits=splits, options=run.options)
+            run_half_forward(spy, q, k, v, window=window, family=row.family.name, splits=splits, options=options)
         else:
             forward_against_oracle(spy, q, k, v, window=window, precision=precision,
-                                   options=run.options.replace(splits=splits))
+                                   options=options.replace(splits=splits))
         assert spy.launched[0] == row.name_expression, spy.launched
         assert len(spy.launched) == 1 + (splits > 1), spy.launched
 

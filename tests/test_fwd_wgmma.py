@@ -29,7 +29,7 @@ from _emulator_util import bf16_round, planted_params
 from _kernel_util import (HALF_DTYPES, HALF_IDS, PROBE, PROBE_SHARED, PRODUCT_FORMS, PRODUCT_SHARED,
                           PRODUCT_THREADS, PRODUCTS, check_product, compile_planted_sm90a, needs_emulator,
                           product_case, qkv, run_half_forward)
-from _util import poisoned, random_array, wgmma_hazard_notes, wgmma_module_log
+from _util import LaunchSpy, poisoned, random_array, wgmma_hazard_notes, wgmma_module_log
 
 WGMMA = KernelOptions(wgmma=True)
 
@@ -188,10 +188,15 @@ def test_without_lse_and_growing_row_maxima(ex90):
 def test_wgmma_rows_are_in_the_catalogue_table():
     rows = FWD_WGMMA.rows
     assert set(FWD_WGMMA.tiles) == set(WGMMA_HEAD_DIMS) == {r.head_dim for r in rows}
-    # each split-KV and whole-KV row, per dtype and head dim (and d = 128's feature tile)
-    assert (sum(r.split for r in rows) == sum(r.whole_kv for r in rows)
+    # each split-KV and whole-KV row, per dtype and head dim (and d = 128's feature tile);
+    # the decoupled rows, bounds-checked and whole-KV, per dtype at d = 64 and 128
+    coupled = [r for r in rows if not r.decoupled]
+    assert (sum(r.split for r in coupled) == sum(r.whole_kv for r in coupled)
             == 2 * (len(WGMMA_HEAD_DIMS) + len(FWD_WGMMA.feature_tiles)))
     assert not any(r.split and r.whole_kv for r in rows)
+    decoupled = [(r.dtype, r.head_dim, r.whole_kv) for r in rows if r.decoupled]
+    assert sorted(decoupled) == sorted((t, d, w) for t in ("float16", "bfloat16") for d in (64, 128)
+                                       for w in (False, True))
 
 
 @needs_emulator
@@ -225,3 +230,65 @@ def test_timing_only_builds_run_and_leave_out_what_they_say(ex90, timing):
     assert not np.allclose(out.astype(np.float64), expected, atol=0.05, equal_nan=False)
     with pytest.raises(ValueError, match="`timing`"):
         KernelOptions(timing="no-softmax")
+
+
+# ---- the decoupled (warp-specialised) kernel: KernelOptions.decoupled -------------------------------
+
+DECOUPLED = WGMMA.replace(decoupled=True)
+
+
+def _forward_once(executor, q, k, v, options, window):
+    spy = LaunchSpy(executor)
+    out, lse = run_half_forward(spy, q, k, v, window=window, family="fwd_wgmma", options=options)
+    (name,) = spy.launched
+    return name, out, lse
+
+
+@needs_emulator
+@pytest.mark.parametrize("accumulation", ["exact", "truncate:3"])
+def test_decoupled_rows_match_the_coupled_kernel_bit_for_bit(accumulation):
+    # The producer warpgroup, the full/empty mbarriers and the warpgroups' turns change
+    # when each product runs, not what it computes: the same outputs, bit for bit, under
+    # both accumulation models, with the emulator's strict checks (shuffled threads, races,
+    # mbarrier phases, named barriers, setmaxnreg).  Six key blocks: each stage's barriers
+    # go through three phases (parity 0, 1, 0); causal CTAs see 1 to 6 blocks; d = 64 with
+    # whole key blocks and a window; rows with no key at all (every block skipped).
+    ex = EmulatorExecutor(arch=90, seed=3290, shuffle=True, race_check=True, accumulation=accumulation)
+    rng = np.random.default_rng(32)
+    cases = [(np.float16, 150, 5 * 128 + 3, 128, (None, None)), (np.float16, 150, 5 * 128 + 3, 128, (None, 0)),
+             (HALF_DTYPES[-1], 140, 4 * 128, 64, (20, 5)), (np.float16, 300, 40, 64, (None, 0))]
+    for dtype, lq, lk, d, window in cases:
+        q, k, v = qkv(rng, dtype, seqlen_q=lq, seqlen_k=lk, head_dim=d)
+        name, out, lse = _forward_once(ex, q, k, v, DECOUPLED, window)
+        assert name.endswith(", true>") and FWD_WGMMA.plan(_call_of(q, k, window), 90, DECOUPLED)[0].decoupled
+        coupled, out_c, lse_c = _forward_once(ex, q, k, v, WGMMA, window)
+        assert coupled != name
+        np.testing.assert_array_equal(out, out_c)
+        np.testing.assert_array_equal(lse, lse_c)
+
+
+def _call_of(q, k, window):
+    from cupyflash._families import Call
+    d = q.shape[-1]
+    return Call(np.dtype(q.dtype).name, d, d, seqlen_q=q.shape[2], seqlen_k=k.shape[2],
+                aligned=_run.rows_aligned(q, k), scale=d ** -0.5)
+
+
+def test_decoupled_is_opt_in_and_only_where_it_has_rows():
+    # CUPYFLASH_DECOUPLED (KernelOptions.decoupled); d = 64 and 128 only, and not for
+    # split-KV, score features, a paged cache or a timing-only build: those keep the
+    # coupled rows.
+    from cupyflash._families import Call
+    from cupyflash._options import DECOUPLED_ENV
+    assert KernelOptions.from_environment({DECOUPLED_ENV: "1"}).decoupled
+    assert not KernelOptions.from_environment({}).decoupled
+    for d in WGMMA_HEAD_DIMS:
+        call = Call("bfloat16", d, d, seqlen_q=1000, seqlen_k=1000, aligned=True, scale=d ** -0.5)
+        (row,) = FWD_WGMMA.plan(call, 90, DECOUPLED)
+        assert row.decoupled == (d in (64, 128)) and row.threads == 256 + 128 * row.decoupled
+        assert not FWD_WGMMA.plan(call, 90, WGMMA)[0].decoupled
+        for other in ({"split": True}, {"features": frozenset({"bias"})}, {"paged": True}):
+            assert not FWD_WGMMA.plan(Call(**{**call.__dict__, **other}), 90, DECOUPLED)[0].decoupled
+        assert not FWD_WGMMA.plan(call, 90, DECOUPLED.replace(timing="no-exp"))[0].decoupled
+    with pytest.raises(ValueError, match="no decoupled instantiation"):
+        FWD_WGMMA.make_row("float16", 192, decoupled=True)

@@ -14,7 +14,8 @@ descriptor or layout.  The backward: bwd_wgmma's
 head dims (padded ones too) with GQA, tails, causal and window masks, both
 deterministic, with dQ by atomics and by bulk reductions, against the float64 oracle
 (tests/_backward_util.py's check_gradients); deterministic runs bit-identical and
-dK, dV the same bit for bit either way.  Skipped on other GPUs.
+dK, dV the same bit for bit either way.  The decoupled forward (CUPYFLASH_DECOUPLED)
+bit-identical to the coupled one.  Skipped on other GPUs.
 """
 
 from __future__ import annotations
@@ -148,6 +149,31 @@ def test_rows_with_no_key_gqa_and_strided_views(rng, launched, dtype):  # noqa: 
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=HALF_IDS)
 def test_long_sequence_d128_against_float32_reference_and_bit_identical(launched, dtype, causal):  # noqa: F811
     check_long_sequence(launched, dtype, causal, "cf::fwd_wgmma_kernel")
+
+
+@pytest.mark.parametrize("shape_q, shape_k, causal",
+                         [((2, 3, 200, 64), (2, 3, 331, 64), False), ((2, 3, 300, 128), (2, 3, 170, 128), True),
+                          ((1, 4, 150, 128), (1, 4, 1027, 128), True), ((4, 16, 8192, 128), (4, 16, 8192, 128), False),
+                          ((4, 16, 8192, 128), (4, 16, 8192, 128), True)],
+                         ids=["d64-tails", "d128-lq>lk-causal", "d128-9-blocks-causal", "L8192", "L8192-causal"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=HALF_IDS)
+def test_decoupled_forward_is_bit_identical_to_the_coupled_kernel(monkeypatch, rng, launched, dtype, shape_q,
+                                                                   shape_k, causal):  # noqa: F811
+    # CUPYFLASH_DECOUPLED: the producer warpgroup, mbarriers and the warpgroups' turns order
+    # the same products differently in time only -- the outputs of the coupled kernel, bit
+    # for bit, and the decoupled row is the one that ran.
+    from cupyflash._options import DECOUPLED_ENV
+    q, k, v = (cp.asarray(random_array(rng, shape, dtype)) for shape in (shape_q, shape_k, shape_k))
+    outs = []
+    for decoupled in (True, False):
+        monkeypatch.setenv(DECOUPLED_ENV, "1" if decoupled else "0")
+        out, lse = cupyflash.attention(q, k, v, causal=causal, return_lse=True, backend="cuda")
+        outs.append((cp.asnumpy(out), cp.asnumpy(lse)))
+    assert [n.endswith(", true>") for n in launched] == [True, False], launched
+    assert outs[0][0].tobytes() == outs[1][0].tobytes() and outs[0][1].tobytes() == outs[1][1].tobytes()
+    if shape_q[2] < 8192:
+        check_against_oracle(*outs[0], cp.asnumpy(q), cp.asnumpy(k), cp.asnumpy(v),
+                             window=(None, 0) if causal else (None, None))
 
 
 # ---- bwd_wgmma ---------------------------------------------------------------------------------

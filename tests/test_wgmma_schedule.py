@@ -10,7 +10,10 @@ longer ran beside the tensor cores).  These tests read the compiled loop:
   (``... 0x0``) -- the softmax overlaps P V;
 - fwd_wgmma and the deterministic bwd_wgmma dK/dV kernels: at most 40
   instructions from the main loop's barrier to its first HGMMA -- the copies of
-  the next block are issued behind the products, not before them.
+  the next block are issued behind the products, not before them;
+- fwd_wgmma's decoupled rows: every copy in the producer warpgroup's code, after
+  it gives its registers back; the consumers' loop waits on mbarriers and named
+  barriers, never on the whole CTA.
 
 The SASS comes from the static report (NVRTC for sm_90a, cuobjdump), the text
 ``python -m cupyflash kernels --arch sm_90a --sass NAME`` prints.
@@ -70,6 +73,28 @@ def test_forward_loop_issues_its_products_right_after_the_barrier(report):
         wait_s = code.index("WARPGROUP.DEPBAR.LE gsb0, 0x1")
         gap = barrier_to_first_hgmma(code, loop_barrier(code, wait_s))
         assert gap <= MAX_BARRIER_TO_HGMMA, (inst.name_expression, gap)
+
+
+def test_decoupled_forward_leaves_the_copies_to_its_producer(report):
+    # KernelOptions.decoupled rows: the producer warpgroup gives its registers back
+    # (USETMAXREG.DEALLOC to 40) and issues every copy; the consumers raise theirs
+    # (TRY_ALLOC to 232), wait on mbarriers (SYNCS.PHASECHK) and on their turns (named
+    # barriers), and no longer on the whole CTA: one CTA barrier in the kernel, the one
+    # that publishes the mbarriers' initialisation.  No copy in the consumers' main loop.
+    rows = [r for r in FWD_ROWS if r.decoupled]
+    assert len(rows) == 8
+    for inst in rows:
+        code = _report.sass_instructions(report[inst.name_expression]["sass_text"])
+        (dealloc,) = [i for i, x in enumerate(code) if x.startswith("USETMAXREG.DEALLOC")]
+        (alloc,) = [i for i, x in enumerate(code) if x.startswith("USETMAXREG.TRY_ALLOC")]
+        assert code[dealloc].endswith(" 0x28") and code[alloc].endswith(", 0xe8"), (code[dealloc], code[alloc])
+        copies = [i for i, x in enumerate(code) if x.startswith("LDGSTS")]
+        assert copies and min(copies) > dealloc, inst.name_expression
+        assert code.count("BAR.SYNC.DEFER_BLOCKING 0x0") == 1, inst.name_expression
+        wait_s = code.index("WARPGROUP.DEPBAR.LE gsb0, 0x1")
+        turn = loop_barrier(code, wait_s)
+        assert code[turn] != "BAR.SYNC.DEFER_BLOCKING 0x0" and "PHASECHK" in " ".join(code[alloc:turn])
+        assert not any(x.startswith("LDGSTS") for x in code[turn:code.index("WARPGROUP.DEPBAR.LE gsb0, 0x0", wait_s)])
 
 
 def test_dkdv_loop_issues_its_products_right_after_the_barrier(report):

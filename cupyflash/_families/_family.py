@@ -68,6 +68,7 @@ class Instantiation:
     whole_kv: bool = False  # streamed copies without bounds (whole blocks, d == bucket)
     passes: int = 0        # TF32 MMAs per product (1: "tf32", 3: "tf32x3")
     grads: int = 0         # dK/dV kernels: which gradients (BWD_GRAD_* bits)
+    decoupled: bool = False  # warp-specialised: a producer warpgroup copies, mbarriers (fwd_wgmma)
     name_expression: str = field(init=False, compare=False)
 
     def __post_init__(self):

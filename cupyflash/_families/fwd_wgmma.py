@@ -48,23 +48,36 @@ class FwdWgmma(Family):
     # sm_90a; 64 keys: no spills with any of issue 29's examples, nor with two biases
     # and a mask; benchmarks/results/terms/).
     feature_tiles = {128: (64, 2, True)}
+    # Head dims with a decoupled (warp-specialised) instantiation, KernelOptions.decoupled:
+    # the tiles above plus a producer warpgroup (384 threads; setmaxnreg leaves the
+    # consumers 232 registers, the producer 40), for calls without split-KV, score
+    # features or a paged cache.  No spills (NVRTC 13.5 and 13.0, sm_90a).
+    decoupled_head_dims = (64, 128)
 
     def make_row(self, dtype: str, head_dim: int, split: bool = False, whole_kv: bool = False,
-                 features: bool = False):
-        """``fwd_wgmma_kernel<T, head_dim, block_n, warpgroups, lazy_rescale[, split[, whole_kv]]>``."""
+                 features: bool = False, decoupled: bool = False):
+        """``fwd_wgmma_kernel<T, head_dim, block_n, warpgroups, lazy_rescale[, split[, whole_kv[,
+        decoupled]]]>``."""
         if split and whole_kv:
             raise ValueError("fwd_wgmma has no split-KV instantiation with whole K/V blocks")
+        if decoupled and (split or features or head_dim not in self.decoupled_head_dims):
+            raise ValueError(f"fwd_wgmma has no decoupled instantiation for split={split}, "
+                             f"features={features}, head_dim={head_dim}")
         block_n, groups, lazy = self.tile(head_dim, features)
-        tail = (True,) if split else (False, True) if whole_kv else ()
+        tail = ((False, whole_kv, True) if decoupled else (True,) if split else (False, True) if whole_kv
+                else ())
         return self.row("fwd_wgmma_kernel", dtype, head_dim, block_n, groups, lazy, *tail, role=FORWARD,
-                        dtype=dtype, head_dim=head_dim, head_dim_v=head_dim, threads=128 * groups,
+                        dtype=dtype, head_dim=head_dim, head_dim_v=head_dim,
+                        threads=128 * groups + (128 if decoupled else 0),
                         block_m=64 * groups, block_n=block_n, kv_stages=2, lazy_rescale=lazy, split=split,
-                        whole_kv=whole_kv)
+                        whole_kv=whole_kv, decoupled=decoupled)
 
     def build_rows(self):
-        return [self.make_row(dtype, d, split, whole_kv, features) for features in (False, True)
-                for split, whole_kv in ((False, False), (True, False), (False, True))
-                for dtype in MMA_DTYPES for d in self.tiles]
+        return ([self.make_row(dtype, d, split, whole_kv, features) for features in (False, True)
+                 for split, whole_kv in ((False, False), (True, False), (False, True))
+                 for dtype in MMA_DTYPES for d in self.tiles]
+                + [self.make_row(dtype, d, whole_kv=whole_kv, decoupled=True) for whole_kv in (False, True)
+                   for dtype in MMA_DTYPES for d in self.decoupled_head_dims])
 
     def applies(self, call: Call, arch: int, options) -> bool:
         return (options.wgmma and int(arch) == WGMMA_ARCH and folds_scale(call.scale)
@@ -75,12 +88,15 @@ class FwdWgmma(Family):
         features = bool(call.features)
         whole_kv = not call.split and whole_blocks(call.seqlen_k, self.tile(bucket, features)[0], call.head_dim,
                                                    bucket, options)
-        return (self.make_row(call.dtype, bucket, call.split, whole_kv, features),)
+        decoupled = (options.decoupled and options.timing is None and bucket in self.decoupled_head_dims
+                     and not (call.split or features or call.paged))
+        return (self.make_row(call.dtype, bucket, call.split, whole_kv, features, decoupled),)
 
     def shared_bytes(self, row, sizes: Sizes | None = None) -> int:
-        # WgmmaFwdTraits::kSmemBytes: Q, then 2 x (K, V), 16-bit elements, and 1 KB
-        # to align the tiles to 1024 bytes.
-        return (row.block_m + 2 * row.kv_stages * row.block_n) * row.head_dim * 2 + 1024
+        # WgmmaFwdLaunch::kSmemBytes: Q, then 2 x (K, V), 16-bit elements, and 1 KB
+        # to align the tiles to 1024 bytes; the decoupled kernel's 8 mbarriers after them.
+        return ((row.block_m + 2 * row.kv_stages * row.block_n) * row.head_dim * 2 + 1024
+                + (64 if row.decoupled else 0))
 
 
 FWD_WGMMA = FwdWgmma()

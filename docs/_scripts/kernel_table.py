@@ -122,6 +122,8 @@ def _tile(row: dict) -> str:
         return f"{inst.block_m}×{inst.block_n}, {inst.threads // 32} warps, {inst.kv_stages} stage{plural}{lazy}{split}"
     if family == "fwd_wgmma":
         lazy = ", lazy rescale" if inst.lazy_rescale else ""
+        if inst.decoupled:   # a producer warpgroup besides the two that compute
+            return f"{inst.block_m}×{inst.block_n}, 2 warpgroups + producer{lazy}{split}, decoupled"
         return f"{inst.block_m}×{inst.block_n}, {inst.threads // 128} warpgroups{lazy}{split}"
     if family == "bwd_mma":
         own, streamed = _own_streamed(inst)
