@@ -38,7 +38,7 @@ AT_LINE = r"\S*barriers_planted\.cu:\d+"
 MBAR_FAULTS = 19
 KERNELS = (["mbar_script"] + [f"mbar_fault<{k}>" for k in range(MBAR_FAULTS)]
            + [f"mbar_pipeline<{k}>" for k in range(5)] + [f"mbar_handoff<{k}>" for k in range(3)]
-           + [f"named_pingpong<{k}>" for k in range(3)] + [f"named_fault<{k}>" for k in range(10)]
+           + [f"named_pingpong<{k}>" for k in range(3)] + [f"named_fault<{k}>" for k in range(11)]
            + [f"bulk_sum<{k}>" for k in range(11)])
 
 
@@ -578,6 +578,8 @@ NAMED_CHECKS = [
         + r", where 64 of 96 threads arrived \(warps 0-1\); threads 64-95 have exited\)"),
     (8, r"warp 0 arrives twice at named barrier 1 \(64 threads\) before it completes \(named_barrier_arrive at "
         + AT_LINE),
+    (10, r"named barrier 1 still has 32 of its 64 threads arrived when the block ends \(first arrival at "
+         + AT_LINE + r"\): a bar\.arrive no bar\.sync completed"),
 ]
 
 

@@ -62,6 +62,50 @@ def test_planted_register_and_shared_memory_faults_are_reported(probe_ex, regs_a
         _probe(probe_ex, regs_a, flags)
 
 
+HANDOFF = str(Path(__file__).resolve().parent / "emulator_planted" / "wgmma_handoff_planted.cu")
+HANDOFF_SHARED = 2 * 64 * 64 * 2 + 16 + 1024
+
+
+def _handoff(executor, fault):
+    inp = np.random.default_rng(33).standard_normal(3072).astype(np.float32)
+    out = np.full(2 * 64 * 64, np.nan, np.float32)
+    executor.launch(HANDOFF, f"wgmma_handoff<{fault}>", 1, 256, HANDOFF_SHARED,
+                    planted_params(inp, out, None, 0, 0))
+    return inp, out.reshape(2, 64, 64)
+
+
+@pytest.fixture(scope="module")
+def handoff_ex():
+    e = EmulatorExecutor(arch=90, seed=7, shuffle=True, race_check=True)
+    e.compile(HANDOFF, [f"wgmma_handoff<{k}>" for k in range(3)])
+    return e
+
+
+def test_a_wgmma_buffer_handed_over_by_mbarriers_matches_numpy(handoff_ex):
+    # the producer/consumer protocol of the decoupled forward, in miniature: correct
+    inp, out = _handoff(handoff_ex, 0)
+    a = bf16_round(inp[:1024]).reshape(64, 16).astype(np.float64)
+    for r in range(2):
+        b = bf16_round(inp[1024 * (1 + r):1024 * (2 + r)]).reshape(16, 64).astype(np.float64)
+        np.testing.assert_allclose(out[r], a @ b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("fault, match", [
+    # (found from either side: the write after the re-read, or the re-read after the write)
+    (1, r"shared-memory race .*(thread \(0,0,0\) \[warp 0, lane 0\] read at \S*wgmma_handoff_planted\.cu:\d+|"
+        r"in wgmma \(its reads last until the wgmma\.wait_group that retires it\))"),
+    (2, r"whose fence\.proxy\.async after that write does not happen before the read"),
+], ids=["released-before-the-wait", "fence-after-the-arrival"])
+def test_a_hand_off_that_only_the_schedule_saves_is_reported(handoff_ex, fault, match):
+    # The emulator's schedule lands nothing early here (the producer writes the buffer
+    # again only after the consumers ran on; the later fence comes before the second read),
+    # so only the happens-before checks can see these: the wgmma's reads last until each
+    # warp retires them, and the writer's fence must come before the release the reader
+    # acquired.
+    with pytest.raises(EmulatorError, match=match):
+        _handoff(handoff_ex, fault)
+
+
 def test_the_checked_probe_without_faults_still_matches_numpy(probe_ex):
     # the fence snapshot, the poison check and the last-retirement check pass a correct kernel
     inp = np.random.default_rng(21).standard_normal(2048).astype(np.float32)

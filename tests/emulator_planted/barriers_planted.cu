@@ -296,6 +296,7 @@ __global__ void named_pingpong(const PlantedParams p) {
 //   7  deadlock: warps 0-1 sync on barrier 1 with a count of 96
 //   8  warp 0 arrives twice on barrier 1 (64 threads) before it completes
 //   9  warp 0 syncs on barrier 0 with 64 threads while warps 1-2 wait at __syncthreads()
+//  10  warp 0 arrives on barrier 1 (64 threads) and no warp ever syncs there
 // 96 threads (3 warps).
 template <int kFault>
 __global__ void named_fault(const PlantedParams p) {
@@ -341,6 +342,9 @@ __global__ void named_fault(const PlantedParams p) {
                 cf::named_barrier_sync(0, 64);
             else
                 __syncthreads();
+            break;
+        case 10:
+            if (w == 0) cf::named_barrier_arrive(1, 64);
             break;
     }
 }

@@ -40,7 +40,8 @@
 //    deadlock naming the warp's arrived lanes), then the warp counts 32
 //    threads; a sync waits for `threads`.  Errors: id outside 0..15, a count
 //    not a multiple of 32 or above the block's, one id with two counts at once,
-//    a warp arriving twice before the barrier completes.  named_barrier_sync(0,
+//    a warp arriving twice before the barrier completes, a barrier with
+//    arrivals no sync completed when the block ends.  named_barrier_sync(0,
 //    all threads) is __syncthreads() at its own call site; any other use of
 //    barrier 0 while threads wait at __syncthreads() is an error.
 //  * Bulk reductions (cp.reduce.async.bulk ... add.f32) are queued per thread
@@ -76,7 +77,13 @@
 //    the clocks of its readers (an interned set of (thread, clock) pairs).  The
 //    async proxy's reads (wgmma, bulk reductions) need a fence.proxy.async by
 //    the writer after the write (for copies landed through an mbarrier: by the
-//    issuing or the reading thread after they landed).
+//    issuing or the reading thread after they landed); with vector clocks that
+//    fence must happen before the read (before the release the reader
+//    acquired, not merely before the read in the emulator's schedule).  A
+//    wgmma's shared operands are read at its issue and again at each warp's
+//    retirement (by the warp's lane 0, the reader of record): a write to them
+//    must be ordered after the wgmma.wait_group that retires them, so a buffer
+//    released before that wait is a race.
 //  * A fault in kernel code (an out-of-bounds global access, a stack overflow
 //    into a fiber's guard page) is caught by a SIGSEGV/SIGBUS handler and becomes
 //    an error; so does a thread that runs 2^30 instrumented memory accesses
@@ -339,6 +346,9 @@ struct WgmmaRead {
     std::vector<char> bytes;
     const void* pc;
     int retired = 0;  // threads of the warpgroup that have retired it
+    // With race checking: the offsets each warp's reader of record (its lane 0) read, A's
+    // rows of the warp and all of B; read again, as that thread, when it retires the group.
+    std::vector<size_t> a_off[4], b_off;
 };
 // One thread's part of a wgmma in flight (issued, its group not retired).
 struct WgmmaPending {
@@ -471,6 +481,10 @@ struct ThreadSync {
     std::vector<BulkOp> bulk;
     uint32_t bulk_committed = 0;
     uint32_t clock = 1;             // its own entry of its vector clock (modules with barriers.cuh)
+    // With vector clocks: its clock at each fence.proxy.async of this block (the first at
+    // index fence_base: Fiber::proxy_fences when the block started).
+    std::vector<uint32_t> fence_clocks;
+    uint32_t fence_base = 0;
 };
 
 // What one shared-memory byte remembers since the last __syncthreads().
@@ -1443,6 +1457,19 @@ struct Launch {
             fail(format("%s reads shared offset %zu, written by %s%s, which ran no fence.proxy.async "
                         "after that write: %s (async proxy) may not see it%s",
                         what, off, who(s.w_tid).c_str(), location(s.w_pc).c_str(), engine, location(pc).c_str()));
+        // With vector clocks, the writer's first fence after the write must happen before
+        // the read: fenced before the release the reader acquired, not merely by now.
+        if (hb && s.w_epoch == epoch && s.w_tid != reader.tid) {
+            const ThreadSync& ws = sync[s.w_tid];
+            const size_t k = s.w_proxy - ws.fence_base;
+            if (s.w_proxy >= ws.fence_base && k < ws.fence_clocks.size() &&
+                !ordered(&reader, s.w_tid, ws.fence_clocks[k]))
+                fail(format("%s reads shared offset %zu, written by %s%s, whose fence.proxy.async after that "
+                            "write does not happen before the read (it came after the arrival or barrier that "
+                            "ordered the write before %s): %s (async proxy) may not see it%s",
+                            what, off, who(s.w_tid).c_str(), location(s.w_pc).c_str(), who(reader.tid).c_str(),
+                            engine, location(pc).c_str()));
+        }
     }
 
     void finish_wgmma(int first) {
@@ -1471,16 +1498,18 @@ struct Launch {
             }
             if (!a_regs)
                 for (int r = 16 * w; r < 16 * w + 16; ++r)
-                    for (int k = 0; k < 16; ++k)
-                        A[r * 16 + k] =
-                            cvt(wgmma_read(owner, operand_offset(owner, args0->desc_a, trans_a, r, k, what, "A"), *rec,
-                                           what));
+                    for (int k = 0; k < 16; ++k) {
+                        const size_t off = operand_offset(owner, args0->desc_a, trans_a, r, k, what, "A");
+                        A[r * 16 + k] = cvt(wgmma_read(owner, off, *rec, what));
+                        if (race) rec->a_off[w].push_back(off);
+                    }
         }
         // B: read by every warp of the group (lane 0 of each is the reader of record).
         for (int n = 0; n < N; ++n)
             for (int k = 0; k < 16; ++k) {
                 const size_t off = operand_offset(f0, args0->desc_b, trans_b, n, k, what, "B");
                 B[k * N + n] = cvt(wgmma_read(f0, off, *rec, what));
+                if (race) rec->b_off.push_back(off);
                 if (race)
                     for (int w = 1; w < 4; ++w)
                         access(&fibers[first + 32 * w], reinterpret_cast<uintptr_t>(smem + off), 2, false,
@@ -1562,6 +1591,16 @@ struct Launch {
             // warpgroup retires the group: checked at the first retirement (the earliest
             // report) and at the last (a write in between, after some warps retired).
             const int nth = ++p.read->retired;
+            // The reads last until the retirement: a warp's reader of record (lane 0)
+            // reads its operands again now, so that a write to them must be ordered
+            // after this wait (an arrival releasing the buffer before the wait is a race).
+            if (race && f->lane == 0) {
+                const int w = f->warp & 3;
+                for (const std::vector<size_t>* offs : {&p.read->a_off[w], &p.read->b_off})
+                    for (size_t off : *offs)
+                        access(f, reinterpret_cast<uintptr_t>(smem + off), 2, false, p.pc,
+                               " in wgmma (its reads last until the wgmma.wait_group that retires it)");
+            }
             if (nth == 1 || nth == 128)
                 for (size_t j = 0; j < p.read->offsets.size(); ++j) {
                     const size_t off = p.read->offsets[j];
@@ -2307,6 +2346,8 @@ struct Launch {
                 ts.bulk_committed = 0;
                 ts.mb_failed.clear();
                 ts.clock = 1;
+                ts.fence_clocks.clear();
+                ts.fence_base = f.proxy_fences;
             }
             context_init(f.context, stacks + static_cast<size_t>(f.tid) * stack_bytes + page_size(),
                          stack_bytes - page_size(), &Launch::fiber_main, &f);
@@ -2338,7 +2379,7 @@ struct Launch {
         int idle_rounds = 0;  // rounds in a row in which every thread that ran only spun
         for (;;) {
             if (run_next.empty()) {
-                if (live == 0) return true;
+                if (live == 0) return named_barriers_complete();
                 if (at_bar == live) {
                     if (!release_block_barrier()) return false;
                     continue;
@@ -2372,6 +2413,23 @@ struct Launch {
                 return false;
             }
         }
+    }
+
+    // At the end of a block: a named barrier with arrivals and no completion is an
+    // arrive nothing waited for (bar.arrive without its bar.sync): the protocol the
+    // barrier serves is unbalanced, and a kernel that reused the barrier would hang
+    // or pass early.
+    bool named_barriers_complete() {
+        for (int id = 0; id < 16; ++id) {
+            const NamedBar& nb = nbars[id];
+            if (nb.arrived > 0) {
+                fail_sched(format("named barrier %d still has %d of its %d threads arrived when the block ends "
+                                  "(first arrival%s): a bar.arrive no bar.sync completed",
+                                  id, nb.arrived, nb.count, location(nb.first_pc).c_str()));
+                return false;
+            }
+        }
+        return true;
     }
 
     bool release_block_barrier() {
@@ -2774,7 +2832,11 @@ CFEMU_API void cfemu_wgmma_wait(int n) {
 CFEMU_API void cfemu_fence_proxy_async(void) {
     Launch* L = current_launch("fence.proxy.async");
     ++L->cur->proxy_fences;
-    if (L->barriers) L->sync[L->cur->tid].fence_seq = ++L->proxy_seq;
+    if (L->barriers) {
+        ThreadSync& ts = L->sync[L->cur->tid];
+        ts.fence_seq = ++L->proxy_seq;
+        if (L->hb) ts.fence_clocks.push_back(ts.clock);
+    }
 }
 
 CFEMU_API void cfemu_setmaxnreg(int inc, int count) {
