@@ -38,6 +38,25 @@ def fid_params(in0=None, in1=None, in2=None, out0=None, out1=None, n=0, arg0=0, 
     return np.array((ptr(in0), ptr(in1), ptr(in2), ptr(out0), ptr(out1), n, arg0, arg1, arg2), dtype=FID_DTYPE)[()]
 
 
+def planted_executors(source, kernels, seed=3):
+    """Module-scoped fixtures ``(ex, ex_plain, ex_ordered)`` over the planted kernels of
+    ``source`` on an emulated sm_90: shuffled and race-checked; shuffled without the
+    shared-memory checks (the data a kernel sees); race-checked with the threads in index
+    order (a fixed interleaving).  Assign them to those names in the test module."""
+    import pytest
+
+    from cupyflash.emulator import EmulatorExecutor
+
+    def build(shuffle, race_check):
+        e = EmulatorExecutor(arch=90, seed=seed, shuffle=shuffle, race_check=race_check)
+        e.compile(source, kernels)
+        return e
+
+    return (pytest.fixture(scope="module", name="ex")(lambda: build(True, True)),
+            pytest.fixture(scope="module", name="ex_plain")(lambda: build(True, False)),
+            pytest.fixture(scope="module", name="ex_ordered")(lambda: build(False, True)))
+
+
 def planted_params(inp, out, ticket=None, n=0, arg=0):
     return np.array((ptr(inp), ptr(out), ptr(ticket), n, arg), dtype=PLANTED_DTYPE)[()]
 

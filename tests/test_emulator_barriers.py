@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from cupyflash.emulator import EmulatorError, EmulatorExecutor, emulator_available
 
-from _emulator_util import planted_params
+from _emulator_util import planted_executors, planted_params
 
 OK, WHY = emulator_available()
 needs_emulator = pytest.mark.skipif(not OK, reason=f"CPU emulator unavailable: {WHY}")
@@ -42,28 +42,14 @@ KERNELS = (["mbar_script"] + [f"mbar_fault<{k}>" for k in range(MBAR_FAULTS)]
            + [f"bulk_sum<{k}>" for k in range(11)])
 
 
+ex, ex_plain, ex_ordered = planted_executors(PLANTED, KERNELS)
+
+
 def _executor(**kw):
+    """Another seed (shuffled)."""
     e = EmulatorExecutor(arch=90, seed=kw.pop("seed", 3), **kw)
     e.compile(PLANTED, KERNELS)
     return e
-
-
-@pytest.fixture(scope="module")
-def ex():
-    """Shuffled, race-checked."""
-    return _executor(shuffle=True, race_check=True)
-
-
-@pytest.fixture(scope="module")
-def ex_plain():
-    """Shuffled, no shared-memory checks (the data a kernel sees)."""
-    return _executor(shuffle=True, race_check=False)
-
-
-@pytest.fixture(scope="module")
-def ex_ordered():
-    """Race-checked, threads in index order (a fixed interleaving)."""
-    return _executor(shuffle=False, race_check=True)
 
 
 def run(executor, name, threads, smem, inp=None, *, n=0, arg=0, grid=1, out=None):

@@ -22,12 +22,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cupyflash.emulator import EmulatorError, EmulatorExecutor, emulator_available
+from cupyflash.emulator import EmulatorError, EmulatorExecutor
 
-from _emulator_util import planted_params
-
-OK, WHY = emulator_available()
-needs_emulator = pytest.mark.skipif(not OK, reason=f"CPU emulator unavailable: {WHY}")
+from _emulator_util import planted_executors, planted_params
+from _kernel_util import needs_emulator
 
 HERE = Path(__file__).resolve().parent
 PLANTED = str(HERE / "emulator_planted" / "setmaxnreg_planted.cu")
@@ -37,28 +35,7 @@ KERNELS = ["setmaxnreg_handoff", "setmaxnreg_script"] + [f"setmaxnreg_fault<{k}>
 INC, DEC = "setmaxnreg\\.inc\\.sync\\.aligned\\.u32", "setmaxnreg\\.dec\\.sync\\.aligned\\.u32"
 
 
-def _executor(**kw):
-    e = EmulatorExecutor(arch=90, seed=kw.pop("seed", 3), **kw)
-    e.compile(PLANTED, KERNELS)
-    return e
-
-
-@pytest.fixture(scope="module")
-def ex():
-    """Shuffled, race-checked."""
-    return _executor(shuffle=True, race_check=True)
-
-
-@pytest.fixture(scope="module")
-def ex_plain():
-    """Shuffled, no shared-memory checks."""
-    return _executor(shuffle=True, race_check=False)
-
-
-@pytest.fixture(scope="module")
-def ex_ordered():
-    """Threads in index order: warpgroup 0 arrives first, then 1, then 2."""
-    return _executor(shuffle=False, race_check=True)
+ex, ex_plain, ex_ordered = planted_executors(PLANTED, KERNELS)
 
 
 # ---- the CTA's register pool as the PTX ISA describes it ------------------------------------

@@ -1000,18 +1000,23 @@ struct Launch {
         return out;
     }
 
-    // Arrival of lane f at a warp-collective operation; completes it when every
-    // lane of the mask has arrived.  Returns after the operation completed.
-    void warp_op(Fiber* f, Op op, int variant, unsigned mask, void* args, const void* pc) {
-        if (!((mask >> f->lane) & 1))
-            fail(format("%s executes %s with mask 0x%08x, which does not name its own lane%s", who(f->tid).c_str(),
-                        op_name(op, variant), mask, location(pc).c_str()));
+    // f waits at a collective operation (warp or warpgroup) until it completes.
+    void enter_collective(Fiber* f, Op op, int variant, unsigned mask, void* args, const void* pc) {
         f->state = St::WarpOp;
         f->op = op;
         f->op_variant = variant;
         f->op_mask = mask;
         f->op_args = args;
         f->op_pc = pc;
+    }
+
+    // Arrival of lane f at a warp-collective operation; completes it when every
+    // lane of the mask has arrived.  Returns after the operation completed.
+    void warp_op(Fiber* f, Op op, int variant, unsigned mask, void* args, const void* pc) {
+        if (!((mask >> f->lane) & 1))
+            fail(format("%s executes %s with mask 0x%08x, which does not name its own lane%s", who(f->tid).c_str(),
+                        op_name(op, variant), mask, location(pc).c_str()));
+        enter_collective(f, op, variant, mask, args, pc);
         const int base = f->warp * 32;
         bool complete = true;
         for (int l = 0; l < 32; ++l) {
@@ -1348,12 +1353,7 @@ struct Launch {
             fail(format("%s executes %s, but its warpgroup (warps %d-%d) is incomplete: the block has %u threads%s",
                         who(f->tid).c_str(), what, f->warp & ~3, (f->warp & ~3) + 3, nthreads,
                         location(pc).c_str()));
-        f->state = St::WarpOp;
-        f->op = Op::Wgmma;
-        f->op_variant = variant;
-        f->op_mask = kFullMask;
-        f->op_args = args;
-        f->op_pc = pc;
+        enter_collective(f, Op::Wgmma, variant, kFullMask, args, pc);
         bool complete = true;
         for (int t = first; t < first + 128; ++t) {
             const Fiber& g = fibers[t];
@@ -2224,12 +2224,7 @@ struct Launch {
             fail(format("%s executes %s%s, which would lower warpgroup %d's count of %d registers a thread: .inc may "
                         "only raise it (or keep it)",
                         who(f->tid).c_str(), what.c_str(), location(pc).c_str(), wg, now));
-        f->state = St::WarpOp;
-        f->op = Op::Setmaxnreg;
-        f->op_variant = variant;
-        f->op_mask = kFullMask;
-        f->op_args = nullptr;
-        f->op_pc = pc;
+        enter_collective(f, Op::Setmaxnreg, variant, kFullMask, nullptr, pc);
         ++at_setmaxnreg;
         if (arrived == 128) {
             at_setmaxnreg -= 128;
