@@ -53,7 +53,8 @@ SHORT_KERNEL = {"bwd_simt_dot_do_o_kernel": "delta", "bwd_simt_dkdv_kernel": "dK
 WITH_KERNEL_COLUMN = ("bwd_simt", "bwd_wgmma", "bwd_mma", "bwd_dmma", "bwd_tf32")
 # Families whose tile depends on the GPU class: only the rows each arch launches, tile per arch.
 PER_ARCH_TILE = ("fwd_mma", "bwd_mma")
-GRADS = {1: "dV", 2: "dK", 3: "dK/dV", 6: "dK + atomic dQ", 7: "dK/dV + atomic dQ"}   # kGrads
+GRADS = {1: "dV", 2: "dK", 3: "dK/dV", 6: "dK + atomic dQ", 7: "dK/dV + atomic dQ",
+         15: "dK/dV + dQ by bulk reductions"}   # kGrads
 
 
 def _load(paths: list[str]) -> list[dict]:
