@@ -126,11 +126,6 @@ __device__ __forceinline__ void wgmma_pv(float (&o)[Tr::kRows][Tr::kOCols],
     wgmma_commit();
 }
 
-// The decoupled kernel's barriers (kDecoupled), after the K/V buffers.  Stage s
-// holds K(n) and V(n) of the blocks n = n_begin + 2 u + s, u = 0, 1, ...: phase u
-// of each barrier belongs to the u-th of them.  full_*: the producer warp's 32
-// lanes arrive once their copies of the tile have landed (the first K's also
-// Q); empty_*: the consumer threads arrive once their products have read it.
 // The decoupled kernel's producer: a whole warpgroup, the last.  (One warp
 // would do the copying, but registers are allocated per SM quarter: a ninth
 // warp caps every thread at 168 registers, as a third warpgroup does.  A
@@ -142,6 +137,11 @@ constexpr int kProducerThreads = 128;
 // has; 232 = the coupled kernel's 214 with room; with 32 the producer spilled).
 constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 
+// The decoupled kernel's barriers (kDecoupled), after the K/V buffers.  Stage s
+// holds K(n) and V(n) of the blocks n = n_begin + 2 u + s, u = 0, 1, ...: phase u
+// of each barrier belongs to the u-th of them.  full_*: the producer's threads
+// arrive once their copies of the tile have landed (the first K's also Q);
+// empty_*: the consumer threads arrive once their products have read it.
 struct FwdStageBarriers {
     uint64_t full_k[2], full_v[2];
     uint64_t empty_k[2], empty_v[2];
@@ -168,14 +168,22 @@ struct WgmmaFwdLaunch {
 // Named barriers of the decoupled kernel's turns (0 is __syncthreads').
 constexpr int kTurnBarrier = 1;
 
-// The producer warp of the decoupled kernel: Q with the first K, then K(n) and
-// V(n) of every block into stage (n - n_begin) & 1, each tile once the
-// consumers have freed its buffer.  A tile is published (its full barrier) by
-// each lane once the lane's copies have landed, after a fence.proxy.async that
+// A producer thread publishes a tile on its full barrier: its copies of it
+// landed (all but the kNewer most recent groups), then a fence.proxy.async that
 // orders them before the tensor cores' reads -- a cp.async arrival
-// (cp_async_mbarrier_arrive) would leave no point to fence at.  The newest
-// tile stays in flight while the previous one is published, and before
-// blocking on a busy buffer the lane publishes everything it has issued.
+// (cp_async_mbarrier_arrive) would leave no point to fence at -- then its arrival.
+template <int kNewer>
+__device__ __forceinline__ void publish_tile(uint64_t* full) {
+    cp_async_wait<kNewer>();
+    fence_proxy_async_shared();
+    mbarrier_arrive(full);
+}
+
+// The producer warpgroup of the decoupled kernel: Q with the first K, then K(n)
+// and V(n) of every block into stage (n - n_begin) & 1, each tile once the
+// consumers have freed its buffer.  The newest tile stays in flight while the
+// previous one is published, and before blocking on a busy buffer a thread
+// publishes everything it has issued.
 template <class Tr, typename T, bool kWholeKV>
 __device__ __forceinline__ void produce_blocks(const FwdParams& params, const HeadSlice<T, float>& in, T* sQ,
                                                const KVPipeline<Tr, T, kWholeKV>& kv, FwdStageBarriers& bars,
@@ -183,12 +191,8 @@ __device__ __forceinline__ void produce_blocks(const FwdParams& params, const He
     const int thread = static_cast<int>(threadIdx.x) - Tr::kThreads;  // 0 .. kProducerThreads - 1
     uint64_t* unpublished = nullptr;  // the full barrier of the newest tile, not yet published
     const auto publish_all = [&]() {
-        if (unpublished != nullptr) {
-            cp_async_wait<0>();
-            fence_proxy_async_shared();
-            mbarrier_arrive(unpublished);
-            unpublished = nullptr;
-        }
+        if (unpublished != nullptr) publish_tile<0>(unpublished);
+        unpublished = nullptr;
     };
     const auto acquire = [&](uint64_t* empty, int use) {  // the buffer's previous tile read by every consumer
         if (use == 0) return;
@@ -199,11 +203,7 @@ __device__ __forceinline__ void produce_blocks(const FwdParams& params, const He
         }
     };
     const auto issued = [&](uint64_t* full) {  // after the tile's commit: publish the one before it
-        if (unpublished != nullptr) {
-            cp_async_wait<1>();
-            fence_proxy_async_shared();
-            mbarrier_arrive(unpublished);
-        }
+        if (unpublished != nullptr) publish_tile<1>(unpublished);
         unpublished = full;
     };
     for (int n_block = n_begin; n_block < n_end; ++n_block) {
@@ -235,7 +235,7 @@ __device__ __forceinline__ void produce_blocks(const FwdParams& params, const He
 // instructions a warp issues per block on the common path (d = 128).
 //
 // kDecoupled: warp specialisation (opt-in, KernelOptions.decoupled).  A
-// producer warp (warp 4 kWarpGroups) copies every tile (produce_blocks) and
+// producer warpgroup (warpgroup kWarpGroups) copies every tile (produce_blocks) and
 // the warpgroups consume them through per-stage full / empty mbarriers, each
 // at its own pace, in place of "wait for every copy, then __syncthreads" per
 // block.  The warpgroups take turns to issue their products (ping-pong, named

@@ -104,18 +104,15 @@ struct SwizzledTile {
 // address comes from its page, one table lookup per row and pass.
 //
 // cp_async_tile_by: the same by threads 0 .. kThreads - 1 of a group that is
-// not the whole CTA (a producer warpgroup: `thread` its index in it).  With
-// fewer than 16 threads per 8 rows, kLanes shrinks so that a pass still covers
-// whole swizzle periods (32 threads, 16 chunks a row: 4 lanes a row, 8 rows a
-// pass).  kRolled: the passes stay a loop (unrolled, they hold a row address
-// each: a producer that gives its registers back would spill them).
+// not the whole CTA (a producer warpgroup: `thread` its index in it).  kRolled:
+// the passes stay a loop (unrolled, they hold a row address each: a producer
+// that gives its registers back would spill them).
 template <int kThreads, class Tile, bool kWhole = false, bool kRolled = false, typename T, class Src>
 __device__ __forceinline__ void cp_async_tile_by(int thread, T* dst, const Src& src, int64_t first_row,
                                                  int64_t row_stride, int rows_valid, int cols_valid) {
     static_assert(sizeof(T) == 2, "16-bit elements: 8 per 16-byte chunk");
     constexpr int kLanesRaw = Tile::kChunks & -Tile::kChunks;
-    constexpr int kLanesCap = kThreads / 8 < 16 ? kThreads / 8 : 16;
-    constexpr int kLanes = kLanesRaw < kLanesCap ? kLanesRaw : kLanesCap;
+    constexpr int kLanes = kLanesRaw < 16 ? kLanesRaw : 16;
     constexpr int kRowsPerPass = kThreads / kLanes;
     constexpr int kRowPasses = (Tile::kRows + kRowsPerPass - 1) / kRowsPerPass;
     static_assert(kThreads % kLanes == 0 && kRowsPerPass % (Tile::kCols % 64 ? 16 : 8) == 0,

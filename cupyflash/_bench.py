@@ -317,7 +317,9 @@ def implementations(device: str, case: Case, timing_only: bool = False) -> list[
     # the Hopper wgmma kernels (opt-in until measured), on compute capability 9.0
     if device == "gpu" and case.dtype in ("float16", "bfloat16") and _is_sm90():
         names.append("cupyflash-wgmma")
-        if not case.backward and case.head_dim in (64, 128):   # fwd_wgmma's decoupled rows
+        from ._families import FWD_WGMMA
+
+        if not case.backward and case.head_dim in FWD_WGMMA.decoupled_head_dims:   # its decoupled rows
             names.append("cupyflash-wgmma-decoupled")
         if timing_only and not case.backward:
             names += ["cupyflash-wgmma-no-exp", "cupyflash-wgmma-no-copy"]
