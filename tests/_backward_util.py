@@ -17,7 +17,8 @@ import numpy as np
 
 from cupyflash.reference import naive_attention_backward
 
-from _util import to_tf32, visible, with_terms
+from _util import (TF32X3_SPLIT, logit_rounding, tf32_mma_cut, tf32x3_chain, to_tf32, visible,
+                   with_terms)
 
 
 def naive_half_backward(dout, q, k, v, out, *, scale, window=(None, None), gqa_ratio=1, lse=None, bias=(),
@@ -241,6 +242,25 @@ def assert_within_term_bound(actual, expected, size, *, eps, head_dim, floor=0.0
     assert (err <= bound).all(), (
         f"{what}: error {err[worst]:.3g} > {bound[worst]:.3g} at {worst} "
         f"(got {np.asarray(actual)[worst]!r}, exact {expected[worst]!r}, term size {size[worst]:.3g})")
+
+
+def tf32x3_gradient_allowance(q, k, v, sizes, *, scale, accumulation, gqa_ratio=1):
+    """Per element of (dq, dk, dv), what ``precision="tf32x3"`` may add to float32's term
+    bound (assert_within_term_bound: pass it as ``floor``) under ``accumulation``
+    (tf32_mma_cut), in units of ``sizes`` (backward_term_sizes).  With h = TF32X3_SPLIT
+    + n_d cut (a sum over the head dim, n_d = tf32x3_chain(d)) and L the largest
+    |scale| sum_c |q_ic k_jc|: P is off by h L relatively and dP by h sum_c |dO_ic V_jc|,
+    so dS = P o (dP - delta) by h (1 + L) of its term size; dQ's sum over the keys adds
+    TF32X3_SPLIT + n_k cut, dK's and dV's over the rows of the kv head's query group
+    TF32X3_SPLIT + n_q cut (n_k, n_q the chains of Lk and gqa_ratio Lq products).
+    docs/testing.md, "Error analysis"."""
+    cut = tf32_mma_cut(accumulation)
+    head = TF32X3_SPLIT + tf32x3_chain(max(q.shape[-1], v.shape[-1])) * cut
+    logits = logit_rounding(q, np.repeat(k, gqa_ratio, axis=-3), scale)
+    keys = TF32X3_SPLIT + tf32x3_chain(k.shape[-2]) * cut
+    rows = TF32X3_SPLIT + tf32x3_chain(gqa_ratio * q.shape[-2]) * cut
+    dq, dk, dv = sizes
+    return (keys + head * (1 + logits)) * dq, (rows + head * (1 + logits)) * dk, (rows + head * logits) * dv
 
 
 def window_of(kw):

@@ -123,6 +123,60 @@ def naive_tf32_attention(q, k, v, *, scale, window=(None, None), enable_gqa=Fals
     return np.where(row_sum > 0, o / np.where(row_sum > 0, row_sum, 1), 0).astype(np.float32)
 
 
+# ---- precision="tf32x3": what its products and its tensor-core sums add to float32's rules ----------
+# (docs/testing.md, "Error analysis", "TF32x3")
+
+# A tf32x3 product big_a big_b + big_a small_b + small_a big_b of float32 a, b is off by at
+# most 3 * 2^-22 |a b|: the dropped small_a small_b and the remainders a - big_a - small_a,
+# b - big_b - small_b (each below 2^-22 of its operand).
+TF32X3_SPLIT = 3 * 2.0**-22
+TF32_MMA_K = 8   # products per mma.sync m16n8k8 .tf32
+
+
+def tf32_mma_cut(accumulation: str) -> float:
+    """Per tf32 mma instruction, its error beyond float32's own rounding, relative to the sum
+    of the absolute values of its terms (C and the k products), for the emulator's
+    ``accumulation`` models: "exact" sums them exactly and rounds once to nearest -- float32's
+    rounding, which the table and the term bound already allow: 0.  "truncate:E" cuts the
+    sum toward zero (less than 2^-23 of it) and, before that, each term but the largest
+    toward zero at 24 + E bits below the largest's leading bit (less than 2^-(23+E) of the
+    largest each, k of them): 2^-23 (1 + k 2^-E)."""
+    mode, _, bits = accumulation.partition(":")
+    if mode == "exact":
+        return 0.0
+    if mode != "truncate":
+        raise ValueError(f"accumulation: 'exact' or 'truncate:E', got {accumulation!r}")
+    return 2.0**-23 * (1 + TF32_MMA_K * 2.0 ** -int(bits or 3))
+
+
+def tf32x3_chain(n: int) -> int:
+    """The mma instructions one accumulator element goes through in a tf32x3 sum of n
+    products: three per k8 step (an instruction of zero products adds no error)."""
+    return 3 * -(-n // TF32_MMA_K)
+
+
+def tf32x3_forward_bound(q, k, v, expected, *, scale, accumulation, window=(None, None), enable_gqa=False):
+    """Per output element, the error ``precision="tf32x3"`` may have under ``accumulation``
+    (tf32_mma_cut): float32's table, plus what the split products and the instruction
+    chains add.  A score s_ij = q_i . k_j is off by at most
+    sigma_ij = (TF32X3_SPLIT + n_d cut) |scale| sum_c |q_ic k_jc| (n_d = tf32x3_chain(d));
+    out = sum_j P_ij v_j with P = softmax(s) then moves by at most
+    sum_j P_ij sigma_ij |v_jc| + (sum_j P_ij sigma_ij) |out_ic|, and its own sum adds
+    (TF32X3_SPLIT + n_k cut) sum_j P_ij |v_jc| (n_k = tf32x3_chain(Lk)).  All from the
+    inputs and the float64 oracle's P and ``expected`` output, never from the result."""
+    from cupyflash.reference import _probabilities
+
+    _, p, _, o = _probabilities(q, k, v, scale=scale, window=window, enable_gqa=enable_gqa)
+    cut = tf32_mma_cut(accumulation)
+    score = (TF32X3_SPLIT + tf32x3_chain(q.shape[-1]) * cut) * abs(o.scale)
+    p_sigma = p * score * np.matmul(np.abs(o.q), np.swapaxes(np.abs(o.k), -1, -2))
+    abs_v = np.abs(o.v)
+    allowance = (np.matmul(p_sigma, abs_v) + p_sigma.sum(axis=-1, keepdims=True) * np.abs(expected)
+                 + (TF32X3_SPLIT + tf32x3_chain(k.shape[-2]) * cut) * np.matmul(p, abs_v))
+    tol = TOLERANCE[np.dtype(np.float32)]
+    return tol["rtol"] * np.abs(expected) + tol["atol"] + allowance
+
+
 def with_terms(s, visible_pairs, bias=(), mask=None):
     """Scores ``s`` (float32) plus each bias term (read in float32, in order), -inf where
     ``visible_pairs`` or the mask hide the pair: what the kernels' score epilogue does."""

@@ -813,6 +813,11 @@ MUTATIONS = [
       "constexpr bool kTimingNoExp = CF_TIMING_NO_EXP != 0;", "constexpr bool kTimingNoExp = false;",
       T + "test_fwd_wgmma.py::test_timing_only_builds_run_and_leave_out_what_they_say[no-exp]",
       why="issue 32: timing-only builds"),
+    M("tf32x3-drops-the-b-operands-small-part", "cuda_src/tf32_tile.cuh",
+      "        mma_m16n8k8_tf32(d, a_big, b_small, d);\n", "",
+      T + "test_fwd_tf32.py::test_three_passes_recover_float32_accuracy_and_one_does_not",
+      T + "test_bwd_tf32.py::test_three_passes_recover_float32_accuracy_and_one_does_not",
+      why="tf32x3's derived bound (K and V rounded to TF32 once, Q and P still split)"),
 ]
 
 

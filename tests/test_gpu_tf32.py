@@ -9,11 +9,13 @@ Outputs are poisoned with NaN before each launch.  The accuracy rules are the
 emulated tier's, stated against what the hardware may do (its TF32 MMAs
 accumulate in "at least" float32, in an unspecified order): "tf32" no further
 from the float64 oracle than twice the naive TF32 attention of the same inputs,
-"tf32x3" no further than four times fwd_simt's IEEE float32 on the device;
-gradients: "tf32" within twice the naive TF32 backward's error, "tf32x3"
-within the float32 gradient bound of tests/test_gpu_backward.py (32 epsilons
-of the terms each element sums).  Deterministic runs of the backward are
-bit-identical.  Skipped cleanly without CuPy or a CUDA device, and below
+"tf32x3" within its derived bound (tf32x3_forward_bound: float32's table, the
+split products and the cuts of its instruction chains); gradients: "tf32" within
+twice the naive TF32 backward's error, "tf32x3" within the float32 gradient bound
+of tests/test_gpu_backward.py (32 epsilons of the terms each element sums) plus
+tf32x3_gradient_allowance.  Both bounds take the tensor cores' adder to be
+HARDWARE_ACCUMULATION (docs/testing.md, "Error analysis").  Deterministic runs of
+the backward are bit-identical.  Skipped cleanly without CuPy or a CUDA device, and below
 compute capability 8.0.
 """
 
@@ -30,8 +32,8 @@ from cupyflash._families.fwd_tf32 import TF32_HEAD_DIMS, TF32_PASSES
 from cupyflash.reference import naive_attention, naive_attention_backward
 
 from _backward_util import (TF32_YARDSTICK_FACTOR, assert_within_term_bound, assert_within_yardstick,
-                            backward_term_sizes, naive_tf32_backward)
-from _util import naive_tf32_attention, plain_call_rows, random_array
+                            backward_term_sizes, naive_tf32_backward, tf32x3_gradient_allowance)
+from _util import naive_tf32_attention, plain_call_rows, random_array, tf32x3_forward_bound
 
 cp = pytest.importorskip("cupy")
 
@@ -39,6 +41,11 @@ pytestmark = pytest.mark.gpu
 
 TF32_ROWS = plain_call_rows(FWD_TF32)
 PRECISIONS = tuple(TF32_PASSES)
+# The GPU's TF32 adder is undocumented: the bounds take the emulator's truncating model with
+# no extra bits, the widest per instruction (9 * 2^-23 of its terms; tf32_mma_cut), which
+# also covers an instruction summed in two fused k4 steps keeping one extra bit or more.
+# Narrow it to what tests/test_gpu_first_contact.py's probes decode on the device.
+HARDWARE_ACCUMULATION = "truncate:0"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -72,8 +79,10 @@ def check(q, k, v, *, precision, window=(None, None), gqa_ratio=1):
         yardstick = naive_tf32_attention(q, k, v, scale=scale, window=window, enable_gqa=gqa_ratio > 1)
         assert err <= 2 * np.abs(yardstick.astype(np.float64) - ref).max(initial=0.0), err
     else:
-        ieee, _ = run(q, k, v, precision="ieee", window=window, gqa_ratio=gqa_ratio)
-        assert err <= 4 * np.abs(ieee.astype(np.float64) - ref).max(initial=0.0) + 1e-7, err
+        bound = tf32x3_forward_bound(q, k, v, ref, scale=scale, accumulation=HARDWARE_ACCUMULATION, window=window,
+                                     enable_gqa=gqa_ratio > 1)
+        over = np.abs(out.astype(np.float64) - ref) / bound
+        assert (over <= 1).all(), f"error {over.max():.3g} times the tf32x3 bound"
 
 
 def qkv(rng, *, seqlen_q, seqlen_k, head_dim, heads_kv=1, gqa_ratio=1, batch=1):
@@ -141,12 +150,14 @@ def check_backward(q, k, v, *, precision, window=(None, None), gqa_ratio=1, dete
     expected = naive_attention_backward(dout, q, k, v, scale=scale, **kw)
     naive = naive_tf32_backward(dout, q, k, v, out, lse, scale=scale, window=window, gqa_ratio=gqa_ratio)
     sizes = backward_term_sizes(dout, q, k, v, scale=scale, **kw)
-    for name, g, e, n, size in zip(("dq", "dk", "dv"), runs[0], expected, naive, sizes):
+    allowance = tf32x3_gradient_allowance(q, k, v, sizes, scale=scale, accumulation=HARDWARE_ACCUMULATION,
+                                          gqa_ratio=gqa_ratio)
+    for name, g, e, n, size, extra in zip(("dq", "dk", "dv"), runs[0], expected, naive, sizes, allowance):
         assert np.isfinite(g).all(), name
         if precision == "tf32x3":
             terms = max(q.shape[-2], k.shape[-2]) * q.shape[-1]
             assert_within_term_bound(g, e, size, eps=np.finfo(np.float32).eps, head_dim=q.shape[-1],
-                                     floor=terms * np.finfo(np.float32).tiny, what=name)
+                                     floor=extra + terms * np.finfo(np.float32).tiny, what=name)
         else:
             assert_within_yardstick(g, e, n, factor=TF32_YARDSTICK_FACTOR, sizes=size, what=name)
 
