@@ -1,7 +1,8 @@
 // barriers.cuh -- the asynchronous synchronisation and copy primitives of a
 // warp-specialised kernel: mbarriers (shared-memory barriers with phases and a
-// transaction count), named barriers (bar.sync / bar.arrive) and the bulk
-// asynchronous reduction into global memory.  With ptx.cuh and wgmma.cuh, the
+// transaction count), named barriers (bar.sync / bar.arrive), the bulk
+// asynchronous reduction into global memory and semaphores in global memory
+// (CTAs taking turns).  With ptx.cuh and wgmma.cuh, the
 // only inline PTX in cuda_src/; the CPU emulator compiles kernels against its
 // twin (cupyflash/emulator/include/barriers.cuh), which checks the rules below.
 //
@@ -145,6 +146,42 @@ __device__ __forceinline__ void bulk_wait() {
     static_assert(N >= 0, "cp.async.bulk.wait_group takes a non-negative immediate");
     asm volatile("cp.async.bulk.wait_group %0;\n" :: "n"(N) : "memory");
 }
+// Orders this thread's global-memory accesses through the async proxy (bulk
+// reductions) and through the generic one (loads, stores, the semaphores) with
+// each other: after its bulk reductions completed and before a post publishes
+// them, and after a wait acquired another CTA's and before its own.
+__device__ __forceinline__ void fence_proxy_async_global() {
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
 #endif
+
+// ---- semaphores in global memory ---------------------------------------------------
+// An int in global memory by which CTAs take turns (bwd_wgmma's ordered dQ): one
+// thread waits for a value another CTA posts.  Rules the kernels follow (the
+// emulator checks them):
+//  * a CTA waits only for posts of CTAs before it in launch order (lower linear
+//    block index): the GPU starts CTAs in that order, and one waiting for a later
+//    CTA that cannot become resident while it waits would wait for ever;
+//  * data a post publishes is complete before the post: bulk reductions by
+//    bulk_wait<0>() and fence_proxy_async_global() in each issuing thread, then
+//    ordered before the posting thread (__syncwarp() or a barrier) -- a post
+//    orders the poster's own accesses and those it has observed, not bulk
+//    operations still in flight nor, without the proxy fence, async-proxy writes;
+//  * the waiter's acquire orders its later accesses (and, through __syncwarp() or
+//    a barrier, its warp's or CTA's) after everything the post published; a
+//    thread that then issues bulk reductions into that memory runs
+//    fence_proxy_async_global() first.
+
+// Spins until *sem == value (an acquire at gpu scope).
+__device__ __forceinline__ void semaphore_wait(const int* sem, int value) {
+    int seen;
+    do {
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(sem) : "memory");
+    } while (seen != value);
+}
+// *sem = value, releasing this thread's accesses so far (and those it observed) at gpu scope.
+__device__ __forceinline__ void semaphore_post(int* sem, int value) {
+    asm volatile("st.release.gpu.global.b32 [%0], %1;\n" :: "l"(sem), "r"(value) : "memory");
+}
 
 }  // namespace cf

@@ -24,7 +24,17 @@
 //    same instruction, counted as 32 threads per warp;
 //  * a bulk reduction reads its source until bulk_wait_read (a write to it
 //    before is an error) and adds into global memory at bulk_wait or the
-//    thread's exit, element by element in a shuffled order.
+//    thread's exit, element by element in a shuffled order;
+//  * a semaphore_wait whose value is not there yet blocks the thread; a block
+//    whose threads can only wait for semaphores is suspended and another block
+//    runs (blocks are concurrent only through semaphores).  A semaphore_post
+//    while a thread of the block has bulk reductions not complete, or (with
+//    race checking) not ordered before the post, or completed with no
+//    fence_proxy_async_global() after, is an error; so is a bulk reduction
+//    issued after the block acquired a semaphore by a thread with no
+//    fence_proxy_async_global() since, a wait that a block later in launch
+//    order satisfied, and a grid whose started blocks all wait with none left
+//    to start (a deadlock).
 // With race checking, completed phases and named barriers are happens-before
 // edges (vector clocks) for the shared-memory race check.  As in the real
 // header, the sm_90 functions are declared for every target here.
@@ -79,5 +89,11 @@ __device__ __forceinline__ void bulk_wait() {
     static_assert(N >= 0, "cp.async.bulk.wait_group takes a non-negative immediate");
     cfemu_bulk_wait(N, 0);
 }
+__device__ __forceinline__ void fence_proxy_async_global() { cfemu_fence_proxy_async_global(); }
+
+// ---- semaphores in global memory -----------------------------------------------------
+
+__device__ __forceinline__ void semaphore_wait(const int* sem, int value) { cfemu_semaphore_wait(sem, value); }
+__device__ __forceinline__ void semaphore_post(int* sem, int value) { cfemu_semaphore_post(sem, value); }
 
 }  // namespace cf

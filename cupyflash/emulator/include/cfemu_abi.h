@@ -131,5 +131,11 @@ CFEMU_API void cfemu_bulk_reduce_add_f32(float* gmem_dst, const float* smem_src,
 CFEMU_API void cfemu_bulk_commit(void);
 // cp.async.bulk.wait_group(.read when read_only) n.
 CFEMU_API void cfemu_bulk_wait(int n, int read_only);
+// A semaphore in global memory: wait until *sem == value (ld.acquire.gpu in a loop),
+// post value (st.release.gpu).  Either may switch the emulator to another block.
+CFEMU_API void cfemu_semaphore_wait(const int* sem, int value);
+CFEMU_API void cfemu_semaphore_post(int* sem, int value);
+// fence.proxy.async.global
+CFEMU_API void cfemu_fence_proxy_async_global(void);
 // Ends the launch with an error (assert, __trap).
 CFEMU_API void cfemu_trap(const char* what, const char* file, int line) __attribute__((noreturn));

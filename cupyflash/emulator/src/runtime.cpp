@@ -51,6 +51,24 @@
 //    when bulk.wait_group retires it or the thread exits, in a shuffled element
 //    order.  A thread that exits while a group still reads its source is an
 //    error.
+//  * Semaphores (semaphore_wait / semaphore_post, barriers.cuh) are ints in
+//    global memory.  A wait whose value is not there blocks the thread
+//    (St::SemWait); a block in which no thread can run and some wait for a
+//    semaphore is suspended -- its state moved aside (BlockState), its fibers'
+//    stacks kept -- and the grid scheduler starts or resumes another: a
+//    suspended block whose awaited value has been posted, or the next block
+//    to start (chosen at random when shuffling).  A post that a suspended
+//    block waits for suspends the poster at once, so the waiter runs before
+//    the poster goes on.  Errors: a post while a thread of the block has bulk
+//    reductions whose additions are not complete, completed with no
+//    fence_proxy_async_global after, or (vector clocks) whose completion no
+//    barrier edge orders before the post; a bulk reduction issued after the
+//    block acquired a semaphore by a thread with no fence_proxy_async_global
+//    since (the fence is modelled only there); a wait satisfied by a
+//    post of a block later in launch order (on a GPU that block may never
+//    start while the waiter holds its SM); a misaligned or shared-memory
+//    semaphore; every started block waiting with none left to start (a
+//    deadlock, reported with each waiter's semaphore and value).
 //  * setmaxnreg (wgmma.cuh, sm_90a) is a warpgroup collective: the 128 threads of
 //    warps 4k..4k+3 meet at the same instruction (call site, action and count).
 //    Errors: an incomplete warpgroup, an exited thread of it, another call site,
@@ -304,7 +322,7 @@ float truncated_sum(double c, const double* prod, int k, int extra) {
 // warp has arrived at a named_barrier_sync that has not completed; MbarWait: in
 // mbarrier_wait_parity for a phase that has not completed; RegWait: its whole
 // warpgroup is at a setmaxnreg.inc, waiting for the CTA's register pool.
-enum class St : uint8_t { Runnable, BlockBar, WarpOp, NamedWarp, NamedBar, MbarWait, RegWait, Exited };
+enum class St : uint8_t { Runnable, BlockBar, WarpOp, NamedWarp, NamedBar, MbarWait, RegWait, SemWait, Exited };
 // Setmaxnreg: op_variant is (count << 1) | inc.
 enum class Op : uint8_t { None, Syncwarp, Shfl, Vote, Mma, Ldmatrix, Wgmma, Setmaxnreg };
 
@@ -480,6 +498,11 @@ struct ThreadSync {
     std::vector<std::pair<size_t, uint64_t>> mb_failed;
     std::vector<BulkOp> bulk;
     uint32_t bulk_committed = 0;
+    uint32_t bulk_done = 0;         // its clock when its last bulk additions completed (0: none)
+    uint64_t bulk_done_event = 0;   // ... and Launch::gevents then
+    uint64_t global_fence = 0;      // Launch::gevents at its last fence_proxy_async_global
+    const int* sem = nullptr;       // the semaphore it waits for (St::SemWait) and the value
+    int sem_value = 0;
     uint32_t clock = 1;             // its own entry of its vector clock (modules with barriers.cuh)
     // With vector clocks: its clock at each fence.proxy.async of this block (the first at
     // index fence_base: Fiber::proxy_fences when the block started).
@@ -590,6 +613,39 @@ const char* op_name(Op op, int variant) {
     return "?";
 }
 
+// What Launch keeps of the block it runs (Launch::swap_block exchanges the two):
+// a suspended block's state while another block runs, or a finished block's
+// storage, spare for the next block to start.  Its fibers' stacks stay where
+// they are (each BlockState has its own); the shared memory's bytes are copied,
+// as the block's shared window stays at one address.
+struct BlockState {
+    std::vector<Fiber> fibers;
+    char* stacks = nullptr;
+    std::vector<char> smem;
+    std::vector<Shadow> shadow;
+    uint32_t epoch = 0;
+    std::vector<uint32_t> wsync;
+    std::vector<Mbar> mbars;
+    NamedBar nbars[16];
+    std::vector<AsyncArrival> arrivals;
+    std::vector<uint32_t> agent_clock;
+    std::vector<uint16_t> bulk_src_refs;
+    std::vector<uint32_t> vcs;
+    std::vector<ShadowClocks> shadow_clocks;
+    ReadSets rsets;
+    std::vector<ThreadSync> sync;
+    std::vector<int> wg_regs;
+    int64_t reg_pool = 0;
+    std::vector<int> reg_waiting;
+    unsigned at_setmaxnreg = 0;
+    std::vector<int> run_now, run_next;
+    unsigned live = 0, at_bar = 0, at_named = 0, at_sem = 0;
+    int idle_rounds = 0;
+    bool preempt = false;
+    uint64_t last_acquire = 0;
+    cfemu_xyz block{0, 0, 0};
+};
+
 struct Launch {
     // configuration
     const cfemu_launch_desc* desc;
@@ -652,7 +708,21 @@ struct Launch {
     std::vector<int> run_now, run_next;
     unsigned live = 0, at_bar = 0;
     unsigned at_named = 0;  // threads waiting for the rest of their warp at a named barrier (St::NamedWarp)
+    unsigned at_sem = 0;    // threads waiting for a semaphore (St::SemWait)
+    int idle_rounds = 0;    // rounds in a row in which every thread that ran only spun
+    bool preempt = false;   // a post a suspended block waits for: suspend this block after the poster yields
+    uint64_t last_acquire = 0;  // gevents at the block's last semaphore_wait that returned (0: none)
     cfemu_xyz block{0, 0, 0};
+
+    // Blocks and semaphores (every field above from `fibers` on, but for the
+    // configuration, is the running block's: BlockState).  Each semaphore's last
+    // post: the poster's linear block index and the value.
+    std::vector<std::unique_ptr<BlockState>> suspended, spare;
+    std::vector<std::pair<char*, size_t>> stack_maps;  // every fiber-stack mapping, unmapped at the end
+    std::vector<std::pair<const int*, std::pair<uint64_t, int>>> sem_posts;
+    // Global-memory events that the proxy fence orders, counted (a semaphore acquired,
+    // bulk additions completed, fence_proxy_async_global).
+    uint64_t gevents = 0;
 
     bool failed = false;
     std::string err;
@@ -666,7 +736,7 @@ struct Launch {
     uint64_t steps = 0;  // instrumented accesses since the running thread was resumed
 
     ~Launch() {
-        if (stacks) munmap(stacks, stacks_total);
+        for (const auto& m : stack_maps) munmap(m.first, m.second);
         if (smem_alloc) munmap(smem_alloc, smem_alloc_size);
         std::free(params);
     }
@@ -957,6 +1027,10 @@ struct Launch {
             case St::MbarWait:
                 return format("wait at mbarrier_wait_parity(parity %u)%s, where %s", sync[g.tid].mb_parity,
                               location(g.op_pc).c_str(), mbar_state(sync[g.tid].mb_off).c_str());
+            case St::SemWait:
+                return format("wait at semaphore_wait(%p, %d)%s, which holds %d",
+                              static_cast<const void*>(sync[g.tid].sem), sync[g.tid].sem_value,
+                              location(g.op_pc).c_str(), sem_load(sync[g.tid].sem));
             case St::Runnable:
                 if (g.spinning)
                     return format("spin in mbarrier_try_wait_parity(parity %u)%s, where %s", sync[g.tid].mb_parity,
@@ -2097,6 +2171,11 @@ struct Launch {
                 ++bulk_src_refs[i];
             }
         }
+        if (last_acquire > sync[f->tid].global_fence)
+            fail(format("%s: %s after the block acquired a semaphore, with no fence_proxy_async_global() by this "
+                        "thread since: the acquire orders the generic proxy's accesses, not the async proxy's "
+                        "reduction into the memory the post published%s",
+                        who(f->tid).c_str(), what, location(pc).c_str()));
         BulkOp op{dst, off, bytes, sync[f->tid].bulk_committed, false, std::vector<float>(bytes / 4), pc};
         std::memcpy(op.values.data(), s, bytes);
         sync[f->tid].bulk.push_back(std::move(op));
@@ -2146,7 +2225,14 @@ struct Launch {
         const uint32_t limit = sync[f->tid].bulk_committed > static_cast<uint32_t>(n) ? sync[f->tid].bulk_committed - n : 0;
         for (BulkOp& op : sync[f->tid].bulk)
             if (op.group < limit && !op.read_retired) bulk_retire_read(f, op, pc);
-        if (!read_only) bulk_perform(f, limit);
+        if (!read_only && !sync[f->tid].bulk.empty()) {
+            const size_t before = sync[f->tid].bulk.size();
+            bulk_perform(f, limit);
+            if (sync[f->tid].bulk.size() < before) {
+                sync[f->tid].bulk_done = sync[f->tid].clock;
+                sync[f->tid].bulk_done_event = ++gevents;
+            }
+        }
     }
 
     // ---- setmaxnreg (register reallocation between warpgroups, sm_90a) -------------
@@ -2284,6 +2370,10 @@ struct Launch {
                                 "source (offset %zu, %u bytes): retire it with bulk_wait_read first (the block's "
                                 "shared memory is released once its threads have exited)",
                                 who(f->tid).c_str(), location(op.pc).c_str(), op.src_off, op.bytes));
+            if (!sync[f->tid].bulk.empty()) {
+                sync[f->tid].bulk_done = sync[f->tid].clock;
+                sync[f->tid].bulk_done_event = ++gevents;
+            }
             bulk_perform(f, std::numeric_limits<uint32_t>::max());
         }
         if (!f->wg_pending.empty())
@@ -2323,7 +2413,8 @@ struct Launch {
         L->thread_exit(f);
     }
 
-    bool run_block() {
+    // Starts block `block` in the storage Launch holds (a finished block's, or fresh).
+    void start_block() {
         for (Fiber& f : fibers) {
             f.ctx.block_idx = block;
             f.state = St::Runnable;
@@ -2339,6 +2430,10 @@ struct Launch {
                 ThreadSync& ts = sync[f.tid];  // (fence_seq keeps counting, as proxy_fences)
                 ts.bulk.clear();
                 ts.bulk_committed = 0;
+                ts.bulk_done = 0;
+                ts.bulk_done_event = 0;
+                ts.global_fence = 0;
+                ts.sem = nullptr;
                 ts.mb_failed.clear();
                 ts.clock = 1;
                 ts.fence_clocks.clear();
@@ -2369,26 +2464,40 @@ struct Launch {
         reg_pool = 0;
         reg_waiting.clear();
         at_setmaxnreg = 0;
+        at_sem = 0;
+        preempt = false;
+        last_acquire = 0;
         run_next.clear();
         for (unsigned t = 0; t < nthreads; ++t) run_next.push_back(static_cast<int>(t));
-        int idle_rounds = 0;  // rounds in a row in which every thread that ran only spun
+        idle_rounds = 0;
+    }
+
+    enum class Ran { Done, Suspended, Failed };
+
+    // Runs the block Launch holds until it ends, fails, or can only wait for
+    // semaphores (or its poster was preempted): then it is to be suspended.
+    Ran run_rounds() {
         for (;;) {
             if (run_next.empty()) {
-                if (live == 0) return named_barriers_complete();
+                if (live == 0) return named_barriers_complete() ? Ran::Done : Ran::Failed;
                 if (at_bar == live) {
-                    if (!release_block_barrier()) return false;
+                    if (!release_block_barrier()) return Ran::Failed;
                     continue;
                 }
+                if (at_sem > 0) {
+                    if (wake_sem_waiters()) continue;
+                    return Ran::Suspended;
+                }
                 fail_sched("deadlock: no thread can proceed (" + describe_threads() + ")");
-                return false;
+                return Ran::Failed;
             }
             run_now.swap(run_next);
             run_next.clear();
             if (shuffle) shuffle_vec(run_now);
             const uint64_t progress_before = progress;
             bool all_spun = true;
-            for (int t : run_now) {
-                Fiber& f = fibers[t];
+            for (size_t i = 0; i < run_now.size(); ++i) {
+                Fiber& f = fibers[run_now[i]];
                 f.spinning = false;
                 cur = &f;
                 cfemu_current_ctx = &f.ctx;
@@ -2396,8 +2505,14 @@ struct Launch {
                 context_switch(sched, f.context);
                 cur = nullptr;
                 cfemu_current_ctx = nullptr;
-                if (failed) return false;
+                if (failed) return Ran::Failed;
                 all_spun = all_spun && f.spinning;
+                if (preempt) {  // the rest of the round runs when the block resumes
+                    preempt = false;
+                    run_next.insert(run_next.end(), run_now.begin() + static_cast<std::ptrdiff_t>(i) + 1,
+                                    run_now.end());
+                    return Ran::Suspended;
+                }
             }
             // Threads that only fail mbarrier_try_wait_parity change nothing another thread
             // could see: if no other thread can run, they spin forever.
@@ -2405,9 +2520,169 @@ struct Launch {
             if (idle_rounds == kSpinRounds) {
                 fail_sched("deadlock: no thread can proceed, the runnable ones only spin (" + describe_threads() +
                            ")");
-                return false;
+                return Ran::Failed;
             }
         }
+    }
+
+    // ---- blocks and semaphores ------------------------------------------------------
+
+    // Exchanges the running block's state with s (BlockState).
+    void swap_block(BlockState& s) {
+        fibers.swap(s.fibers);
+        std::swap(stacks, s.stacks);
+        if (s.smem.size() != smem_size) s.smem.assign(smem_size, static_cast<char>(0xff));
+        std::swap_ranges(smem, smem + smem_size, s.smem.begin());
+        shadow.swap(s.shadow);
+        std::swap(epoch, s.epoch);
+        wsync.swap(s.wsync);
+        mbars.swap(s.mbars);
+        for (int i = 0; i < 16; ++i) std::swap(nbars[i], s.nbars[i]);
+        arrivals.swap(s.arrivals);
+        agent_clock.swap(s.agent_clock);
+        bulk_src_refs.swap(s.bulk_src_refs);
+        vcs.swap(s.vcs);
+        shadow_clocks.swap(s.shadow_clocks);
+        std::swap(rsets, s.rsets);
+        sync.swap(s.sync);
+        wg_regs.swap(s.wg_regs);
+        std::swap(reg_pool, s.reg_pool);
+        reg_waiting.swap(s.reg_waiting);
+        std::swap(at_setmaxnreg, s.at_setmaxnreg);
+        run_now.swap(s.run_now);
+        run_next.swap(s.run_next);
+        std::swap(live, s.live);
+        std::swap(at_bar, s.at_bar);
+        std::swap(at_named, s.at_named);
+        std::swap(at_sem, s.at_sem);
+        std::swap(idle_rounds, s.idle_rounds);
+        std::swap(preempt, s.preempt);
+        std::swap(last_acquire, s.last_acquire);
+        std::swap(block, s.block);
+    }
+
+    uint64_t linear(const cfemu_xyz& b) const {
+        return b.x + uint64_t(desc->grid[0]) * (b.y + uint64_t(desc->grid[1]) * b.z);
+    }
+    static int sem_load(const int* sem) { return __atomic_load_n(sem, __ATOMIC_SEQ_CST); }
+
+    // Makes runnable the threads whose semaphore holds their value; how many.
+    int wake_sem_waiters() {
+        int woke = 0;
+        for (Fiber& f : fibers)
+            if (f.state == St::SemWait && sem_load(sync[f.tid].sem) == sync[f.tid].sem_value) {
+                --at_sem;
+                make_runnable(f);
+                ++woke;
+            }
+        return woke;
+    }
+    // Whether suspended block s can run: a thread runnable, or a semaphore it waits for posted.
+    static bool block_ready(const BlockState& s) {
+        if (!s.run_next.empty()) return true;
+        for (const Fiber& f : s.fibers)
+            if (f.state == St::SemWait && sem_load(s.sync[f.tid].sem) == s.sync[f.tid].sem_value) return true;
+        return false;
+    }
+
+    void check_semaphore(Fiber* f, const int* sem, const char* what, const void* pc) {
+        if (!barriers) fail(format("%s: %s outside a module that includes barriers.cuh", who(f->tid).c_str(), what));
+        const char* a = reinterpret_cast<const char*>(sem);
+        if (reinterpret_cast<uintptr_t>(sem) % 4)
+            fail(format("%s: %s on %p, not 4-byte aligned%s", who(f->tid).c_str(), what, static_cast<const void*>(a),
+                        location(pc).c_str()));
+        if ((a + 4 > smem_alloc && a < smem_alloc + smem_alloc_size) || on_stack(reinterpret_cast<uintptr_t>(a)))
+            fail(format("%s: %s on %p, which is in shared memory or a thread's stack: a semaphore lives in global "
+                        "memory%s",
+                        who(f->tid).c_str(), what, static_cast<const void*>(a), location(pc).c_str()));
+    }
+
+    // The wait that returned: the value it saw must not come from a block after f's.
+    void sem_acquired(Fiber* f, const int* sem, int value, const void* pc) {
+        for (const auto& e : sem_posts)
+            if (e.first == sem && e.second.second == value && e.second.first > linear(block)) {
+                const uint64_t b = e.second.first, g0 = desc->grid[0], g1 = desc->grid[1];
+                fail(format("%s: semaphore_wait(%p, %d)%s returned with the value posted by block (%llu,%llu,%llu), "
+                            "which comes after this block in launch order: on a GPU that block may never start "
+                            "while this one holds its SM (a block waits only for blocks before it)",
+                            who(f->tid).c_str(), static_cast<const void*>(sem), value, location(pc).c_str(),
+                            static_cast<unsigned long long>(b % g0), static_cast<unsigned long long>((b / g0) % g1),
+                            static_cast<unsigned long long>(b / (g0 * g1))));
+            }
+    }
+
+    void semaphore_wait(Fiber* f, const int* sem, int value, const void* pc) {
+        check_semaphore(f, sem, "semaphore_wait", pc);
+        if (sem_load(sem) != value) {
+            sync[f->tid].sem = sem;
+            sync[f->tid].sem_value = value;
+            f->op_pc = pc;
+            f->state = St::SemWait;
+            ++at_sem;
+            yield(f);  // wake_sem_waiters makes it runnable once the value is there
+        }
+        sem_acquired(f, sem, value, pc);
+        last_acquire = ++gevents;
+    }
+
+    // fence.proxy.async.global: orders the thread's async-proxy and generic-proxy
+    // global accesses (the bulk reductions; the semaphores) with each other.
+    void fence_proxy_async_global(Fiber* f) { sync[f->tid].global_fence = ++gevents; }
+
+    void semaphore_post(Fiber* f, int* sem, int value, const void* pc) {
+        check_semaphore(f, sem, "semaphore_post", pc);
+        for (const Fiber& g : fibers) {
+            const ThreadSync& ts = sync[g.tid];
+            if (!ts.bulk.empty())
+                fail(format("%s: semaphore_post(%p, %d)%s while %s has %zu bulk reductions whose additions are not "
+                            "complete (issued%s; bulk_wait<0>() completes them): a block that waits for this post "
+                            "may add into the same memory before they land",
+                            who(f->tid).c_str(), static_cast<void*>(sem), value, location(pc).c_str(),
+                            who(g.tid).c_str(), ts.bulk.size(), location(ts.bulk.front().pc).c_str()));
+            if (ts.bulk_done_event > ts.global_fence)
+                fail(format("%s: semaphore_post(%p, %d)%s: %s completed bulk reductions and ran no "
+                            "fence_proxy_async_global() after them: their writes, made by the async proxy, are "
+                            "not published by a post",
+                            who(f->tid).c_str(), static_cast<void*>(sem), value, location(pc).c_str(),
+                            who(g.tid).c_str()));
+            if (hb && ts.bulk_done && !ordered(f, g.tid, ts.bulk_done))
+                fail(format("%s: semaphore_post(%p, %d)%s: the bulk reductions %s completed are not ordered before "
+                            "the post (a __syncwarp() or barrier between that thread's bulk_wait and the post): a "
+                            "block that waits for it may add before they land",
+                            who(f->tid).c_str(), static_cast<void*>(sem), value, location(pc).c_str(),
+                            who(g.tid).c_str()));
+        }
+        __atomic_store_n(sem, value, __ATOMIC_SEQ_CST);
+        bool found = false;
+        for (auto& e : sem_posts)
+            if (e.first == sem) {
+                e.second = {linear(block), value};
+                found = true;
+            }
+        if (!found) sem_posts.push_back({sem, {linear(block), value}});
+        for (const auto& s : suspended)
+            for (const Fiber& g : s->fibers)
+                if (g.state == St::SemWait && s->sync[g.tid].sem == sem && s->sync[g.tid].sem_value == value)
+                    preempt = true;
+        if (preempt) reschedule(f);  // the waiter runs before this block goes on
+    }
+
+    // Every started block waits for a semaphore and none is left to start.
+    void grid_deadlock() {
+        std::string out;
+        for (const auto& s : suspended) {
+            out += format("%sblock (%u,%u,%u):", out.empty() ? "" : "; ", s->block.x, s->block.y, s->block.z);
+            int listed = 0;
+            for (const Fiber& g : s->fibers)
+                if (g.state == St::SemWait && listed++ < 4)
+                    out += format(" thread %d waits at semaphore_wait(%p, %d)%s, which holds %d", g.tid,
+                                  static_cast<const void*>(s->sync[g.tid].sem), s->sync[g.tid].sem_value,
+                                  location(g.op_pc).c_str(), sem_load(s->sync[g.tid].sem));
+        }
+        failed = true;
+        err = format("kernel `%s`: deadlock: every started block waits for a semaphore and no block is left to "
+                     "start (%s)",
+                     name.c_str(), out.c_str());
     }
 
     // At the end of a block: a named barrier with arrivals and no completion is an
@@ -2528,14 +2803,6 @@ struct Launch {
         const size_t ps = page_size();
         stack_bytes = ((std::max<uint64_t>(d.stack_bytes, 64 * 1024) + ps - 1) / ps) * ps + ps;  // + guard page
         stacks_total = stack_bytes * nthreads;
-        void* st = mmap(nullptr, stacks_total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                        -1, 0);
-        if (st == MAP_FAILED) {
-            snprintf(errbuf, errlen, "kernel `%s`: cannot map %zu bytes of fiber stacks", name.c_str(), stacks_total);
-            return false;
-        }
-        stacks = static_cast<char*>(st);
-        for (unsigned t = 0; t < nthreads; ++t) mprotect(stacks + static_cast<size_t>(t) * stack_bytes, ps, PROT_NONE);
 
         smem_size = d.smem_bytes;
         redzone = std::max<size_t>(64 * 1024, ((smem_size + ps - 1) / ps) * ps);
@@ -2550,19 +2817,41 @@ struct Launch {
         smem_window = shuffle ? static_cast<uint32_t>(16 * (1 + next_random() % 63)) : 0;
         chk_lo = reinterpret_cast<uintptr_t>(smem_alloc);
         chk_hi = chk_lo + smem_alloc_size;
+        barriers = module_flags & CFEMU_MODULE_BARRIERS;
+        hb = race && barriers;
+        if (hb) nclocks = 2 * static_cast<size_t>(nthreads);
+        if (!init_storage()) {
+            snprintf(errbuf, errlen, "%s", err.c_str());
+            return false;
+        }
+        return true;
+    }
+
+    // A block's storage (BlockState's fields), sized for this launch: fiber stacks
+    // (a mapping of their own, a guard page below each), the shadows, the threads'
+    // barrier state and the fibers.
+    bool init_storage() {
+        const cfemu_launch_desc& d = *desc;
+        const size_t ps = page_size();
+        void* st = mmap(nullptr, stacks_total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                        -1, 0);
+        if (st == MAP_FAILED) {
+            failed = true;
+            err = format("kernel `%s`: cannot map %zu bytes of fiber stacks", name.c_str(), stacks_total);
+            return false;
+        }
+        stacks = static_cast<char*>(st);
+        stack_maps.emplace_back(stacks, stacks_total);
+        for (unsigned t = 0; t < nthreads; ++t) mprotect(stacks + static_cast<size_t>(t) * stack_bytes, ps, PROT_NONE);
         if (race) shadow.assign(smem_size, Shadow{});
         if (race) bulk_src_refs.assign(smem_size, 0);
-        barriers = module_flags & CFEMU_MODULE_BARRIERS;
         if (barriers) sync.assign(nthreads, ThreadSync{});
         wsync.assign(nwarps, 0);
-        hb = race && barriers;
         if (hb) {
-            nclocks = 2 * static_cast<size_t>(nthreads);
             vcs.assign(nthreads * nclocks, 0);
             shadow_clocks.assign(smem_size, ShadowClocks{});
         }
-
-        fibers.resize(nthreads);
+        fibers = std::vector<Fiber>(nthreads);
         for (unsigned t = 0; t < nthreads; ++t) {
             Fiber& f = fibers[t];
             f.L = this;
@@ -2649,12 +2938,48 @@ void install_fault_handlers() {
 bool run_grid(Launch& L, const std::vector<uint64_t>& order) __attribute__((noinline));
 bool run_grid(Launch& L, const std::vector<uint64_t>& order) {
     const cfemu_launch_desc* d = L.desc;
-    for (uint64_t b : order) {
-        L.block = cfemu_xyz{static_cast<unsigned>(b % d->grid[0]), static_cast<unsigned>((b / d->grid[0]) % d->grid[1]),
-                            static_cast<unsigned>(b / (uint64_t(d->grid[0]) * d->grid[1]))};
-        if (!L.run_block()) return false;
+    size_t next = 0;
+    std::vector<size_t> ready;
+    for (;;) {
+        // A suspended block whose semaphore was posted, or the next block to start.
+        ready.clear();
+        for (size_t i = 0; i < L.suspended.size(); ++i)
+            if (Launch::block_ready(*L.suspended[i])) ready.push_back(i);
+        const bool can_start = next < order.size();
+        if (ready.empty() && !can_start) {
+            if (L.suspended.empty()) return true;
+            L.grid_deadlock();
+            return false;
+        }
+        size_t pick = 0;  // pick == ready.size(): start one (without shuffling: only when none is ready)
+        if (L.shuffle) pick = L.next_random() % (ready.size() + (can_start ? 1 : 0));
+        if (pick == ready.size()) {
+            const uint64_t b = order[next++];
+            L.block = cfemu_xyz{static_cast<unsigned>(b % d->grid[0]),
+                                static_cast<unsigned>((b / d->grid[0]) % d->grid[1]),
+                                static_cast<unsigned>(b / (uint64_t(d->grid[0]) * d->grid[1]))};
+            L.start_block();
+        } else {
+            std::unique_ptr<BlockState> s = std::move(L.suspended[ready[pick]]);
+            L.suspended.erase(L.suspended.begin() + static_cast<std::ptrdiff_t>(ready[pick]));
+            L.swap_block(*s);  // s now holds the finished block's storage
+            L.spare.push_back(std::move(s));
+        }
+        const Launch::Ran ran = L.run_rounds();
+        if (ran == Launch::Ran::Failed) return false;
+        if (ran == Launch::Ran::Suspended) {
+            std::unique_ptr<BlockState> s;
+            if (L.spare.empty()) {
+                s = std::make_unique<BlockState>();
+            } else {
+                s = std::move(L.spare.back());
+                L.spare.pop_back();
+            }
+            L.swap_block(*s);
+            if (L.fibers.empty() && !L.init_storage()) return false;
+            L.suspended.push_back(std::move(s));
+        }
     }
-    return true;
 }
 
 // Runs the grid with faults turned into errors; false on any error.
@@ -2882,6 +3207,22 @@ CFEMU_API void cfemu_bulk_commit(void) {
 CFEMU_API void cfemu_bulk_wait(int n, int read_only) {
     Launch* L = current_launch("bulk_wait");
     L->bulk_wait(L->cur, n, read_only != 0, __builtin_return_address(0));
+}
+
+CFEMU_API void cfemu_semaphore_wait(const int* sem, int value) {
+    Launch* L = current_launch("semaphore_wait");
+    L->semaphore_wait(L->cur, sem, value, __builtin_return_address(0));
+}
+
+CFEMU_API void cfemu_semaphore_post(int* sem, int value) {
+    Launch* L = current_launch("semaphore_post");
+    L->semaphore_post(L->cur, sem, value, __builtin_return_address(0));
+}
+
+CFEMU_API void cfemu_fence_proxy_async_global(void) {
+    Launch* L = current_launch("fence_proxy_async_global");
+    if (!L->barriers) L->fail("fence_proxy_async_global outside a module that includes barriers.cuh");
+    L->fence_proxy_async_global(L->cur);
 }
 
 CFEMU_API void cfemu_trap(const char* what, const char* file, int line) {
