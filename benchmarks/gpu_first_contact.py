@@ -28,7 +28,8 @@ Step 0 of ``benchmarks/gpu_check.sh``; run alone from the checkout's root::
 3. **An A/B table** in this one process, the same inputs for every row of a case:
    fwd_mma against fwd_wgmma and its timing-only builds without the softmax or the
    copies (bf16, d = 64 and 128, L = 8192, causal and not), the backward deterministic,
-   with dQ by atomics (``deterministic=False``) and by bulk reductions (async dQ),
+   with dQ by atomics (``deterministic=False``), by bulk reductions (async dQ) and by
+   bulk reductions in key-block order (ordered dQ, deterministic),
    PyTorch's flash and cuDNN backends beside them when torch is installed; the timers are
    :mod:`cupyflash._bench`'s (CUDA events through ``cupyx.profiler.benchmark`` after a
    warm-up; medians), TFLOP/s by FlashAttention's FLOP count.  Variants issue 32 names
@@ -88,11 +89,7 @@ COLUMNS = {
 MODEL_COLUMNS = 4   # the models are fitted to columns 0 .. 3; column 4 then says whether they span K
 # Rows of the A/B table issue 32 names that today's code does not have.
 NOT_BUILT = (
-    # cupyflash-wgmma has fixes 1+2 (softmax overlapping P V; products before copies); the
-    # kernel before them is not kept as a variant
-    ("forward", "fwd_wgmma before fixes 1+2 (P V waited for before the exponentials; copies first)"),
     ("backward", "bwd_wgmma decoupled (per-stage mbarriers, ping-pong warpgroups)"),
-    ("backward", "timing-only bwd_wgmma without copies"),
 )
 # The table's cases: (B, H, L, d) as benchmarks/gpu_check.py's; each forward and
 # backward, causal and not.
@@ -102,10 +99,13 @@ TABLE_IMPLS = {
     # cupyflash-wgmma-no-exp / -no-copy: timing-only builds (wrong outputs), what the
     # exponentials and the copies cost
     # cupyflash-wgmma-decoupled: a producer warpgroup, per-stage mbarriers, ping-pong
-    "forward": ("cupyflash", "cupyflash-wgmma", "cupyflash-wgmma-decoupled", "cupyflash-wgmma-no-exp",
-                "cupyflash-wgmma-no-copy", "torch-flash", "torch-cudnn"),
+    # cupyflash-wgmma-before-fixes: the loop before fixes 1+2 (P V waited for before the
+    # exponentials; copies before the products), same outputs
+    "forward": ("cupyflash", "cupyflash-wgmma-before-fixes", "cupyflash-wgmma", "cupyflash-wgmma-decoupled",
+                "cupyflash-wgmma-no-exp", "cupyflash-wgmma-no-copy", "torch-flash", "torch-cudnn"),
     "backward": ("cupyflash", "cupyflash-atomic", "cupyflash-wgmma", "cupyflash-wgmma-atomic",
-                 "cupyflash-wgmma-async-dq", "torch-flash", "torch-cudnn"),
+                 "cupyflash-wgmma-async-dq", "cupyflash-wgmma-ordered-dq", "cupyflash-wgmma-no-copy",
+                 "torch-flash", "torch-cudnn"),
 }
 WGMMA_SELECTION = "one_wgmma_of_each_operand_form or each_kernel_product"
 

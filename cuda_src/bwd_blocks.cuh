@@ -29,6 +29,11 @@ constexpr int kGradDQAtomic = 4;
 // one warp adds it to dq by bulk asynchronous reductions (barriers.cuh), one per
 // query row, instead of every thread issuing its own atomics.
 constexpr int kGradDQBulk = 8;
+// With kGradDQBulk (bwd_wgmma only, deterministic=True): the key blocks add their
+// shares of a query block's dQ in key-block order, taking turns through a semaphore
+// per query block (BwdParams::dq_turns, barriers.cuh): dq's bits do not depend on
+// the schedule.
+constexpr int kGradDQOrdered = 16;
 
 // A query row's statistics come from `stat(r, c)`, a callable giving the value
 // for accumulator element [r][c]: indexed by the row in the dQ kernel (one

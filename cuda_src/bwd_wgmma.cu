@@ -40,6 +40,16 @@
 // query block: 64 instructions of one warp per block in place of every
 // thread's 8-byte atomics.  The staging tile is written again only after
 // warp 0 has waited for the bulk reads, before the next block's barrier.
+// kGradDQOrdered (with kGradDQBulk, deterministic=True, opt-in with it): the key
+// blocks of a kv head add into a query block in key-block order.  Warp 0 waits
+// until the query block's semaphore (BwdParams::dq_turns) holds its turn (its
+// own key-block number n when key block n - 1 adds into the same query block,
+// which posts n; else 0: turn_bound), sends, completes its reductions
+// (bulk_wait<0>, a global proxy fence, then __syncwarp) and posts n + 1.  Every dq element is then the
+// same float32 sum whatever the schedule, and no dQ kernel runs.  A block waits
+// only for the block before it in launch order (KeyTileIndex: n_block is the
+// fastest index), which the GPU starts first.  (At d = 128 the host launches it
+// for dK alone, dV apart: the fused row spilled, _families/bwd_wgmma.py.)
 //
 // Shared tiles are SwizzledTile pages, wgmma's 128-byte-swizzle layout
 // (wgmma.cuh), 1024-byte aligned.  Every thread copies with cp.async and runs
@@ -65,6 +75,17 @@
 
 namespace cf {
 
+// A timing-only build (benchmarks/gpu_first_contact.py's A/B table through
+// KernelOptions.timing = "no-copy"; never dispatched): CF_TIMING_NO_COPY leaves out
+// every streamed-tile copy after the first two blocks (Q and dO in the dK/dV
+// kernel, K and V in the dQ kernel; the products re-read those buffers, the
+// statistics still load).  Its gradients are meaningless; its time against the
+// real kernels' is what the copies cost.
+#ifndef CF_TIMING_NO_COPY
+#define CF_TIMING_NO_COPY 0
+#endif
+constexpr bool kBwdTimingNoCopy = CF_TIMING_NO_COPY != 0;
+
 // Every compile-time quantity of one instantiation.  kBlockOwn rows (keys in
 // the dK/dV kernel, query rows in the dQ kernel) stay in shared memory, 64 per
 // warpgroup; kBlockStream rows are reloaded per block.  The tile table, with
@@ -76,6 +97,7 @@ struct WgmmaBwdTraits {
     static constexpr bool kDV = (kGrads & kGradDV) != 0, kDK = (kGrads & kGradDK) != 0;
     static constexpr bool kAtomicDq = (kGrads & kGradDQAtomic) != 0;
     static constexpr bool kBulkDq = (kGrads & kGradDQBulk) != 0;
+    static constexpr bool kOrderedDq = (kGrads & kGradDQOrdered) != 0;
     static constexpr bool kNeedsV = kDK;  // dP^T = V dO^T only for dK (the dQ kernel: both own tiles)
     static constexpr int kWarps = 4 * kWarpGroups;
     static constexpr int kThreads = 32 * kWarps;
@@ -122,8 +144,9 @@ struct WgmmaBwdTraits {
     static_assert(kBlockStream % 32 == 0 && kBlockStream <= 256, "streamed block: an n of wgmma, 32 or whole pages");
     static_assert(kBlockStream <= 32 || kBlockStream % 64 == 0, "streamed block: 32 or whole 64-row pages");
     static_assert(kWarpGroups >= 1 && kWarpGroups <= 3, "1 to 3 warpgroups");
-    static_assert(kGrads >= 1 && kGrads <= 15 && (!kAtomicDq || kDK) && (!kBulkDq || kAtomicDq),
-                  "kGrads: kGradDV, kGradDK, kGradDQAtomic, kGradDQBulk");
+    static_assert(kGrads >= 1 && kGrads <= 31 && (!kAtomicDq || kDK) && (!kBulkDq || kAtomicDq) &&
+                      (!kOrderedDq || kBulkDq),
+                  "kGrads: kGradDV, kGradDK, kGradDQAtomic, kGradDQBulk, kGradDQOrdered");
     static_assert(!kAtomicDq || ((kBlockStream / 64) * kDqSlices == kWarpGroups && kDqCols % 64 == 0),
                   "atomic dQ: one (m64 slice, whole-page head-dim slice) per warpgroup");
     static_assert(!kAtomicDq || kDsOffset % 1024 == 0, "the dS^T tile starts 1024-byte aligned");
@@ -247,6 +270,27 @@ __device__ __forceinline__ void send_dq(float* dq, int64_t row_stride, const flo
     bulk_commit();
 }
 
+// kOrderedDq: key block n_block's (keys from n0) turn in query block m_block is
+// n_block when the key block before it also adds into m_block (that block posts
+// n_block), else 0 (the semaphore's value before any post).  A query block's key
+// blocks are consecutive (KeyBlock's first and last rows grow with the key block),
+// so the one before ours adds into m_block (>= our first query block >= its first)
+// exactly when m_block lies below its m_end, which this returns (0 for key block 0).
+template <int kBlockN, int kBlockM>
+__device__ __forceinline__ int turn_bound(const FwdParams& p, const WindowMask& mask, int64_t n_block, int64_t n0) {
+    if (n_block == 0) return 0;
+    const KeyBlock before(p, mask, n0 - kBlockN, kBlockN);
+    return static_cast<int>(before.m_end(kBlockM));
+}
+
+// kOrderedDq: the semaphore of (batch, query head, query block m_block) in
+// BwdParams::dq_turns, laid out over the launch's longest sequence.
+template <int kBlockM>
+__device__ __forceinline__ int* dq_turns_of(const BwdParams& launch, int64_t batch, int64_t head, int64_t m_block) {
+    const int64_t m_blocks = (launch.fwd.seqlen_q + kBlockM - 1) / kBlockM;
+    return launch.dq_turns + (batch * launch.fwd.heads_q + head) * m_blocks + m_block;
+}
+
 // ---- kernels ---------------------------------------------------------------------------------
 
 // dK and/or dV (kGrads; with kGradDQAtomic, dQ by atomics too) of kBlockN keys
@@ -286,6 +330,7 @@ bwd_wgmma_dkdv_kernel(const BwdParams launch) {
     // The query blocks that see these keys, head by head through the kv head's group.
     const int64_t m_begin = block.m_begin(kBlockM), m_end = block.m_end(kBlockM);
     const int64_t head_end = first_head + p.gqa_ratio;
+    const int turn_below = Tr::kOrderedDq ? turn_bound<kBlockN, kBlockM>(p, mask, tile.n_block, block.n0) : 0;
     const HeadSlice<T, float> kv(p, tile.batch, first_head);
     cp_async_tile<Tr::kThreads, Own>(sK, kv.k, block.n0, p.k_row_stride, block.keys, d);
     if constexpr (kDK) cp_async_tile<Tr::kThreads, Own>(sV, kv.v, block.n0, p.v_row_stride, block.keys, d);
@@ -330,7 +375,8 @@ bwd_wgmma_dkdv_kernel(const BwdParams launch) {
             // The next block's copies go out behind the products, into the other
             // stage, which no product in flight reads: their address arithmetic
             // (about 200 instructions a warp) no longer delays the tensor cores.
-            if (has_next) queries.issue_tiles(stage ^ 1, next_head, next_m);
+            if (has_next && !(kBwdTimingNoCopy && (head != first_head || m_block > m_begin)))
+                queries.issue_tiles(stage ^ 1, next_head, next_m);
             if (!kAtomicDq && has_next) queries.load_stats(next_head, next_m, next_lse_log2, next_delta);
             if constexpr (kDK) wgmma_wait<1>(s);           // S^T
             else wgmma_wait<0>(s);
@@ -374,8 +420,24 @@ bwd_wgmma_dkdv_kernel(const BwdParams launch) {
                     // here, the others arriving at a named barrier, spilled 8 bytes at
                     // d = 128.)
                     __syncthreads();
-                    if (warp_id() == 0)
+                    if (warp_id() == 0) {
+                        if constexpr (Tr::kOrderedDq) {
+                            if (lane_id() == 0)
+                                semaphore_wait(dq_turns_of<kBlockM>(launch, tile.batch, head, m_block),
+                                               m_block < turn_below ? static_cast<int>(tile.n_block) : 0);
+                            __syncwarp();  // lane 0's acquire before every lane's reductions
+                            fence_proxy_async_global();  // ... which go through the async proxy
+                        }
                         send_dq<Tr>(grad.dq + m0 * params.dq_row_stride, params.dq_row_stride, sdQ, rows_valid, d);
+                        if constexpr (Tr::kOrderedDq) {
+                            bulk_wait<0>();  // this lane's additions complete
+                            fence_proxy_async_global();  // ... for the generic proxy too
+                            __syncwarp();    // ... every lane's, before lane 0 posts
+                            if (lane_id() == 0)
+                                semaphore_post(dq_turns_of<kBlockM>(launch, tile.batch, head, m_block),
+                                               static_cast<int>(tile.n_block) + 1);
+                        }
+                    }
                 } else {
                     add_dq_atomically<Tr>(grad.dq + m0 * params.dq_row_stride, params.dq_row_stride, sdS, sK,
                                           static_cast<float>(p.scale), rows_valid, d);
@@ -459,7 +521,7 @@ bwd_wgmma_dq_kernel(const BwdParams launch) {
         cp_async_wait<0>();
         fence_proxy_async_shared();
         __syncthreads();  // this block's K, V (the first time Q, dO) visible; the other stage's wgmma retired
-        if (n_block + 1 < n_end) {
+        if (n_block + 1 < n_end && !(kBwdTimingNoCopy && n_block > n_begin)) {
             keys.issue(stage ^ 1, n_block + 1);
             cp_async_commit();
         }

@@ -53,15 +53,23 @@ namespace cf {
 // softmax (the raw scores become P), CF_TIMING_NO_COPY every K/V copy after
 // the first two blocks (the products re-read those buffers).  Their outputs
 // are meaningless; their time against the real kernel's is what the
-// exponentials and the copies cost.
+// exponentials and the copies cost.  CF_TIMING_BEFORE_FIXES builds the loop
+// as it was before issue 32's fixes 1 and 2 -- the wait for P V in the same
+// basic block as the softmax (ptxas then hoists it above the exponentials) and
+// the next block's copies issued before the products -- with the same outputs
+// (tests/test_wgmma_schedule.py shows its SASS failing both schedule rules).
 #ifndef CF_TIMING_NO_EXP
 #define CF_TIMING_NO_EXP 0
 #endif
 #ifndef CF_TIMING_NO_COPY
 #define CF_TIMING_NO_COPY 0
 #endif
+#ifndef CF_TIMING_BEFORE_FIXES
+#define CF_TIMING_BEFORE_FIXES 0
+#endif
 constexpr bool kTimingNoExp = CF_TIMING_NO_EXP != 0;
 constexpr bool kTimingNoCopy = CF_TIMING_NO_COPY != 0;
+constexpr bool kTimingBeforeFixes = CF_TIMING_BEFORE_FIXES != 0;
 
 // Every compile-time quantity of one instantiation (the table with the
 // reason for each row: _WGMMA_TILES in cupyflash/_kernels.py).
@@ -253,7 +261,8 @@ fwd_wgmma_kernel(const FwdParams launch) {
     using Tr = WgmmaFwdTraits<T, kHeadDim, kBlockN, kWarpGroups, kLazyRescale>;
     static_assert(!(kDecoupled && kSplit), "the decoupled kernel has no split-KV instantiation");
     static_assert(!kDecoupled || kWarpGroups == 2, "ping-pong between two warpgroups");
-    static_assert(!(kDecoupled && (kTimingNoExp || kTimingNoCopy)), "timing-only builds are coupled");
+    static_assert(!(kDecoupled && (kTimingNoExp || kTimingNoCopy || kTimingBeforeFixes)),
+                  "timing-only builds are coupled");
 
     const TileIndex tile(launch, Tr::kBlockM, blockIdx.x);
     const FwdView params = sequence_params(launch, tile.batch);  // sequence.cuh
@@ -300,6 +309,14 @@ fwd_wgmma_kernel(const FwdParams launch) {
     OnlineSoftmax<float, Tr::kRows, 4> softmax;
     float o[Tr::kRows][Tr::kOCols] = {};
     uint32_t p[Tr::kKeySteps][Tr::kMTiles][4];  // the previous block's P: A of its P V, in flight
+    // Coupled: the copies of K(n + 1) and V(n), into the buffers of K(n - 1) and
+    // V(n - 2), which no product of block n reads.
+    const auto issue_copies = [&](int n_block, int stage) {
+        if (kTimingNoCopy && n_block > n_begin + 1) return;
+        if (n_block + 1 < n_end) kv.load(kv.k(stage ^ 1), in.k, params.k_row_stride, n_block + 1);
+        kv.load(kv.v(stage), in.v, params.v_row_stride, n_block);
+        cp_async_commit();
+    };
     // Before the products of block n: K(n) and (with_values) V(n - 1) visible, and
     // every warpgroup done with K(n - 1) and V(n - 2) -- coupled: every copy
     // waited for and a CTA barrier; decoupled: the two tiles' full barriers, then
@@ -314,22 +331,19 @@ fwd_wgmma_kernel(const FwdParams launch) {
             cp_async_wait<0>();
             fence_proxy_async_shared();
             __syncthreads();
+            if constexpr (kTimingBeforeFixes) issue_copies(n_block, (n_block - n_begin) & 1);
         }
     };
-    // Then, once block n's products are issued: coupled, the copies of K(n + 1)
-    // and V(n), into the buffers of K(n - 1) and V(n - 2), which no product in
-    // flight reads (issued after the products, not before: their address
-    // arithmetic and bounds checks, about 100 instructions a warp, no longer
-    // delay the tensor cores); decoupled, the turn passes to the other warpgroup.
+    // Then, once block n's products are issued: coupled, the copies (issued after
+    // the products, not before: their address arithmetic and bounds checks, about
+    // 100 instructions a warp, no longer delay the tensor cores); decoupled, the
+    // turn passes to the other warpgroup.
     const auto products_issued = [&](int n_block, int stage) {
         if constexpr (kDecoupled) {
             if (wg != kWarpGroups - 1 || n_block + 1 < n_end)
                 named_barrier_arrive(kTurnBarrier + (wg + 1) % kWarpGroups, 2 * 128);
-        } else {
-            if (kTimingNoCopy && n_block > n_begin + 1) return;
-            if (n_block + 1 < n_end) kv.load(kv.k(stage ^ 1), in.k, params.k_row_stride, n_block + 1);
-            kv.load(kv.v(stage), in.v, params.v_row_stride, n_block);
-            cp_async_commit();
+        } else if constexpr (!kTimingBeforeFixes) {
+            issue_copies(n_block, stage);
         }
     };
     // Decoupled: this thread's products have read K or V of a stage (their wgmma
@@ -373,7 +387,8 @@ fwd_wgmma_kernel(const FwdParams launch) {
         wgmma_wait<1>(s);                            // S(n)
         keys_read(stage);
         softmax_block(s, rescale, n_block);          // while P V runs
-        wgmma_wait_all_apart(n_block, o, p);         // O and P(n - 1) free
+        if constexpr (kTimingBeforeFixes) wgmma_wait<0>(o, p);
+        else wgmma_wait_all_apart(n_block, o, p);    // O and P(n - 1) free
         values_read(stage ^ 1);
         bool moved = !Tr::kLazyRescale;
 #pragma unroll

@@ -48,10 +48,15 @@ struct BwdParams {
     // is broadcast along, whose entries then receive the sum).
     void* dbias[4];
     int64_t dbias_strides[4][4];
+    // bwd_wgmma's ordered dQ (kGradDQOrdered): one int per (batch, query head,
+    // query block of the dK/dV launch), C order, zeroed by the caller; null otherwise.
+    // Key block n adds its dQ share of a query block when the int holds the number of
+    // the key block before it that added (0: none), then posts n + 1.
+    int* dq_turns;
 };
 
 // The layout _params_bwd.py mirrors (tests compare every offset with the dtype's).
-static_assert(sizeof(BwdParams) == sizeof(FwdParams) + 40 * 8,
+static_assert(sizeof(BwdParams) == sizeof(FwdParams) + 41 * 8,
               "BwdParams: every field is 8 bytes, no padding");
 #if !defined(__CUDACC_RTC__)  // no __builtin_offsetof in NVRTC 13.0 (see params.cuh)
 static_assert(__builtin_offsetof(BwdParams, dout) == sizeof(FwdParams), "BwdParams layout");

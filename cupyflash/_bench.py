@@ -18,6 +18,7 @@ on the GPU
     warp-specialised rows: a producer warpgroup, mbarriers, the consumers' turns; opt-in)
     and for backward cases ``cupyflash-wgmma-atomic`` and
     ``cupyflash-wgmma-async-dq`` (dQ by bulk asynchronous reductions, opt-in),
+    ``cupyflash-wgmma-ordered-dq`` (the same, deterministic: the key blocks take turns),
     ``cupyflash-v1`` (Algorithm 1, the fwd_v1 kernel, through
     :func:`cupyflash.reference.flash_attention_v1`), ``cupy-naive`` (matmul,
     softmax in place, matmul: :func:`~cupyflash.reference.naive_attention` with
@@ -304,7 +305,9 @@ def implementations(device: str, case: Case, timing_only: bool = False) -> list[
     """Names of the implementations that apply to ``case`` on ``device`` (cupyflash first);
     ``timing_only``: with the timing-only builds of fwd_wgmma (``cupyflash-wgmma-no-exp``,
     ``cupyflash-wgmma-no-copy``: :attr:`KernelOptions.timing
-    <cupyflash._options.KernelOptions.timing>`, wrong outputs) for forward cases."""
+    <cupyflash._options.KernelOptions.timing>`, wrong outputs; ``cupyflash-wgmma-before-fixes``,
+    the loop before issue 32's schedule fixes) for forward cases, and bwd_wgmma's
+    (``cupyflash-wgmma-no-copy``) for backward ones."""
     names = ["cupyflash"]
     if case.scores:   # the other cupyflash rows (kernel variants) are timed without score operands
         names.append("numpy-naive" if device == "cpu" else "cupy-naive")
@@ -321,10 +324,11 @@ def implementations(device: str, case: Case, timing_only: bool = False) -> list[
 
         if not case.backward and case.head_dim in FWD_WGMMA.decoupled_head_dims:   # its decoupled rows
             names.append("cupyflash-wgmma-decoupled")
-        if timing_only and not case.backward:
-            names += ["cupyflash-wgmma-no-exp", "cupyflash-wgmma-no-copy"]
+        if timing_only:
+            names += (["cupyflash-wgmma-no-copy"] if case.backward else
+                      ["cupyflash-wgmma-no-exp", "cupyflash-wgmma-no-copy", "cupyflash-wgmma-before-fixes"])
         if case.backward:
-            names += ["cupyflash-wgmma-atomic", "cupyflash-wgmma-async-dq"]
+            names += ["cupyflash-wgmma-atomic", "cupyflash-wgmma-async-dq", "cupyflash-wgmma-ordered-dq"]
     # fwd_dmma / bwd_dmma, float64 on the FP64 tensor cores, and float32 computed there
     # in double (opt-in until measured)
     if device == "gpu" and case.dtype in ("float64", "float32") and _dmma_gpu():
@@ -366,21 +370,24 @@ def prepare(impl: str, case: Case, inputs, device: str):
         return (lambda: cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal,
                                                      deterministic=False),
                 _cupyflash_kernel(case, q, k, v, deterministic=False))
-    if impl in ("cupyflash-wgmma", "cupyflash-wgmma-atomic", "cupyflash-wgmma-async-dq", "cupyflash-wgmma-no-exp",
-                "cupyflash-wgmma-no-copy", "cupyflash-wgmma-decoupled", "cupyflash-dmma"):
+    if impl in ("cupyflash-wgmma", "cupyflash-wgmma-atomic", "cupyflash-wgmma-async-dq", "cupyflash-wgmma-ordered-dq",
+                "cupyflash-wgmma-no-exp", "cupyflash-wgmma-no-copy", "cupyflash-wgmma-before-fixes",
+                "cupyflash-wgmma-decoupled", "cupyflash-dmma"):
         from ._api import run_attention, run_attention_backward
         from ._options import KernelOptions
 
         deterministic = impl not in ("cupyflash-wgmma-atomic", "cupyflash-wgmma-async-dq")
         env = KernelOptions.from_environment()
-        timing = {"cupyflash-wgmma-no-exp": "no-exp", "cupyflash-wgmma-no-copy": "no-copy"}.get(impl)
-        options = (env.replace(wgmma=True, async_dq=impl.endswith("async-dq"), timing=timing,
+        timing = {"cupyflash-wgmma-no-exp": "no-exp", "cupyflash-wgmma-no-copy": "no-copy",
+                  "cupyflash-wgmma-before-fixes": "before-fixes"}.get(impl)
+        options = (env.replace(wgmma=True, async_dq=impl.endswith(("async-dq", "ordered-dq")), timing=timing,
                                decoupled=impl.endswith("decoupled"))
                    if impl.startswith("cupyflash-wgmma") else env.replace(dmma=frozenset({"float64", "float32"})))
         kernel = _cupyflash_kernel(case, q, k, v, deterministic=deterministic, options=options)
         if not case.backward:
             return (lambda: run_attention(q, k, v, causal=causal, options=options)), kernel
-        out, lse = run_attention(q, k, v, causal=causal, return_lse=True, options=options)
+        # (a timing-only backward is fed a real forward's out and lse)
+        out, lse = run_attention(q, k, v, causal=causal, return_lse=True, options=options.replace(timing=None))
         return (lambda: run_attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic,
                                                options=options)), kernel
     if impl in ("cupyflash-tf32", "cupyflash-tf32x3"):

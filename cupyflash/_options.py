@@ -25,8 +25,9 @@ WGMMA_ENV = "CUPYFLASH_WGMMA"
 # (or "float64,float32", or all) runs float32 on them too (computed in double).
 DMMA_ENV = "CUPYFLASH_DMMA"
 # bwd_wgmma's asynchronous dQ (bulk reductions from shared memory in place of
-# every thread's atomics, deterministic=False): opt-in until a GPU has timed it
-# against the atomics (benchmarks/gpu_first_contact.py's table).
+# every thread's atomics, deterministic=False; deterministic, the same in key-block
+# order in place of the dQ kernel): opt-in until a GPU has timed it against the
+# atomics and the dQ kernel (benchmarks/gpu_first_contact.py's table).
 ASYNC_DQ_ENV = "CUPYFLASH_ASYNC_DQ"
 # fwd_wgmma's warp-specialised form (a producer warpgroup, per-stage mbarriers,
 # the consumer warpgroups' turns by named barriers): opt-in until a GPU has timed
@@ -34,8 +35,12 @@ ASYNC_DQ_ENV = "CUPYFLASH_ASYNC_DQ"
 DECOUPLED_ENV = "CUPYFLASH_DECOUPLED"
 
 _TRUE = {"1", "true", "yes", "on"}
-# KernelOptions.timing -> the macro of cuda_src/fwd_wgmma.cu that builds it
-TIMING_BUILDS = {"no-exp": "CF_TIMING_NO_EXP", "no-copy": "CF_TIMING_NO_COPY"}
+# KernelOptions.timing -> the macro of cuda_src/fwd_wgmma.cu (and, "no-copy" only,
+# cuda_src/bwd_wgmma.cu) that builds it
+TIMING_BUILDS = {"no-exp": "CF_TIMING_NO_EXP", "no-copy": "CF_TIMING_NO_COPY",
+                 "before-fixes": "CF_TIMING_BEFORE_FIXES"}
+# the timing-only builds the backward has
+BACKWARD_TIMING_BUILDS = ("no-copy",)
 
 
 @dataclass(frozen=True)
@@ -59,7 +64,10 @@ class KernelOptions:
         Replacements for the registry's families of the same name (tile sweeps).
     async_dq : bool, default False
         bwd_wgmma adds dQ (``deterministic=False``) by bulk asynchronous reductions
-        from shared memory, where dq's rows start 16-byte aligned.
+        from shared memory, where dq's rows start 16-byte aligned; with
+        ``deterministic=True`` and no score features, by the same reductions in
+        key-block order (the key blocks take turns per query block: ordered dQ),
+        in place of the dQ kernel.
     decoupled : bool, default False
         fwd_wgmma runs its warp-specialised instantiations where they exist (d = 64 and
         128, no split-KV, no score features, no paged cache): a producer warpgroup
@@ -67,8 +75,10 @@ class KernelOptions:
     timing : str or None, default None
         A timing-only build of the forward kernel (:data:`TIMING_BUILDS`: ``"no-exp"``
         without the softmax, ``"no-copy"`` without the K/V copies after the first two
-        blocks; fwd_wgmma reads them): its outputs are meaningless.  For
-        ``benchmarks/gpu_first_contact.py``'s table only.
+        blocks; ``"before-fixes"`` the loop as it was before issue 32's schedule fixes,
+        with correct outputs; fwd_wgmma reads them) or, ``"no-copy"`` only, of the backward's
+        (bwd_wgmma: no streamed-tile copies after the first two blocks): its outputs
+        are meaningless.  For ``benchmarks/gpu_first_contact.py``'s table only.
 
     Examples
     --------

@@ -227,17 +227,18 @@ BWD_PARAMS = np.dtype(
     [("fwd", FWD_PARAMS)]
     + [(name, np.uint64) for name in _BWD_POINTERS]
     + [(f"{t}_{axis}_stride", np.int64) for t in _BWD_POINTERS for axis in ("batch", "head", "row")]
-    + [("dbias", np.uint64, (MAX_BIAS,)), ("dbias_strides", np.int64, (MAX_BIAS, 4))],
+    + [("dbias", np.uint64, (MAX_BIAS,)), ("dbias_strides", np.int64, (MAX_BIAS, 4))]
+    + [("dq_turns", np.uint64)],
     align=True,
 )
-assert BWD_PARAMS.itemsize == FWD_PARAMS.itemsize + 40 * 8
+assert BWD_PARAMS.itemsize == FWD_PARAMS.itemsize + 41 * 8
 # The fields in one struct.pack format (see cupyflash._params).
-_BWD_PACK = struct.Struct(_FWD_PACK.format + "5Q15q4Q16q")
+_BWD_PACK = struct.Struct(_FWD_PACK.format + "5Q15q4Q16qQ")
 assert _BWD_PACK.size == BWD_PARAMS.itemsize
 
 
 def bwd_params(dout, q, k, v, out, lse, dq, dk, dv, delta, *, scale: float, window_left,
-               window_right, gqa_ratio: int, terms=None, dbias=(), sequences=None) -> np.void:
+               window_right, gqa_ratio: int, terms=None, dbias=(), sequences=None, dq_turns=None) -> np.void:
     """Fill a :data:`BWD_PARAMS` scalar for the backward launches of one call.
 
     Parameters
@@ -259,6 +260,9 @@ def bwd_params(dout, q, k, v, out, lse, dq, dk, dv, delta, *, scale: float, wind
         kernels add the bias gradients into them.
     sequences : array, optional
         As for :func:`fwd_params`.
+    dq_turns : array, optional
+        bwd_wgmma's ordered dQ: zeroed int32, one per (batch, query head, query block of
+        the dK/dV launch), C order (``BwdParams::dq_turns``); None: a null pointer.
 
     Every array has a unit-stride last axis (where it has one) and is NumPy
     for the emulator, CuPy for the GPU.
@@ -270,4 +274,6 @@ def bwd_params(dout, q, k, v, out, lse, dq, dk, dv, delta, *, scale: float, wind
                         window_right=window_right, gqa_ratio=gqa_ratio, terms=terms, sequences=sequences)
     pointers = (data_pointer(a) for a in (dout, dq, dk, dv, delta))
     gradients = term_fields(dbias)[:5 * MAX_BIAS]    # the bias part: pointers, strides
-    return np.frombuffer(bytearray(_BWD_PACK.pack(*fields, *pointers, *strides, *gradients)), BWD_PARAMS)[0]
+    turns = data_pointer(dq_turns) if dq_turns is not None else 0
+    return np.frombuffer(bytearray(_BWD_PACK.pack(*fields, *pointers, *strides, *gradients, turns)),
+                         BWD_PARAMS)[0]

@@ -31,7 +31,7 @@ from ._dtypes import accumulator_dtype, dtype_name
 from ._families import BACKWARD, DKDV, DQ, FORWARD, FWD_COMBINE, FWD_V1, Call, Sizes, select
 from ._families.fwd_v1 import v1_block_sizes
 from ._launch import num_splits
-from ._options import KernelOptions
+from ._options import BACKWARD_TIMING_BUILDS, KernelOptions
 from ._params import KernelView, bwd_params, data_pointer, fwd_params
 from ._source import with_defines
 from ._terms import ScoreOperands
@@ -315,6 +315,9 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, *, scale, window_left, window_
     zero.  Keys no query row sees get zero dk and dv rows; with Lq = 0 every dk,
     dv row is zero, with Lk = 0 every dq row.
     """
+    if options.timing is not None and options.timing not in BACKWARD_TIMING_BUILDS:
+        raise ValueError(f"`options.timing`: the backward's timing-only builds are {BACKWARD_TIMING_BUILDS}, "
+                         f"got {options.timing!r}")
     lengths = sequences is not None
     if lengths:   # the launches span the longest sequence
         spans = np.asarray(sequences, dtype=np.int64).reshape(4, -1)
@@ -339,13 +342,22 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, *, scale, window_left, window_
     else:
         delta = xp.empty((batch, heads_q, seqlen_q), dtype=acc)
     table = _device_table(spans, q) if lengths else None
-    params = bwd_params(dout, q, k, v, out, lse, dq, dk, dv, delta, scale=scale,
-                        window_left=window_left, window_right=window_right, gqa_ratio=gqa_ratio,
-                        terms=terms, dbias=dbias, sequences=table)
     sizes = Sizes(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, head_dim_v)
     rows = backward_plan(dout, q, k, v, dq, arch=executor.arch, options=options, deterministic=deterministic,
                          precision=precision, features=terms.features, lengths=lengths)
+    # ordered dQ: a zeroed semaphore per (sequence, query head, query block of the launch)
+    ordered = [r for r in rows if r.ordered_dq]
+    turns = (xp.zeros((spans.shape[1] if lengths else batch, heads_q, -(-seqlen_q // ordered[0].block_m)),
+                      dtype=np.int32) if ordered else None)
+    params = bwd_params(dout, q, k, v, out, lse, dq, dk, dv, delta, scale=scale,
+                        window_left=window_left, window_right=window_right, gqa_ratio=gqa_ratio,
+                        terms=terms, dbias=dbias, sequences=table, dq_turns=turns)
     defines = sequence_defines(spans if lengths else None)
+    if options.timing is not None:   # a timing-only build (bwd_wgmma's kernels read it)
+        if any(r.family.name != "bwd_wgmma" for r in rows if r.role in (DKDV, DQ)):
+            raise ValueError(f"`options.timing`: {options.timing!r} is built for bwd_wgmma only, and this call "
+                             f"dispatches {sorted({r.family.name for r in rows if r.role in (DKDV, DQ)})}")
+        defines = defines + options.timing_defines
     if not lengths and not any(r.role == DQ for r in rows):
         dq.fill(0)   # the dK/dV kernel adds dQ into it (float atomics; with lengths: zeroed already)
     # delta first (the others read it); a dK/dV launch needs keys, the others query rows.

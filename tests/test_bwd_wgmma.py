@@ -193,7 +193,15 @@ def test_async_dq_is_opt_in_and_needs_16_byte_aligned_dq_rows(ex90):
         row = _select("float16", d, bulk, deterministic=False, dq_aligned_16=True)[1]
         assert row.bulk_dq and row.name_expression == plain.name_expression[:-2] + "15>"
         assert _select("float16", d, bulk, deterministic=False, dq_aligned_16=False)[1] == plain
-        assert _select("float16", d, bulk, deterministic=True, dq_aligned_16=True) == _select("float16", d)
+        # deterministic: the same kernel adding in key-block order (at d = 128 with dV
+        # launched apart: the fused row spilled)
+        ordered = _select("float16", d, bulk, deterministic=True, dq_aligned_16=True)
+        assert [r.role for r in ordered] == ["delta"] + ["dkdv"] * (1 if d == 64 else 2)
+        assert ordered[-1].ordered_dq and not any(r.atomic_dq for r in ordered[1:-1])
+        assert ordered[-1].name_expression == plain.name_expression[:-2] + ("31>" if d == 64 else "30>")
+        assert _select("float16", d, bulk, deterministic=True, dq_aligned_16=False) == _select("float16", d)
+        assert _select("float16", d, bulk, deterministic=True, dq_aligned_16=True,
+                       features=frozenset({"mask"})) == _select("float16", d, features=frozenset({"mask"}))
     assert not any(r.atomic_dq for r in _select("float16", 128, bulk, deterministic=False, dq_aligned_16=True,
                                                 features=frozenset({"mask"})))
     assert not any(r.bulk_dq for d in (192, 256)
@@ -211,3 +219,61 @@ def test_async_dq_is_opt_in_and_needs_16_byte_aligned_dq_rows(ex90):
         dkdv = next(n for n in spy.launched if "dkdv" in n)
         assert (dkdv.endswith(f", {kind}>") if kind else any("bwd_wgmma_dq_kernel" in n for n in spy.launched)), \
             spy.launched
+
+
+@needs_emulator
+@pytest.mark.parametrize("head_dim, window", [(64, (None, 0)), (128, (None, None)), (128, (70, 10))],
+                         ids=["d64-causal", "d128-full", "d128-window"])
+def test_ordered_dq_is_the_same_sum_whatever_order_the_blocks_run_in(head_dim, window):
+    # async_dq and deterministic: the dK/dV kernel (at d = 128 the dK launch, dV apart)
+    # adds dQ by bulk reductions, the key blocks taking turns per query block
+    # (kGradDQOrdered); no dQ kernel.  Blocks started
+    # in other orders (the emulator suspends a block that waits for its turn and runs
+    # another) give the same bits; the window leaves some query blocks without the key
+    # block before (their first turn is 0); with GQA each query head has its own turns.
+    rng = np.random.default_rng(47)
+    q, k, v = qkv(rng, np.float16, heads_kv=1, gqa_ratio=2, seqlen_q=150, seqlen_k=300, head_dim=head_dim)
+    case = Case(rng, q, k, v, window=window, gqa_ratio=2, options=WGMMA.replace(async_dq=True))
+    plan = case.plan(90, True)
+    assert {r.kernel for r in plan[1:]} == {"bwd_wgmma_dkdv_kernel"} and plan[-1].ordered_dq
+    runs = []
+    for seed in (11, 12, 13):
+        runs.append(_backward(case, EmulatorExecutor(arch=90, seed=seed, shuffle=True, race_check=seed == 11)))
+    case.check(runs[0])
+    for other in runs[1:]:
+        for a, c in zip(runs[0], other):
+            assert a.tobytes() == c.tobytes()
+
+
+
+@needs_emulator
+def test_the_timing_only_backward_runs_without_its_copies(ex90):
+    # KernelOptions.timing = "no-copy" (benchmarks/gpu_first_contact.py's backward rows):
+    # bwd_wgmma's modules built with CF_TIMING_NO_COPY run on the emulator without a race
+    # or wgmma ordering error, and their gradients are not attention's (three query blocks
+    # for dK/dV and four key blocks for dQ: the copies stop after the second).  The
+    # backward has no "no-exp" build, and a call the other families take refuses it.
+    from cupyflash._source import Variant
+
+    rng = np.random.default_rng(23)
+    q, k, v = qkv(rng, np.float16, seqlen_q=3 * 128 - 5, seqlen_k=4 * 128 - 9, head_dim=64)
+    case = Case(rng, q, k, v, options=WGMMA.replace(timing="no-copy"))
+    entries = []
+
+    class Recording:
+        arch = ex90.arch
+
+        def launch(self, entry, name, *args):
+            entries.append((entry, name))
+            ex90.launch(entry, name, *args)
+
+    grads = case.run(Recording())
+    timed = [(e, n) for e, n in entries if "bwd_wgmma" in n]
+    assert [n.split("<")[0] for _, n in timed] == ["cf::bwd_wgmma_dkdv_kernel", "cf::bwd_wgmma_dq_kernel"]
+    assert all(e == Variant("bwd_wgmma.cu", (("CF_TIMING_NO_COPY", "1"),)) for e, _ in timed)
+    for got, want in zip(grads, case.expected()):
+        assert not np.allclose(got, want, rtol=0.05, atol=0.05)
+    with pytest.raises(ValueError, match="the backward's timing-only builds are"):
+        Case(rng, q, k, v, options=WGMMA.replace(timing="no-exp")).run(ex90)
+    with pytest.raises(ValueError, match="is built for bwd_wgmma only"):
+        Case(rng, q, k, v, options=KernelOptions(timing="no-copy")).run(ex90)

@@ -90,8 +90,9 @@ CATALOGUE = {
     # per dtype and head dim: dK/dV (deterministic and atomic-dQ) and dQ, or (192, 256) dV,
     # dK and dQ -- and the dQ kernel's whole-stream row; at d = 128, for calls with score
     # features, a dQ kernel of 64-key blocks (and its whole-stream row) and dV, dK apart;
-    # and the atomic-dQ dK/dV rows (d = 64, 128) with dQ by bulk reductions (async_dq)
-    "bwd_wgmma": (2 * (len(WGMMA_HEAD_DIMS) * 4 + 4 + 2), HALF_SET, {90}, True),
+    # and the atomic-dQ dK/dV rows (d = 64, 128) with dQ by bulk reductions (async_dq),
+    # unordered and in key-block order (deterministic)
+    "bwd_wgmma": (2 * (len(WGMMA_HEAD_DIMS) * 4 + 4 + 2 + 2), HALF_SET, {90}, True),
     "bwd_dmma": (2 * len(DMMA_HEAD_DIMS) * len(DMMA_DTYPES), DMMA_SET, set(DMMA_ARCHS), True),   # dK/dV, dQ
     # dK/dV and dQ per head dim and pass count, and d = 128's for calls with score features
     "bwd_tf32": (2 * (len(TF32_HEAD_DIMS) + 1) * len(TF32_PASSES), TF32_SET, SM80_ON, True),
@@ -955,6 +956,14 @@ def test_backward_every_instantiation_matches_oracle(executors, family, run):
             assert spy.launched == [r.name_expression for r in bulk_plan]
             case.check(bulk)
             assert np.array_equal(bulk[1], exact[1]) and np.array_equal(bulk[2], exact[2])
+            # deterministic too: the key blocks add in key-block order (the ordered dQ)
+            ordered_plan = case.plan(run.arch, deterministic=True)
+            assert {r.role for r in ordered_plan[1:]} == {DKDV} and ordered_plan[-1].ordered_dq
+            spy = LaunchSpy(executors[run.arch])
+            ordered = case.run(spy, deterministic=True)
+            assert spy.launched == [r.name_expression for r in ordered_plan]
+            case.check(ordered)
+            assert np.array_equal(ordered[1], exact[1]) and np.array_equal(ordered[2], exact[2])
 
 
 BACKWARD_MASKS = {

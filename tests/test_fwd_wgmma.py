@@ -232,6 +232,22 @@ def test_timing_only_builds_run_and_leave_out_what_they_say(ex90, timing):
         KernelOptions(timing="no-softmax")
 
 
+@needs_emulator
+def test_the_loop_before_the_fixes_gives_the_same_outputs(ex90):
+    # KernelOptions(timing="before-fixes"): the schedule of before issue 32's fixes 1 and 2
+    # (tests/test_wgmma_schedule.py shows its SASS failing both rules), the same arithmetic:
+    # the fixed kernel's outputs bit for bit, over five key blocks.
+    rng = np.random.default_rng(22)
+    q, k, v = qkv(rng, np.float16, seqlen_q=70, seqlen_k=5 * 128 + 3, head_dim=128)
+    outs = []
+    for timing in (None, "before-fixes"):
+        out, lse = poisoned((1, 1, 70, 128), np.float16), poisoned((1, 1, 70), np.float32)
+        _run.forward(q, k, v, out, lse, scale=0.125, window_left=None, window_right=0, gqa_ratio=1,
+                     executor=ex90, options=WGMMA.replace(timing=timing, splits=1))
+        outs.append((out, lse))
+    assert outs[0][0].tobytes() == outs[1][0].tobytes() and outs[0][1].tobytes() == outs[1][1].tobytes()
+
+
 # ---- the decoupled (warp-specialised) kernel: KernelOptions.decoupled -------------------------------
 
 DECOUPLED = WGMMA.replace(decoupled=True)

@@ -179,9 +179,10 @@ def test_decoupled_forward_is_bit_identical_to_the_coupled_kernel(monkeypatch, r
 # ---- bwd_wgmma ---------------------------------------------------------------------------------
 
 def _backward_both_ways(rng, launched, dtype, shape_q, shape_kv, **kw):  # noqa: F811
-    """Forward, then the backward deterministic (twice), with atomic dQ and with dQ by bulk
-    reductions (CUPYFLASH_ASYNC_DQ); checks each against the oracle, the deterministic runs
-    and dK, dV across the three modes bit for bit."""
+    """Forward, then the backward deterministic (twice), with atomic dQ, with dQ by bulk
+    reductions (CUPYFLASH_ASYNC_DQ) and, with that switch, deterministic (the ordered dQ,
+    twice); checks each against the oracle, each mode's two runs and dK, dV across the
+    four modes bit for bit."""
     import os
 
     q, k, v = random_qkv(rng, shape_q, shape_kv, shape_kv, dtype)
@@ -194,17 +195,22 @@ def _backward_both_ways(rng, launched, dtype, shape_q, shape_kv, **kw):  # noqa:
     os.environ[ASYNC_DQ_ENV] = "1"
     try:
         runs.append(cupyflash.attention_backward(cp.asarray(dout), qd, kd, vd, out, lse, deterministic=False, **kw))
+        # deterministic with async dQ: the key blocks take turns (ordered dQ), twice
+        runs += [cupyflash.attention_backward(cp.asarray(dout), qd, kd, vd, out, lse, deterministic=True, **kw)
+                 for _ in range(2)]
     finally:
         del os.environ[ASYNC_DQ_ENV]
     d = q.shape[-1]
-    expected = [r.name_expression for det, bulk in ((True, False), (True, False), (False, False), (False, True))
+    expected = [r.name_expression for det, bulk in ((True, False), (True, False), (False, False), (False, True),
+                                                    (True, True), (True, True))
                 for r in select(BACKWARD, Call(np.dtype(dtype).name, d, d, aligned=True, deterministic=det,
                                                dq_aligned_16=True), 90, KernelOptions(wgmma=True, async_dq=bulk))]
     assert [n for n in launched if "bwd_wgmma" in n] == [n for n in expected if "bwd_wgmma" in n]
-    for grads in (runs[0], runs[2], runs[3]):
+    for grads in (runs[0], runs[2], runs[3], runs[4]):
         check_gradients(tuple(cp.asnumpy(g) for g in grads), dout, q, k, v, cp.asnumpy(out), dtype, **kw)
-    for a, b in zip(runs[0], runs[1]):
-        assert cp.array_equal(a.view(cp.uint8), b.view(cp.uint8)), "deterministic runs differ"
+    for first, second in ((runs[0], runs[1]), (runs[4], runs[5])):
+        for a, b in zip(first, second):
+            assert cp.array_equal(a.view(cp.uint8), b.view(cp.uint8)), "deterministic runs differ"
     for fast in runs[2:]:
         for a, b in zip(runs[0][1:], fast[1:]):
             assert cp.array_equal(a.view(cp.uint8), b.view(cp.uint8)), "dk / dv depend on the dQ mode"

@@ -13,7 +13,9 @@ longer ran beside the tensor cores).  These tests read the compiled loop:
   the next block are issued behind the products, not before them;
 - fwd_wgmma's decoupled rows: every copy in the producer warpgroup's code, after
   it gives its registers back; the consumers' loop waits on mbarriers and named
-  barriers, never on the whole CTA.
+  barriers, never on the whole CTA;
+- the loop as it was before those fixes (the ``before-fixes`` timing build) fails
+  both rules, so they can fail.
 
 The SASS comes from the static report (NVRTC for sm_90a, cuobjdump), the text
 ``python -m cupyflash kernels --arch sm_90a --sass NAME`` prints.
@@ -56,23 +58,53 @@ def barrier_to_first_hgmma(instructions: list[str], barrier: int) -> int:
     return first - barrier - 1
 
 
+def exponentials_beside_p_v(code: list[str]) -> int:
+    """fwd_wgmma's loop: the MUFU.EX2 between its one wait for S alone and the wait for P V."""
+    waits_s = [i for i, x in enumerate(code) if x == "WARPGROUP.DEPBAR.LE gsb0, 0x1"]
+    assert len(waits_s) == 1, "the loop has one wait for S alone"
+    end = code.index("WARPGROUP.DEPBAR.LE gsb0, 0x0", waits_s[0])
+    return sum(x.startswith("MUFU.EX2") for x in code[waits_s[0]:end])
+
+
+def forward_barrier_to_products(code: list[str]) -> int:
+    """fwd_wgmma's loop: instructions from its barrier to its first HGMMA."""
+    return barrier_to_first_hgmma(code, loop_barrier(code, code.index("WARPGROUP.DEPBAR.LE gsb0, 0x1")))
+
+
 def test_forward_softmax_runs_while_p_v_is_in_flight(report):
     for inst in FWD_ROWS:
         code = _report.sass_instructions(report[inst.name_expression]["sass_text"])
-        waits_s = [i for i, x in enumerate(code) if x == "WARPGROUP.DEPBAR.LE gsb0, 0x1"]
-        assert len(waits_s) == 1, (inst.name_expression, "the loop has one wait for S alone")
-        start = waits_s[0]
-        end = code.index("WARPGROUP.DEPBAR.LE gsb0, 0x0", start)
-        exponentials = sum(x.startswith("MUFU.EX2") for x in code[start:end])
+        exponentials = exponentials_beside_p_v(code)
         assert exponentials >= inst.block_n // 2, (inst.name_expression, exponentials)
 
 
 def test_forward_loop_issues_its_products_right_after_the_barrier(report):
     for inst in FWD_ROWS:
         code = _report.sass_instructions(report[inst.name_expression]["sass_text"])
-        wait_s = code.index("WARPGROUP.DEPBAR.LE gsb0, 0x1")
-        gap = barrier_to_first_hgmma(code, loop_barrier(code, wait_s))
+        gap = forward_barrier_to_products(code)
         assert gap <= MAX_BARRIER_TO_HGMMA, (inst.name_expression, gap)
+
+
+def test_the_loop_before_the_fixes_fails_both_rules():
+    # KernelOptions(timing="before-fixes"): the wait for P V in the softmax's basic block
+    # and the copies before the products, as fwd_wgmma was before issue 32's fixes 1 and
+    # 2.  ptxas hoists that wait above the exponentials (2 are left beside P V at d = 128,
+    # NVRTC 13.5, against 66 in the fixed loop) and the copies' arithmetic comes between
+    # the barrier and the products (280 instructions, against 3).
+    from cupyflash._loader import module_source
+    from cupyflash._options import TIMING_BUILDS
+    from cupyflash._source import Variant
+
+    inst = next(r for r in FWD_ROWS if r.dtype == "float16" and r.head_dim == 128 and not r.split
+                and not r.whole_kv and not r.decoupled)
+    source = module_source(Variant("fwd_wgmma.cu", ((TIMING_BUILDS["before-fixes"], "1"),)))
+    report = _report.compile_report(source, [inst.name_expression], "sm_90a")
+    text = report.functions[inst.name_expression].sass_text
+    if text is None:
+        pytest.skip("cuobjdump/nvdisasm not found: no SASS")
+    code = _report.sass_instructions(text)
+    assert exponentials_beside_p_v(code) < inst.block_n // 2
+    assert forward_barrier_to_products(code) > MAX_BARRIER_TO_HGMMA
 
 
 def test_decoupled_forward_leaves_the_copies_to_its_producer(report):

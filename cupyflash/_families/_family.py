@@ -90,6 +90,12 @@ class Instantiation:
         """A dK/dV kernel that adds dQ by bulk asynchronous reductions (bwd_wgmma)."""
         return bool(self.grads & 8)
 
+    @property
+    def ordered_dq(self) -> bool:
+        """A bulk-dQ dK/dV kernel whose key blocks add in key-block order (bwd_wgmma,
+        ``deterministic=True``): it takes ``BwdParams::dq_turns``."""
+        return bool(self.grads & 16)
+
     def __repr__(self) -> str:
         return f"Instantiation({self.name_expression!r})"
 

@@ -6,7 +6,10 @@ it (the forward's switch): bwd_simt's delta kernel, the dK/dV kernel (dV then
 dK from head dim 192 on) and the dQ kernel -- or, not deterministic, up to
 head dim 128 and with 8-byte aligned dq rows, the dK/dV kernel that adds dQ by
 atomics (with :attr:`KernelOptions.async_dq <cupyflash._options.KernelOptions.async_dq>`
-and 16-byte aligned dq rows: by bulk asynchronous reductions, ``kGradDQBulk``).
+and 16-byte aligned dq rows: by bulk asynchronous reductions, ``kGradDQBulk``).  With
+``async_dq``, deterministic and without score features, the bulk-dQ dK/dV kernel
+adds in key-block order instead (``kGradDQOrdered``: blocks take turns through a
+semaphore per query block) and no dQ kernel runs either.
 """
 
 from __future__ import annotations
@@ -17,11 +20,14 @@ from .bwd_mma import BWD_GRAD_DK, BWD_GRAD_DQ_ATOMIC, BWD_GRAD_DV
 from .bwd_simt import BWD_SIMT
 from .fwd_mma import MMA_DTYPES, mma_bucket, whole_blocks
 
-__all__ = ["BWD_WGMMA", "BWD_GRAD_DQ_BULK"]
+__all__ = ["BWD_WGMMA", "BWD_GRAD_DQ_BULK", "BWD_GRAD_DQ_ORDERED"]
 
 # kGradDQBulk (bwd_blocks.cuh), with BWD_GRAD_DQ_ATOMIC: the dK/dV kernel stages its
 # dQ share in shared memory and adds it by bulk asynchronous reductions.
 BWD_GRAD_DQ_BULK = 8
+# kGradDQOrdered, with BWD_GRAD_DQ_BULK (deterministic): the key blocks add their dQ
+# shares in key-block order, taking turns through BwdParams::dq_turns.
+BWD_GRAD_DQ_ORDERED = 16
 
 
 def wgmma_bwd_shared_bytes(head_dim: int, own: int, streamed: int, needs_v: bool, atomic_dq: bool,
@@ -67,6 +73,12 @@ class BwdWgmma(Family):
     # 4-84 B; apart none of issue 29's eleven examples spills: 183-255 registers).
     feature_tiles = {128: (((BWD_GRAD_DV | BWD_GRAD_DK, 64),), 2, 64)}
     mod_tiles = {128: (((BWD_GRAD_DV, 64), (BWD_GRAD_DK, 64)), 2, 64)}
+    # The ordered dQ (deterministic with async_dq): at d = 128 the fused dK/dV row with it
+    # spilled 8-20 B under NVRTC 13.5 and 13.0 in every arrangement of the turns tried
+    # (lane 0 or every lane waiting, one semaphore per lane, the turn's bound computed
+    # once or where used, one lane sending every row); with dV launched apart, the dK
+    # launch that adds dQ in order takes 255 registers and does not spill (dV: 228).
+    ordered_tiles = {128: (((BWD_GRAD_DV, 64), (BWD_GRAD_DK, 64)), 2, 128)}
 
     def _atomic_dq(self, head_dim: int, streamed: int, groups: int) -> bool:
         """Whether a dK launch streaming ``streamed`` rows can add dQ by atomics: each
@@ -93,23 +105,30 @@ class BwdWgmma(Family):
         kernel's whole-stream instantiation (``kWholeStream``).  The dK/dV kernels have
         none: at 255 registers, ptxas spent more instructions without their bounds than
         with them.  ``features``: the call's score features (:attr:`feature_tiles`,
-        :attr:`mod_tiles`).  ``bulk_dq``: atomic dQ by bulk reductions where the tile fits."""
+        :attr:`mod_tiles`).  ``bulk_dq``: atomic dQ by bulk reductions where the tile fits;
+        ``deterministic`` too and no ``features``: the same kernel adding in key-block
+        order (``BWD_GRAD_DQ_ORDERED``), no dQ kernel."""
         if head_dim not in self.tiles:
             raise ValueError(f"bwd_wgmma has no kernel for head_dim={head_dim}")
         modified = bool(features & set(MOD_FEATURES))
         launches, groups, streamed_dq = (self.mod_tiles[head_dim] if modified and head_dim in self.mod_tiles
                                          else self.tile(head_dim, bool(features)))
-        own = 64 * groups
         deterministic = deterministic or (bool(features) and head_dim in self.feature_tiles)
-        atomic = not deterministic and all(self._atomic_dq(head_dim, streamed, groups)
-                                           for grads, streamed in launches if grads & BWD_GRAD_DK)
+        dq_launches = [streamed for grads, streamed in launches if grads & BWD_GRAD_DK]
+        ordered = (deterministic and bulk_dq and not features
+                   and all(self._atomic_dq(head_dim, s, groups) and self._bulk_dq(head_dim, s, groups)
+                           for s in dq_launches))
+        if ordered and head_dim in self.ordered_tiles:
+            launches, groups, streamed_dq = self.ordered_tiles[head_dim]
+        own = 64 * groups
+        atomic = ordered or (not deterministic and all(self._atomic_dq(head_dim, s, groups) for s in dq_launches))
         common = dict(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim, threads=128 * groups, kv_stages=2)
         rows = []
         for grads, streamed in launches:
             if atomic and grads & BWD_GRAD_DK:
                 grads |= BWD_GRAD_DQ_ATOMIC
                 if bulk_dq and self._bulk_dq(head_dim, streamed, groups):
-                    grads |= BWD_GRAD_DQ_BULK
+                    grads |= BWD_GRAD_DQ_BULK | (BWD_GRAD_DQ_ORDERED if ordered else 0)
             rows.append(self.row("bwd_wgmma_dkdv_kernel", dtype, head_dim, own, streamed, groups, grads,
                                  role=DKDV, block_m=streamed, block_n=own, grads=grads, **common))
         if not atomic:
@@ -122,9 +141,10 @@ class BwdWgmma(Family):
         rows = [r for dtype in MMA_DTYPES for d in self.tiles for deterministic in (True, False)
                 for whole in (False, True) for features in ((), ("mask",), ("score_mod",))
                 for r in self.kernels(dtype, d, deterministic, whole, frozenset(features))]
-        # asynchronous dQ (opt-in): the atomic-dQ launches without score features
-        return rows + [r for dtype in MMA_DTYPES for d in self.tiles
-                       for r in self.kernels(dtype, d, False, bulk_dq=True) if r.bulk_dq]
+        # asynchronous dQ (opt-in): the atomic-dQ launches without score features, and
+        # their ordered (deterministic) twins
+        return rows + [r for dtype in MMA_DTYPES for d in self.tiles for deterministic in (False, True)
+                       for r in self.kernels(dtype, d, deterministic, bulk_dq=True) if r.bulk_dq]
 
     def applies(self, call: Call, arch: int, options) -> bool:
         return options.wgmma and int(arch) == WGMMA_ARCH and mma_bucket(call, arch) in self.tiles
