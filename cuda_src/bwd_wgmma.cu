@@ -406,11 +406,12 @@ bwd_wgmma_dkdv_kernel(const BwdParams launch) {
     float dk[Tr::kRows][Tr::kGCols] = {};
     float dv[Tr::kRows][Tr::kGCols] = {};
     int stage = 0;  // the buffers of the current block
-    uint32_t phase = 0;  // kDecoupled: of its barriers
+    uint32_t walked = 0;  // kDecoupled: the blocks done (stage = walked & 1; its barriers' phase)
     for (int64_t head = first_head; head < head_end; ++head) {
         for (int64_t m_block = m_begin; m_block < m_end; ++m_block) {
             if constexpr (kDecoupled) {
-                mbarrier_wait_parity(&bars->full[stage], phase);  // this block's Q, dO, lse, delta visible
+                stage = static_cast<int>(walked & 1);
+                mbarrier_wait_parity(&bars->full[stage], (walked >> 1) & 1);  // this block's Q, dO, lse, delta visible
             } else {
                 cp_async_wait<0>();
                 fence_proxy_async_shared();
@@ -496,8 +497,8 @@ bwd_wgmma_dkdv_kernel(const BwdParams launch) {
             }
             // the other stage's statistics were last read before this block's barrier
             if (!kDecoupled && has_next && threadIdx.x < kBlockM) queries.store_stats(stage ^ 1, next_lse_log2, next_delta);
-            stage ^= 1;
-            phase ^= stage == 0;
+            if constexpr (kDecoupled) ++walked;
+            else stage ^= 1;
         }
     }
     if constexpr (!kDecoupled) cp_async_wait<0>();  // without a query block, K and V were never waited for
