@@ -253,13 +253,13 @@ __device__ __forceinline__ void send_dq(float* dq, int64_t row_stride, const flo
 // SM quarter, so a 9th warp would cap every thread at 168 registers as a
 // whole warpgroup does; only a warpgroup can give them back, setmaxnreg).
 constexpr int kDkdvProducerThreads = 128;
-#ifndef CF_DKDV_PRODUCER_REGS
-#define CF_DKDV_PRODUCER_REGS 24
-#endif
-#ifndef CF_DKDV_CONSUMER_REGS
-#define CF_DKDV_CONSUMER_REGS 240
-#endif
-constexpr int kDkdvProducerRegs = CF_DKDV_PRODUCER_REGS, kDkdvConsumerRegs = CF_DKDV_CONSUMER_REGS;
+// Registers per thread after the reallocation: 24 + 2 x 240 = 504 of the 512 =
+// 65536 / 128 a thread slot of a CTA of 384 has (each warpgroup starts at 168;
+// counts are multiples of 8).  The producer's rolled copies fit in 24; the
+// consumers' 240 hold half the coupled kernel's streamed rows without spills
+// (NVRTC 13.5: the coupled tiles spilled 48 B at d = 64, 36 B at d = 128;
+// 32/232 and 40/232 spilled more).
+constexpr int kDkdvProducerRegs = 24, kDkdvConsumerRegs = 240;
 static_assert(kDkdvProducerRegs + 2 * kDkdvConsumerRegs <= 65536 / 128, "the register file of 3 x 128 threads");
 
 // The decoupled kernel's barriers, after the statistics.  The CTA's query
@@ -347,6 +347,14 @@ __device__ __forceinline__ void produce_query_blocks(const QueryStream<Tr, T>& q
 // of one (batch, kv head).  No whole-stream instantiation (bwd_mma's kWholeStream):
 // at 255 registers, dropping the Q and dO copies' bounds made ptxas spend more
 // instructions than it saved (d = 128: 1,538 -> 1,631 per streamed block).
+//
+// kDecoupled: warp specialisation (opt-in, KernelOptions.decoupled; kGrads =
+// kGradDV | kGradDK, two warpgroups).  A producer warpgroup (warpgroup
+// kWarpGroups, produce_query_blocks) copies K and V, then Q, dO and the
+// statistics of every query block, and the warpgroups consume them through
+// per-stage full / empty mbarriers, each at its own pace, in place of "wait
+// for every copy, then __syncthreads" per block; the consumers run no copy
+// code.  The products, and so dK and dV, are the coupled kernel's.
 template <typename T, int kHeadDim, int kBlockN, int kBlockM, int kWarpGroups, int kGrads, bool kDecoupled = false>
 __global__ void __launch_bounds__(
     (WgmmaBwdLaunch<WgmmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarpGroups, kGrads>, kDecoupled>::kThreads), 1)
