@@ -7,6 +7,9 @@ dK from head dim 192 on) and the dQ kernel -- or, not deterministic, up to
 head dim 128 and with 8-byte aligned dq rows, the dK/dV kernel that adds dQ by
 atomics (with :attr:`KernelOptions.async_dq <cupyflash._options.KernelOptions.async_dq>`
 and 16-byte aligned dq rows: by bulk asynchronous reductions, ``kGradDQBulk``).
+With :attr:`KernelOptions.decoupled <cupyflash._options.KernelOptions.decoupled>`,
+deterministic calls without score features at d = 64 and 128 get the warp-specialised
+dK/dV kernel (:attr:`BwdWgmma.decoupled_tiles`) before the dQ kernel.
 """
 
 from __future__ import annotations
