@@ -108,6 +108,37 @@ struct QueryStream {
         stats[2 * stage * kBlockM + threadIdx.x] = lse_log2;
         stats[(2 * stage + 1) * kBlockM + threadIdx.x] = delta;
     }
+
+    // The same by threads 0 .. kCopyThreads - 1 of a group (bwd_wgmma's producer
+    // warpgroup, `thread` its index in it; kRolled: cp_async_tile_by's passes a
+    // loop): the Q and dO copies of query block (head, m_block) into `stage`,
+    // uncommitted, and its rows' statistics, loaded and stored into `stage` by
+    // the threads of their rows.
+    template <int kCopyThreads, bool kRolled>
+    __device__ void copy_tiles_by(int thread, int stage, int64_t head, int64_t m_block) const {
+        const FwdParams& p = params.fwd;
+        const int64_t m0 = m_block * kBlockM;
+        const int rows = static_cast<int>(min64(kBlockM, p.seqlen_q - m0));
+        const HeadSlice<T, float> qo(p, batch, head);
+        const GradSlice<T, float> grad(params, batch, head);
+        cp_async_tile_by<kCopyThreads, typename Tr::StreamTile, kWhole, kRolled>(thread, q(stage), qo.q, m0,
+                                                                                p.q_row_stride, rows, d);
+        cp_async_tile_by<kCopyThreads, typename Tr::StreamTile, kWhole, kRolled>(thread, dout(stage), grad.dout, m0,
+                                                                                params.dout_row_stride, rows, d);
+    }
+    template <int kCopyThreads>
+    __device__ void stage_stats_by(int thread, int stage, int64_t head, int64_t m_block) const {
+        static_assert(kBlockM <= kCopyThreads, "one thread per streamed row");
+        if (thread >= kBlockM) return;
+        const FwdParams& p = params.fwd;
+        const HeadSlice<T, float> qo(p, batch, head);
+        const GradSlice<T, float> grad(params, batch, head);
+        float lse_log2, delta;
+        query_stats(lse_log2, delta, qo.lse, p.lse_row_stride, grad.delta, params.delta_row_stride,
+                    m_block * kBlockM + thread, p.seqlen_q);
+        stats[2 * stage * kBlockM + thread] = lse_log2;
+        stats[(2 * stage + 1) * kBlockM + thread] = delta;
+    }
 };
 
 // The dQ kernels' streamed key blocks: per stage a K and a V tile

@@ -68,6 +68,7 @@
 #include "mask.cuh"
 #include "mma_tile.cuh"
 #include "params_bwd.cuh"
+#include "producer.cuh"
 #include "ptx.cuh"
 #include "score.cuh"
 #include "softmax.cuh"
@@ -291,14 +292,107 @@ __device__ __forceinline__ int* dq_turns_of(const BwdParams& launch, int64_t bat
     return launch.dq_turns + (batch * launch.fwd.heads_q + head) * m_blocks + m_block;
 }
 
+// ---- the decoupled dK/dV kernel (kDecoupled) ------------------------------------------------
+
+// Its producer: a warpgroup after the consumers (registers are allocated per
+// SM quarter, so a 9th warp would cap every thread at 168 registers as a
+// whole warpgroup does; only a warpgroup can give them back, setmaxnreg).
+constexpr int kDkdvProducerThreads = 128;
+// Registers per thread after the reallocation: 24 + 2 x 240 = 504 of the 512 =
+// 65536 / 128 a thread slot of a CTA of 384 has (each warpgroup starts at 168;
+// counts are multiples of 8).  The producer's rolled copies fit in 24; the
+// consumers' 240 hold half the coupled kernel's streamed rows without spills
+// (NVRTC 13.5: the coupled tiles spilled 48 B at d = 64, 36 B at d = 128;
+// 32/232 and 40/232 spilled more).
+constexpr int kDkdvProducerRegs = 24, kDkdvConsumerRegs = 240;
+static_assert(kDkdvProducerRegs + 2 * kDkdvConsumerRegs <= 65536 / 128, "the register file of 3 x 128 threads");
+
+// The decoupled kernel's barriers, after the statistics.  The CTA's query
+// blocks i = 0, 1, ... (head by head) take stage i & 1; phase u of a stage's
+// barriers belongs to block 2 u + stage.  full: the producer's threads arrive
+// once their copies of the block (Q, dO, before the first block also K and V)
+// have landed and they have stored its rows' statistics; empty: the consumer
+// threads arrive once their products have read it.
+struct DkdvStageBarriers {
+    uint64_t full[2], empty[2];
+
+    __device__ void init(int consumers) {
+        for (int s = 0; s < 2; ++s) {
+            mbarrier_init(&full[s], kDkdvProducerThreads);
+            mbarrier_init(&empty[s], consumers);
+        }
+    }
+};
+
+// Threads and dynamic shared memory of an instantiation: the decoupled kernel
+// adds its producer warpgroup and its barriers (at kDqOffset: no dQ tile).
+template <class Tr, bool kDecoupled>
+struct WgmmaBwdLaunch {
+    static_assert(!kDecoupled || (Tr::kGrads == (kGradDV | kGradDK) && Tr::kWarpGroups == 2),
+                  "decoupled: dK and dV of the deterministic path, two consumer warpgroups");
+    static constexpr int kThreads = Tr::kThreads + (kDecoupled ? kDkdvProducerThreads : 0);
+    static constexpr int kSmemBytes = Tr::kSmemBytes + (kDecoupled ? static_cast<int>(sizeof(DkdvStageBarriers)) : 0);
+    static_assert(kSmemBytes <= 227 * 1024, "within sm_90's 227 KB per block");
+};
+
+// The producer warpgroup: K and V, then Q, dO and the statistics of every
+// query block the keys see into stage i & 1, each once the consumers have
+// freed it.  The newest block stays in flight while the one before it is
+// published, and before blocking on a busy stage a thread publishes
+// everything it has issued.
+template <class Tr, typename T>
+__device__ __forceinline__ void produce_query_blocks(const QueryStream<Tr, T>& queries, const HeadSlice<T, float>& kv,
+                                                     const FwdParams& p, const KeyBlock& block, T* sK, T* sV,
+                                                     DkdvStageBarriers& bars, int64_t first_head, int64_t head_end,
+                                                     int64_t m_begin, int64_t m_end) {
+    using Own = typename Tr::OwnTile;
+    if (m_begin >= m_end) return;  // no products: K and V are not needed
+    const int thread = static_cast<int>(threadIdx.x) - Tr::kThreads;  // 0 .. kDkdvProducerThreads - 1
+    cp_async_tile_by<kDkdvProducerThreads, Own, false, true>(thread, sK, kv.k, block.n0, p.k_row_stride, block.keys,
+                                                             queries.d);
+    cp_async_tile_by<kDkdvProducerThreads, Own, false, true>(thread, sV, kv.v, block.n0, p.v_row_stride, block.keys,
+                                                             queries.d);
+    cp_async_commit();
+    uint64_t* unpublished = nullptr;  // the full barrier of the newest block, not yet published
+    int i = 0;
+    for (int64_t head = first_head; head < head_end; ++head) {
+        for (int64_t m_block = m_begin; m_block < m_end; ++m_block, ++i) {
+            const int stage = i & 1, use = i >> 1;
+            if (use > 0) {  // the stage's previous block read by every consumer
+                const uint32_t parity = static_cast<uint32_t>(use - 1) & 1;
+                if (!mbarrier_try_wait_parity(&bars.empty[stage], parity)) {
+                    if (unpublished != nullptr) publish_copies<0>(unpublished);
+                    unpublished = nullptr;
+                    mbarrier_wait_parity(&bars.empty[stage], parity);
+                }
+            }
+            queries.template copy_tiles_by<kDkdvProducerThreads, true>(thread, stage, head, m_block);
+            cp_async_commit();
+            queries.template stage_stats_by<kDkdvProducerThreads>(thread, stage, head, m_block);
+            if (unpublished != nullptr) publish_copies<1>(unpublished);
+            unpublished = &bars.full[stage];
+        }
+    }
+    publish_copies<0>(unpublished);
+}
+
 // ---- kernels ---------------------------------------------------------------------------------
 
 // dK and/or dV (kGrads; with kGradDQAtomic, dQ by atomics too) of kBlockN keys
 // of one (batch, kv head).  No whole-stream instantiation (bwd_mma's kWholeStream):
 // at 255 registers, dropping the Q and dO copies' bounds made ptxas spend more
 // instructions than it saved (d = 128: 1,538 -> 1,631 per streamed block).
-template <typename T, int kHeadDim, int kBlockN, int kBlockM, int kWarpGroups, int kGrads>
-__global__ void __launch_bounds__((WgmmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarpGroups, kGrads>::kThreads), 1)
+//
+// kDecoupled: warp specialisation (opt-in, KernelOptions.decoupled; kGrads =
+// kGradDV | kGradDK, two warpgroups).  A producer warpgroup (warpgroup
+// kWarpGroups, produce_query_blocks) copies K and V, then Q, dO and the
+// statistics of every query block, and the warpgroups consume them through
+// per-stage full / empty mbarriers, each at its own pace, in place of "wait
+// for every copy, then __syncthreads" per block; the consumers run no copy
+// code.  The products, and so dK and dV, are the coupled kernel's.
+template <typename T, int kHeadDim, int kBlockN, int kBlockM, int kWarpGroups, int kGrads, bool kDecoupled = false>
+__global__ void __launch_bounds__(
+    (WgmmaBwdLaunch<WgmmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarpGroups, kGrads>, kDecoupled>::kThreads), 1)
 bwd_wgmma_dkdv_kernel(const BwdParams launch) {
     using Tr = WgmmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarpGroups, kGrads>;
     using Own = typename Tr::OwnTile;
@@ -332,23 +426,41 @@ bwd_wgmma_dkdv_kernel(const BwdParams launch) {
     const int64_t head_end = first_head + p.gqa_ratio;
     const int turn_below = Tr::kOrderedDq ? turn_bound<kBlockN, kBlockM>(p, mask, tile.n_block, block.n0) : 0;
     const HeadSlice<T, float> kv(p, tile.batch, first_head);
-    cp_async_tile<Tr::kThreads, Own>(sK, kv.k, block.n0, p.k_row_stride, block.keys, d);
-    if constexpr (kDK) cp_async_tile<Tr::kThreads, Own>(sV, kv.v, block.n0, p.v_row_stride, block.keys, d);
-    cp_async_commit();
-    if (m_begin < m_end) {
-        float lse_log2, delta;
-        queries.issue(0, first_head, m_begin, lse_log2, delta);
-        if (threadIdx.x < kBlockM) queries.store_stats(0, lse_log2, delta);
+    DkdvStageBarriers* const bars = reinterpret_cast<DkdvStageBarriers*>(smem + Tr::kDqOffset);  // kDecoupled only
+    if constexpr (kDecoupled) {
+        if (threadIdx.x == 0) bars->init(Tr::kThreads);
+        __syncthreads();
+        if (warp_id() >= Tr::kWarps) {  // the producer
+            setmaxnreg_dec<kDkdvProducerRegs>();
+            produce_query_blocks<Tr>(queries, kv, p, block, sK, sV, *bars, first_head, head_end, m_begin, m_end);
+            return;
+        }
+        setmaxnreg_inc<kDkdvConsumerRegs>();
+    } else {
+        cp_async_tile<Tr::kThreads, Own>(sK, kv.k, block.n0, p.k_row_stride, block.keys, d);
+        if constexpr (kDK) cp_async_tile<Tr::kThreads, Own>(sV, kv.v, block.n0, p.v_row_stride, block.keys, d);
+        cp_async_commit();
+        if (m_begin < m_end) {
+            float lse_log2, delta;
+            queries.issue(0, first_head, m_begin, lse_log2, delta);
+            if (threadIdx.x < kBlockM) queries.store_stats(0, lse_log2, delta);
+        }
     }
 
     float dk[Tr::kRows][Tr::kGCols] = {};
     float dv[Tr::kRows][Tr::kGCols] = {};
     int stage = 0;  // the buffers of the current block
+    uint32_t walked = 0;  // kDecoupled: the blocks done (stage = walked & 1; its barriers' phase)
     for (int64_t head = first_head; head < head_end; ++head) {
         for (int64_t m_block = m_begin; m_block < m_end; ++m_block) {
-            cp_async_wait<0>();
-            fence_proxy_async_shared();
-            __syncthreads();  // this block's Q, dO, lse, delta visible; every wgmma on the other stage retired
+            if constexpr (kDecoupled) {
+                stage = static_cast<int>(walked & 1);
+                mbarrier_wait_parity(&bars->full[stage], (walked >> 1) & 1);  // this block's Q, dO, lse, delta visible
+            } else {
+                cp_async_wait<0>();
+                fence_proxy_async_shared();
+                __syncthreads();  // this block's Q, dO, lse, delta visible; every wgmma on the other stage retired
+            }
             float next_lse_log2 = 0.0f, next_delta = 0.0f;
             const bool head_done = m_block + 1 == m_end;
             const bool has_next = !head_done || head + 1 < head_end;
@@ -375,9 +487,9 @@ bwd_wgmma_dkdv_kernel(const BwdParams launch) {
             // The next block's copies go out behind the products, into the other
             // stage, which no product in flight reads: their address arithmetic
             // (about 200 instructions a warp) no longer delays the tensor cores.
-            if (has_next && !(kBwdTimingNoCopy && (head != first_head || m_block > m_begin)))
+            if (!kDecoupled && has_next && !(kBwdTimingNoCopy && (head != first_head || m_block > m_begin)))
                 queries.issue_tiles(stage ^ 1, next_head, next_m);
-            if (!kAtomicDq && has_next) queries.load_stats(next_head, next_m, next_lse_log2, next_delta);
+            if (!kDecoupled && !kAtomicDq && has_next) queries.load_stats(next_head, next_m, next_lse_log2, next_delta);
             if constexpr (kDK) wgmma_wait<1>(s);           // S^T
             else wgmma_wait<0>(s);
             auto chain = chain_for(s);
@@ -402,6 +514,7 @@ bwd_wgmma_dkdv_kernel(const BwdParams launch) {
             if constexpr (kDV && kDK) wgmma_wait<0>(dv, a, dk, ds);
             else if constexpr (kDV) wgmma_wait<0>(dv, a);
             else wgmma_wait<0>(dk, ds);
+            if constexpr (kDecoupled) mbarrier_arrive(&bars->empty[stage]);  // the stage may be refilled
             if constexpr (kAtomicDq) {
                 fence_proxy_async_shared();
                 if constexpr (Tr::kBulkDq) {
@@ -444,11 +557,12 @@ bwd_wgmma_dkdv_kernel(const BwdParams launch) {
                 }
             }
             // the other stage's statistics were last read before this block's barrier
-            if (has_next && threadIdx.x < kBlockM) queries.store_stats(stage ^ 1, next_lse_log2, next_delta);
-            stage ^= 1;
+            if (!kDecoupled && has_next && threadIdx.x < kBlockM) queries.store_stats(stage ^ 1, next_lse_log2, next_delta);
+            if constexpr (kDecoupled) ++walked;
+            else stage ^= 1;
         }
     }
-    cp_async_wait<0>();  // without a query block, K and V were never waited for
+    if constexpr (!kDecoupled) cp_async_wait<0>();  // without a query block, K and V were never waited for
     if constexpr (Tr::kBulkDq) {
         if (warp_id() == 0) bulk_wait<0>();  // sdQ read before the CTA's shared memory goes
     }
@@ -465,9 +579,9 @@ bwd_wgmma_dkdv_kernel(const BwdParams launch) {
 
 // bwd_wgmma_dkdv_kernel's dynamic shared memory, in bytes: a constant of its traits, for
 // the host (the launch configuration's formula is checked against it).
-template <typename T, int kHeadDim, int kBlockN, int kBlockM, int kWarpGroups, int kGrads>
+template <typename T, int kHeadDim, int kBlockN, int kBlockM, int kWarpGroups, int kGrads, bool kDecoupled = false>
 constexpr int bwd_wgmma_dkdv_kernel_smem() {
-    return WgmmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarpGroups, kGrads>::kSmemBytes;
+    return WgmmaBwdLaunch<WgmmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarpGroups, kGrads>, kDecoupled>::kSmemBytes;
 }
 
 // dQ of kBlockM query rows of one (batch, query head).  kWholeStream: every

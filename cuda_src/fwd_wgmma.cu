@@ -41,6 +41,7 @@
 #include "fwd_blocks.cuh"
 #include "mma_tile.cuh"
 #include "params.cuh"
+#include "producer.cuh"
 #include "ptx.cuh"
 #include "score.cuh"
 #include "softmax.cuh"
@@ -176,17 +177,6 @@ struct WgmmaFwdLaunch {
 // Named barriers of the decoupled kernel's turns (0 is __syncthreads').
 constexpr int kTurnBarrier = 1;
 
-// A producer thread publishes a tile on its full barrier: its copies of it
-// landed (all but the kNewer most recent groups), then a fence.proxy.async that
-// orders them before the tensor cores' reads -- a cp.async arrival
-// (cp_async_mbarrier_arrive) would leave no point to fence at -- then its arrival.
-template <int kNewer>
-__device__ __forceinline__ void publish_tile(uint64_t* full) {
-    cp_async_wait<kNewer>();
-    fence_proxy_async_shared();
-    mbarrier_arrive(full);
-}
-
 // The producer warpgroup of the decoupled kernel: Q with the first K, then K(n)
 // and V(n) of every block into stage (n - n_begin) & 1, each tile once the
 // consumers have freed its buffer.  The newest tile stays in flight while the
@@ -199,7 +189,7 @@ __device__ __forceinline__ void produce_blocks(const FwdParams& params, const He
     const int thread = static_cast<int>(threadIdx.x) - Tr::kThreads;  // 0 .. kProducerThreads - 1
     uint64_t* unpublished = nullptr;  // the full barrier of the newest tile, not yet published
     const auto publish_all = [&]() {
-        if (unpublished != nullptr) publish_tile<0>(unpublished);
+        if (unpublished != nullptr) publish_copies<0>(unpublished);
         unpublished = nullptr;
     };
     const auto acquire = [&](uint64_t* empty, int use) {  // the buffer's previous tile read by every consumer
@@ -211,7 +201,7 @@ __device__ __forceinline__ void produce_blocks(const FwdParams& params, const He
         }
     };
     const auto issued = [&](uint64_t* full) {  // after the tile's commit: publish the one before it
-        if (unpublished != nullptr) publish_tile<1>(unpublished);
+        if (unpublished != nullptr) publish_copies<1>(unpublished);
         unpublished = full;
     };
     for (int n_block = n_begin; n_block < n_end; ++n_block) {

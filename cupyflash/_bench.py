@@ -14,8 +14,9 @@ on the GPU
     capability 8.0+ ``cupyflash-tf32`` and ``cupyflash-tf32x3``
     (``precision="tf32"`` / ``"tf32x3"``: fwd_tf32, bwd_tf32),
     on an sm_90 GPU with float16/bfloat16 ``cupyflash-wgmma`` (the Hopper kernels, opt-in:
-    fwd_wgmma, bwd_wgmma), for forward cases ``cupyflash-wgmma-decoupled`` (fwd_wgmma's
-    warp-specialised rows: a producer warpgroup, mbarriers, the consumers' turns; opt-in)
+    fwd_wgmma, bwd_wgmma), ``cupyflash-wgmma-decoupled`` where the head dim has them
+    (fwd_wgmma's warp-specialised rows: a producer warpgroup, mbarriers, the consumers'
+    turns; bwd_wgmma's decoupled dK/dV rows; opt-in)
     and for backward cases ``cupyflash-wgmma-atomic`` and
     ``cupyflash-wgmma-async-dq`` (dQ by bulk asynchronous reductions, opt-in),
     ``cupyflash-wgmma-ordered-dq`` (the same, deterministic: the key blocks take turns),
@@ -320,9 +321,10 @@ def implementations(device: str, case: Case, timing_only: bool = False) -> list[
     # the Hopper wgmma kernels (opt-in until measured), on compute capability 9.0
     if device == "gpu" and case.dtype in ("float16", "bfloat16") and _is_sm90():
         names.append("cupyflash-wgmma")
-        from ._families import FWD_WGMMA
+        from ._families import BWD_WGMMA, FWD_WGMMA
 
-        if not case.backward and case.head_dim in FWD_WGMMA.decoupled_head_dims:   # its decoupled rows
+        decoupled = BWD_WGMMA.decoupled_tiles if case.backward else FWD_WGMMA.decoupled_head_dims
+        if case.head_dim in decoupled:   # its decoupled rows
             names.append("cupyflash-wgmma-decoupled")
         if timing_only:
             names += (["cupyflash-wgmma-no-copy"] if case.backward else

@@ -72,6 +72,9 @@ class KernelOptions:
         fwd_wgmma runs its warp-specialised instantiations where they exist (d = 64 and
         128, no split-KV, no score features, no paged cache): a producer warpgroup
         copies K and V, the two consumer warpgroups take turns on the tensor cores.
+        bwd_wgmma likewise runs its warp-specialised dK/dV kernel (d = 64 and 128,
+        deterministic, no score features): a producer warpgroup copies Q, dO and the
+        statistics of each query block.
     timing : str or None, default None
         A timing-only build of the forward kernel (:data:`TIMING_BUILDS`: ``"no-exp"``
         without the softmax, ``"no-copy"`` without the K/V copies after the first two

@@ -9,7 +9,8 @@ Here: the dQ kernel's whole-stream rows (dispatch and emulator); ptxas repaired 
 ordering hazard; on an emulated sm_90 (shuffled threads, race check, wgmma ordering
 checks) through :func:`cupyflash._run.backward`, against the float64 oracle with the
 half-precision yardstick of tests/_kernel_util.py's Case: rows with no key, strided and
-broadcast views with bit-identical runs, and the atomic dQ's alignment rule.
+broadcast views with bit-identical runs, and the atomic dQ's alignment rule; the decoupled
+(warp-specialised) dK/dV rows: opt-in, and the coupled kernel's dK and dV bit for bit.
 """
 
 from __future__ import annotations
@@ -245,7 +246,6 @@ def test_ordered_dq_is_the_same_sum_whatever_order_the_blocks_run_in(head_dim, w
             assert a.tobytes() == c.tobytes()
 
 
-
 @needs_emulator
 def test_the_timing_only_backward_runs_without_its_copies(ex90):
     # KernelOptions.timing = "no-copy" (benchmarks/gpu_first_contact.py's backward rows):
@@ -277,3 +277,56 @@ def test_the_timing_only_backward_runs_without_its_copies(ex90):
         Case(rng, q, k, v, options=WGMMA.replace(timing="no-exp")).run(ex90)
     with pytest.raises(ValueError, match="is built for bwd_wgmma only"):
         Case(rng, q, k, v, options=KernelOptions(timing="no-copy")).run(ex90)
+
+
+# ---- the decoupled (warp-specialised) dK/dV kernel: KernelOptions.decoupled ----------------------------
+
+DECOUPLED = WGMMA.replace(decoupled=True)
+
+
+def test_decoupled_dkdv_is_opt_in_and_only_where_it_has_rows():
+    # d = 64 and 128 (decoupled_tiles: half the coupled kernel's streamed rows, which its
+    # consumers' 240 registers hold), deterministic calls without score features; the dQ
+    # kernel is the coupled plan's
+    assert set(BWD_WGMMA.decoupled_tiles) == {64, 128}
+    for d in WGMMA_BWD_HEAD_DIMS:
+        coupled = _select("bfloat16", d)
+        plan = _select("bfloat16", d, DECOUPLED)
+        if d not in BWD_WGMMA.decoupled_tiles:
+            assert plan == coupled
+            continue
+        dkdv = plan[1]
+        assert dkdv.decoupled and dkdv.threads == 384 and dkdv.grads == 3
+        assert dkdv.block_m == BWD_WGMMA.decoupled_tiles[d] and dkdv.name_expression.endswith(", 3, true>")
+        assert plan[2] == coupled[2] and not any(r.decoupled for r in coupled)
+        assert _select("bfloat16", d, DECOUPLED, deterministic=False) == _select("bfloat16", d, deterministic=False)
+        with_mask = _select("bfloat16", d, DECOUPLED, features=frozenset({"mask"}))
+        assert with_mask == _select("bfloat16", d, features=frozenset({"mask"}))
+    with pytest.raises(ValueError, match="no decoupled instantiation"):
+        BWD_WGMMA.kernels("float16", 192, decoupled=True)
+
+
+@needs_emulator
+@pytest.mark.parametrize("accumulation", ["exact", "truncate:3"])
+def test_decoupled_dkdv_rows_match_the_coupled_kernel_bit_for_bit(accumulation):
+    # The producer warpgroup and the full/empty mbarriers change when each copy lands and
+    # each product runs, and the decoupled rows stream half as many query rows per block --
+    # but dK and dV sum the same k16 products in the same order: the same gradients, bit for
+    # bit, under both accumulation models, with the emulator's strict checks (shuffled
+    # threads, races, mbarrier phases, setmaxnreg).  Two query heads per kv head and six
+    # query blocks of each: the CTAs walk 12 blocks, each stage's barriers through six
+    # phases; causal CTAs fewer; a window; keys no query row sees (no block at all).
+    ex = EmulatorExecutor(arch=90, seed=3291, shuffle=True, race_check=True, accumulation=accumulation)
+    rng = np.random.default_rng(33)
+    cases = [(np.float16, 330, 130, 64, (None, None), 2), (np.float16, 330, 130, 64, (None, 0), 1),
+             (HALF[-1], 170, 140, 128, (20, 5), 2), (np.float16, 40, 200, 128, (0, 0), 1)]
+    for dtype, lq, lk, d, window, gqa_ratio in cases:
+        q, k, v = qkv(rng, dtype, heads_kv=1, gqa_ratio=gqa_ratio, seqlen_q=lq, seqlen_k=lk, head_dim=d)
+        case = Case(rng, q, k, v, gqa_ratio=gqa_ratio, window=window, options=DECOUPLED)
+        spy = LaunchSpy(ex)
+        decoupled = _backward(case, spy)
+        assert [n.endswith(", true>") for n in spy.launched if "dkdv" in n] == [True], spy.launched
+        case.check(decoupled)
+        case.options = WGMMA
+        for got, coupled in zip(decoupled, _backward(case, ex)):
+            np.testing.assert_array_equal(got, coupled)

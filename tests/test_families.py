@@ -91,8 +91,9 @@ CATALOGUE = {
     # dK and dQ -- and the dQ kernel's whole-stream row; at d = 128, for calls with score
     # features, a dQ kernel of 64-key blocks (and its whole-stream row) and dV, dK apart;
     # and the atomic-dQ dK/dV rows (d = 64, 128) with dQ by bulk reductions (async_dq),
-    # unordered and in key-block order (deterministic)
-    "bwd_wgmma": (2 * (len(WGMMA_HEAD_DIMS) * 4 + 4 + 2 + 2), HALF_SET, {90}, True),
+    # unordered and in key-block order (deterministic), and the decoupled dK/dV rows
+    # (d = 64, 128; KernelOptions.decoupled)
+    "bwd_wgmma": (2 * (len(WGMMA_HEAD_DIMS) * 4 + 4 + 2 + 2 + 2), HALF_SET, {90}, True),
     "bwd_dmma": (2 * len(DMMA_HEAD_DIMS) * len(DMMA_DTYPES), DMMA_SET, set(DMMA_ARCHS), True),   # dK/dV, dQ
     # dK/dV and dQ per head dim and pass count, and d = 128's for calls with score features
     "bwd_tf32": (2 * (len(TF32_HEAD_DIMS) + 1) * len(TF32_PASSES), TF32_SET, SM80_ON, True),
@@ -140,12 +141,12 @@ def _mma_bwd(row):
 
 def _wgmma_bwd(row):
     # K (and V for dK); two stages of Q, dO and of lse, delta; the dS^T tile; the float dQ
-    # tile of bulk dQ (rows padded by 16 bytes); 1 KB alignment
+    # tile of bulk dQ (rows padded by 16 bytes); 1 KB alignment; the decoupled rows' 4 mbarriers
     own, streamed = (row.block_n, row.block_m) if row.role == DKDV else (row.block_m, row.block_n)
     own_tiles = 2 if row.role == DQ or row.grads & 2 else 1
     return (own_tiles * own * row.head_dim * 2 + 2 * 2 * streamed * row.head_dim * 2 + 2 * 2 * streamed * 4
             + (own * streamed * 2 if row.grads & 4 else 0) + (streamed * (row.head_dim + 4) * 4 if row.grads & 8 else 0)
-            + 1024)
+            + 1024 + 32 * row.decoupled)
 
 
 def _tf32_fwd(row):
@@ -171,7 +172,7 @@ LAUNCH = {
                  lambda r: (r.block_m + (2 if r.dtype == "float64" else 1) * r.block_n) * r.head_dim * 8, 99),
     "fwd_tf32": (lambda r: r.threads, _tf32_fwd, 99),
     "bwd_mma": (lambda r: 128, _mma_bwd, 99),
-    "bwd_wgmma": (lambda r: 2 * (r.block_n if r.role == DKDV else r.block_m), _wgmma_bwd, 227),
+    "bwd_wgmma": (lambda r: 2 * (r.block_n if r.role == DKDV else r.block_m) + 128 * r.decoupled, _wgmma_bwd, 227),
     # K and V (Q and dO), then two stages (float64) or one (float32) of the two streamed
     # tiles, in doubles
     "bwd_dmma": (lambda r: r.threads, lambda r: (2 * _own_streamed(r)[0] + 2 * (2 if r.dtype == "float64" else 1)

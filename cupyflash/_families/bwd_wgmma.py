@@ -10,6 +10,10 @@ and 16-byte aligned dq rows: by bulk asynchronous reductions, ``kGradDQBulk``). 
 ``async_dq``, deterministic and without score features, the bulk-dQ dK/dV kernel
 adds in key-block order instead (``kGradDQOrdered``: blocks take turns through a
 semaphore per query block) and no dQ kernel runs either.
+With :attr:`KernelOptions.decoupled <cupyflash._options.KernelOptions.decoupled>`,
+deterministic calls without score features at d = 64 and 128 get the warp-specialised
+dK/dV kernel (:attr:`BwdWgmma.decoupled_tiles`) before the dQ kernel (the ordered dQ,
+with both switches, takes precedence).
 """
 
 from __future__ import annotations
@@ -39,6 +43,11 @@ def wgmma_bwd_shared_bytes(head_dim: int, own: int, streamed: int, needs_v: bool
     return ((2 if needs_v else 1) * own * head_dim * 2 + 2 * 2 * streamed * head_dim * 2
             + 2 * 2 * streamed * 4 + (own * streamed * 2 if atomic_dq else 0)
             + (streamed * (head_dim + 4) * 4 if bulk_dq else 0) + 1024)
+
+
+# The decoupled dK/dV kernel's barriers (DkdvStageBarriers, bwd_wgmma.cu): a full and an
+# empty mbarrier per stage, after the statistics.
+DKDV_BARRIER_BYTES = 4 * 8
 
 
 class BwdWgmma(Family):
@@ -79,6 +88,13 @@ class BwdWgmma(Family):
     # once or where used, one lane sending every row); with dV launched apart, the dK
     # launch that adds dQ in order takes 255 registers and does not spill (dV: 228).
     ordered_tiles = {128: (((BWD_GRAD_DV, 64), (BWD_GRAD_DK, 64)), 2, 128)}
+    # Streamed query rows of the decoupled (warp-specialised) dK/dV kernel, KernelOptions.decoupled:
+    # a producer warpgroup copies Q, dO and the statistics (384 threads; setmaxnreg leaves the
+    # producer 24 registers, the two consumer warpgroups 240), for deterministic calls without
+    # score features.  The consumers' 240 do not hold the coupled tiles (NVRTC 13.5, sm_90a, at
+    # 24/240: d = 64 128 x 128 spilled 48 B, every wgmma serialised; d = 128 128 x 64 36 B); half
+    # the streamed rows spill nothing at 24/240, 32/232 or 40/232.  Not yet timed on a GPU.
+    decoupled_tiles = {64: 64, 128: 32}
 
     def _atomic_dq(self, head_dim: int, streamed: int, groups: int) -> bool:
         """Whether a dK launch streaming ``streamed`` rows can add dQ by atomics: each
@@ -99,7 +115,7 @@ class BwdWgmma(Family):
         return self.tile(head_dim, bool(features))[2]
 
     def kernels(self, dtype: str, head_dim: int, deterministic: bool = True, whole_k: bool = False,
-                features: frozenset = frozenset(), bulk_dq: bool = False) -> tuple:
+                features: frozenset = frozenset(), bulk_dq: bool = False, decoupled: bool = False) -> tuple:
         """The dK/dV launches (or dV, then dK), then dQ -- or, not ``deterministic`` where
         the dK launch can (:meth:`_atomic_dq`), no dQ kernel.  ``whole_k``: the dQ
         kernel's whole-stream instantiation (``kWholeStream``).  The dK/dV kernels have
@@ -107,9 +123,24 @@ class BwdWgmma(Family):
         with them.  ``features``: the call's score features (:attr:`feature_tiles`,
         :attr:`mod_tiles`).  ``bulk_dq``: atomic dQ by bulk reductions where the tile fits;
         ``deterministic`` too and no ``features``: the same kernel adding in key-block
-        order (``BWD_GRAD_DQ_ORDERED``), no dQ kernel."""
+        order (``BWD_GRAD_DQ_ORDERED``), no dQ kernel.  ``decoupled``: the warp-specialised
+        dK/dV kernel (:attr:`decoupled_tiles`; a deterministic call without score
+        features), then the dQ kernel."""
         if head_dim not in self.tiles:
             raise ValueError(f"bwd_wgmma has no kernel for head_dim={head_dim}")
+        if decoupled:
+            if not deterministic or features or head_dim not in self.decoupled_tiles:
+                raise ValueError(f"bwd_wgmma has no decoupled instantiation for deterministic={deterministic}, "
+                                 f"features={sorted(features)}, head_dim={head_dim}")
+            launches, groups, streamed_dq = self.tiles[head_dim]
+            grads, streamed = BWD_GRAD_DV | BWD_GRAD_DK, self.decoupled_tiles[head_dim]
+            common = dict(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim, kv_stages=2)
+            return (self.row("bwd_wgmma_dkdv_kernel", dtype, head_dim, 64 * groups, streamed, groups, grads, True,
+                             role=DKDV, block_m=streamed, block_n=64 * groups, grads=grads, decoupled=True,
+                             threads=128 * groups + 128, **common),
+                    self.row("bwd_wgmma_dq_kernel", dtype, head_dim, 64 * groups, streamed_dq, groups,
+                             *((True,) if whole_k else ()), role=DQ, block_m=64 * groups, block_n=streamed_dq,
+                             whole_kv=whole_k, threads=128 * groups, **common))
         modified = bool(features & set(MOD_FEATURES))
         launches, groups, streamed_dq = (self.mod_tiles[head_dim] if modified and head_dim in self.mod_tiles
                                          else self.tile(head_dim, bool(features)))
@@ -143,24 +174,32 @@ class BwdWgmma(Family):
                 for r in self.kernels(dtype, d, deterministic, whole, frozenset(features))]
         # asynchronous dQ (opt-in): the atomic-dQ launches without score features, and
         # their ordered (deterministic) twins
-        return rows + [r for dtype in MMA_DTYPES for d in self.tiles for deterministic in (False, True)
-                       for r in self.kernels(dtype, d, deterministic, bulk_dq=True) if r.bulk_dq]
+        return (rows + [r for dtype in MMA_DTYPES for d in self.tiles for deterministic in (False, True)
+                        for r in self.kernels(dtype, d, deterministic, bulk_dq=True) if r.bulk_dq]
+                # the decoupled dK/dV kernels (opt-in)
+                + [r for dtype in MMA_DTYPES for d in self.decoupled_tiles
+                   for r in self.kernels(dtype, d, decoupled=True) if r.decoupled])
 
     def applies(self, call: Call, arch: int, options) -> bool:
         return options.wgmma and int(arch) == WGMMA_ARCH and mma_bucket(call, arch) in self.tiles
 
     def plan(self, call: Call, arch: int, options):
         bucket = mma_bucket(call, arch)
+        deterministic = call.deterministic or not call.dq_aligned
+        bulk_dq = options.async_dq and call.dq_aligned_16
+        decoupled = (options.decoupled and deterministic and not call.features
+                     and bucket in self.decoupled_tiles and not bulk_dq)   # (the ordered dQ first)
         return (BWD_SIMT.delta(call),) + self.kernels(
-            call.dtype, bucket, call.deterministic or not call.dq_aligned,
+            call.dtype, bucket, deterministic,
             whole_k=whole_blocks(call.seqlen_k, self.dq_keys(bucket, call.features), call.head_dim, bucket, options),
-            features=call.features, bulk_dq=options.async_dq and call.dq_aligned_16)
+            features=call.features, bulk_dq=bulk_dq, decoupled=decoupled)
 
     def shared_bytes(self, row, sizes: Sizes | None = None) -> int:
         # WgmmaBwdTraits::kSmemBytes; the dK/dV kernel needs V only for dK
-        if row.role == DKDV:
-            return wgmma_bwd_shared_bytes(row.head_dim, row.block_n, row.block_m, bool(row.grads & BWD_GRAD_DK),
-                                          row.atomic_dq, row.bulk_dq)
+        if row.role == DKDV:   # WgmmaBwdLaunch::kSmemBytes: the decoupled kernel's barriers after the rest
+            return (wgmma_bwd_shared_bytes(row.head_dim, row.block_n, row.block_m, bool(row.grads & BWD_GRAD_DK),
+                                           row.atomic_dq, row.bulk_dq)
+                    + (DKDV_BARRIER_BYTES if row.decoupled else 0))
         return wgmma_bwd_shared_bytes(row.head_dim, row.block_m, row.block_n, True, False)
 
 
