@@ -389,7 +389,11 @@ __device__ __forceinline__ void produce_query_blocks(const QueryStream<Tr, T>& q
 // statistics of every query block, and the warpgroups consume them through
 // per-stage full / empty mbarriers, each at its own pace, in place of "wait
 // for every copy, then __syncthreads" per block; the consumers run no copy
-// code.  The products, and so dK and dV, are the coupled kernel's.
+// code.  They take turns to issue a block's S^T and dP^T (named barriers
+// kTurnBarrier + wg, producer.cuh; warpgroup 1 gives warpgroup 0 the first
+// turn and passes none after its last), so that one warpgroup's P^T and dS^T
+// run while the other's products are in the tensor cores.  The products, and
+// so dK and dV, are the coupled kernel's.
 template <typename T, int kHeadDim, int kBlockN, int kBlockM, int kWarpGroups, int kGrads, bool kDecoupled = false>
 __global__ void __launch_bounds__(
     (WgmmaBwdLaunch<WgmmaBwdTraits<T, kHeadDim, kBlockN, kBlockM, kWarpGroups, kGrads>, kDecoupled>::kThreads), 1)
@@ -436,6 +440,8 @@ bwd_wgmma_dkdv_kernel(const BwdParams launch) {
             return;
         }
         setmaxnreg_inc<kDkdvConsumerRegs>();
+        // warpgroup 0 takes the first turn (producer.cuh's kTurnBarrier)
+        if (warp_id() >> 2 == 1 && m_begin < m_end) named_barrier_arrive(kTurnBarrier, 2 * 128);
     } else {
         cp_async_tile<Tr::kThreads, Own>(sK, kv.k, block.n0, p.k_row_stride, block.keys, d);
         if constexpr (kDK) cp_async_tile<Tr::kThreads, Own>(sV, kv.v, block.n0, p.v_row_stride, block.keys, d);
@@ -456,6 +462,7 @@ bwd_wgmma_dkdv_kernel(const BwdParams launch) {
             if constexpr (kDecoupled) {
                 stage = static_cast<int>(walked & 1);
                 mbarrier_wait_parity(&bars->full[stage], (walked >> 1) & 1);  // this block's Q, dO, lse, delta visible
+                named_barrier_sync(kTurnBarrier + (warp_id() >> 2), 2 * 128);  // this warpgroup's turn
             } else {
                 cp_async_wait<0>();
                 fence_proxy_async_shared();
@@ -483,6 +490,9 @@ bwd_wgmma_dkdv_kernel(const BwdParams launch) {
             if constexpr (kDK) {
                 wgmma_own_stream<Tr>(dp, sV, sdO, wg_row0);  // dP^T = V dO^T
                 wgmma_commit();
+            }
+            if constexpr (kDecoupled) {  // the other warpgroup's turn (none after warpgroup 1's last)
+                if (warp_id() >> 2 == 0 || has_next) named_barrier_arrive(kTurnBarrier + 1 - (warp_id() >> 2), 2 * 128);
             }
             // The next block's copies go out behind the products, into the other
             // stage, which no product in flight reads: their address arithmetic

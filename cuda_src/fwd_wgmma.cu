@@ -174,9 +174,6 @@ struct WgmmaFwdLaunch {
     static_assert(kSmemBytes <= 227 * 1024, "within sm_90's 227 KB per block");
 };
 
-// Named barriers of the decoupled kernel's turns (0 is __syncthreads').
-constexpr int kTurnBarrier = 1;
-
 // The producer warpgroup of the decoupled kernel: Q with the first K, then K(n)
 // and V(n) of every block into stage (n - n_begin) & 1, each tile once the
 // consumers have freed its buffer.  The newest tile stays in flight while the

@@ -9,6 +9,11 @@
 
 namespace cf {
 
+// The consumer warpgroups' turns on the tensor cores: warpgroup wg waits at named
+// barrier kTurnBarrier + wg (0 is __syncthreads') before it issues its products
+// and then arrives at the other's, 2 x 128 threads a phase.
+constexpr int kTurnBarrier = 1;
+
 // A producer thread publishes a tile on its full barrier: its copies of it
 // landed (all but the kNewer most recent groups), then a fence.proxy.async that
 // orders them before the tensor cores' reads -- a cp.async arrival

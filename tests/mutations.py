@@ -823,6 +823,17 @@ MUTATIONS = [
         ("ordered-dq-turns-shared-by-the-query-heads", "(batch * launch.fwd.heads_q + head) * m_blocks",
          "(batch * launch.fwd.heads_q) * m_blocks", "[d128-full]"),
     )],
+    *[M(name, "cuda_src/bwd_wgmma.cu", text, replacement,
+        T + "test_bwd_wgmma.py::test_decoupled_dkdv_rows_match_the_coupled_kernel_bit_for_bit[exact]",
+        why="issue 32: the decoupled dK/dV kernel's turns")
+      for name, text, replacement in (
+        ("decoupled-dkdv-turns-not-waited-for",
+         "                named_barrier_sync(kTurnBarrier + (warp_id() >> 2), 2 * 128);  // this warpgroup's turn\n", ""),
+        ("decoupled-dkdv-turn-passed-after-the-last-turn", "if (warp_id() >> 2 == 0 || has_next) named_barrier_arrive(",
+         "if (true) named_barrier_arrive("),
+        ("decoupled-dkdv-first-turn-never-given",
+         "        if (warp_id() >> 2 == 1 && m_begin < m_end) named_barrier_arrive(kTurnBarrier, 2 * 128);\n", ""),
+    )],
     M("fwd-timing-before-fixes-ignored", "cuda_src/fwd_wgmma.cu",
       "constexpr bool kTimingBeforeFixes = CF_TIMING_BEFORE_FIXES != 0;", "constexpr bool kTimingBeforeFixes = false;",
       T + "test_wgmma_schedule.py::test_the_loop_before_the_fixes_fails_both_rules",

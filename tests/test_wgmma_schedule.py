@@ -14,6 +14,7 @@ longer ran beside the tensor cores).  These tests read the compiled loop:
 - fwd_wgmma's decoupled rows: every copy in the producer warpgroup's code, after
   it gives its registers back; the consumers' loop waits on mbarriers and named
   barriers, never on the whole CTA;
+- bwd_wgmma's decoupled dK/dV rows likewise, and their consumers' turns;
 - the loop as it was before those fixes (the ``before-fixes`` timing build) fails
   both rules, so they can fail.
 
@@ -146,6 +147,31 @@ def test_dkdv_loop_issues_its_products_right_after_the_barrier(report):
                 gaps.append(barrier_to_first_hgmma(code, b))
         assert gaps, inst.name_expression
         assert gaps[0] <= MAX_BARRIER_TO_HGMMA, (inst.name_expression, gaps)
+
+
+def test_decoupled_dkdv_leaves_the_copies_to_its_producer_and_takes_turns(report):
+    # KernelOptions.decoupled dK/dV rows: the producer warpgroup gives its registers back
+    # (USETMAXREG.DEALLOC to 24) and issues every copy; the consumers raise theirs
+    # (TRY_ALLOC to 240); one CTA barrier (after the mbarriers' initialisation); each
+    # consumer's loop waits on its block's full barrier (SYNCS.PHASECHK), then for its
+    # turn (a named barrier), issues the S^T and dP^T batch and passes the turn on
+    # (BAR.ARV) before it waits for S^T.
+    rows = [r for r in BWD_ROWS if r.decoupled]
+    assert len(rows) == 4
+    for inst in rows:
+        code = _report.sass_instructions(report[inst.name_expression]["sass_text"])
+        (dealloc,) = [i for i, x in enumerate(code) if x.startswith("USETMAXREG.DEALLOC")]
+        (alloc,) = [i for i, x in enumerate(code) if x.startswith("USETMAXREG.TRY_ALLOC")]
+        assert code[dealloc].endswith(" 0x18") and code[alloc].endswith(", 0xf0"), (code[dealloc], code[alloc])
+        copies = [i for i, x in enumerate(code) if x.startswith("LDGSTS")]
+        assert copies and min(copies) > dealloc, inst.name_expression
+        assert code.count("BAR.SYNC.DEFER_BLOCKING 0x0") == 1, inst.name_expression
+        wait_s = code.index("WARPGROUP.DEPBAR.LE gsb0, 0x1")
+        turn = loop_barrier(code, wait_s)
+        assert code[turn] != "BAR.SYNC.DEFER_BLOCKING 0x0" and "PHASECHK" in " ".join(code[alloc:turn])
+        hgmma = [i for i in range(turn, wait_s) if code[i].startswith("HGMMA")]
+        passed = [i for i in range(turn, wait_s) if "BAR.ARV" in code[i]]
+        assert hgmma and passed and max(hgmma) < min(passed), inst.name_expression
 
 
 def test_kernels_sass_prints_one_section_per_matching_row(report):
