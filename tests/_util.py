@@ -306,13 +306,15 @@ def cxx_struct_layout(tmp_path, header: str, struct: str, fields: dict) -> dict:
 
 
 class LaunchSpy:
-    """Executor wrapper recording each launch's ``(name expression, grid)``; passes the
+    """Executor wrapper recording each launch's ``(name expression, grid)`` and
+    ``(entry, name expression)`` (the module variant it was built from); passes the
     inner executor's ``arch`` and SM count on, so the dispatch is the inner one's."""
 
     def __init__(self, inner):
         self.inner, self.arch = inner, inner.arch
         self.multiprocessors = getattr(inner, "multiprocessors", None)
         self.launches = []
+        self.entries = []
 
     @property
     def launched(self):
@@ -320,6 +322,7 @@ class LaunchSpy:
 
     def launch(self, entry, name_expression, grid, block, shared_mem, params):
         self.launches.append((name_expression, tuple(grid) if isinstance(grid, tuple) else (grid,)))
+        self.entries.append((entry, name_expression))
         self.inner.launch(entry, name_expression, grid, block, shared_mem, params)
 
 

@@ -258,17 +258,9 @@ def test_the_timing_only_backward_runs_without_its_copies(ex90):
     rng = np.random.default_rng(23)
     q, k, v = qkv(rng, np.float16, seqlen_q=3 * 128 - 5, seqlen_k=4 * 128 - 9, head_dim=64)
     case = Case(rng, q, k, v, options=WGMMA.replace(timing="no-copy"))
-    entries = []
-
-    class Recording:
-        arch = ex90.arch
-
-        def launch(self, entry, name, *args):
-            entries.append((entry, name))
-            ex90.launch(entry, name, *args)
-
-    grads = case.run(Recording())
-    timed = [(e, n) for e, n in entries if "bwd_wgmma" in n]
+    spy = LaunchSpy(ex90)
+    grads = case.run(spy)
+    timed = [(e, n) for e, n in spy.entries if "bwd_wgmma" in n]
     assert [n.split("<")[0] for _, n in timed] == ["cf::bwd_wgmma_dkdv_kernel", "cf::bwd_wgmma_dq_kernel"]
     assert all(e == Variant("bwd_wgmma.cu", (("CF_TIMING_NO_COPY", "1"),)) for e, _ in timed)
     for got, want in zip(grads, case.expected()):

@@ -211,20 +211,12 @@ def test_timing_only_builds_run_and_leave_out_what_they_say(ex90, timing):
 
     rng = np.random.default_rng(21)
     q, k, v = qkv(rng, np.float16, seqlen_q=70, seqlen_k=5 * 192 + 3, head_dim=64)
-    entries = []
-
-    class Recording:
-        arch = ex90.arch
-
-        def launch(self, entry, name, *args):
-            entries.append((entry, name))
-            ex90.launch(entry, name, *args)
-
+    spy = LaunchSpy(ex90)
     out = poisoned((1, 1, 70, 64), np.float16)
     lse = poisoned((1, 1, 70), np.float32)
     _run.forward(q, k, v, out, lse, scale=0.125, window_left=None, window_right=None, gqa_ratio=1,
-                 executor=Recording(), options=WGMMA.replace(timing=timing, splits=1))
-    ((entry, name),) = entries
+                 executor=spy, options=WGMMA.replace(timing=timing, splits=1))
+    ((entry, name),) = spy.entries
     assert name.startswith("cf::fwd_wgmma_kernel") and entry == Variant("fwd_wgmma.cu", ((TIMING_BUILDS[timing], "1"),))
     expected = naive_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), scale=0.125)
     assert not np.allclose(out.astype(np.float64), expected, atol=0.05, equal_nan=False)

@@ -108,6 +108,25 @@ def test_the_loop_before_the_fixes_fails_both_rules():
     assert forward_barrier_to_products(code) > MAX_BARRIER_TO_HGMMA
 
 
+def producer_and_consumer_turns(code: list[str], name: str, *, producer: int, consumers: int) -> tuple[int, int]:
+    """A decoupled kernel's SASS: the producer warpgroup gives registers back (to
+    ``producer`` a thread) before its first copy, the consumers raise theirs (to
+    ``consumers``), the kernel has one CTA barrier, and the consumers' loop waits on an
+    mbarrier, then for its turn (another barrier).  Returns the turn's barrier and the
+    wait for S (the first ``DEPBAR.LE gsb0, 0x1`` of the loop)."""
+    (dealloc,) = [i for i, x in enumerate(code) if x.startswith("USETMAXREG.DEALLOC")]
+    (alloc,) = [i for i, x in enumerate(code) if x.startswith("USETMAXREG.TRY_ALLOC")]
+    assert code[dealloc].endswith(f" {producer:#x}") and code[alloc].endswith(f", {consumers:#x}"), \
+        (name, code[dealloc], code[alloc])
+    copies = [i for i, x in enumerate(code) if x.startswith("LDGSTS")]
+    assert copies and min(copies) > dealloc, name
+    assert code.count("BAR.SYNC.DEFER_BLOCKING 0x0") == 1, name
+    wait_s = code.index("WARPGROUP.DEPBAR.LE gsb0, 0x1")
+    turn = loop_barrier(code, wait_s)
+    assert code[turn] != "BAR.SYNC.DEFER_BLOCKING 0x0" and "PHASECHK" in " ".join(code[alloc:turn]), name
+    return turn, wait_s
+
+
 def test_decoupled_forward_leaves_the_copies_to_its_producer(report):
     # KernelOptions.decoupled rows: the producer warpgroup gives its registers back
     # (USETMAXREG.DEALLOC to 40) and issues every copy; the consumers raise theirs
@@ -118,15 +137,7 @@ def test_decoupled_forward_leaves_the_copies_to_its_producer(report):
     assert len(rows) == 8
     for inst in rows:
         code = _report.sass_instructions(report[inst.name_expression]["sass_text"])
-        (dealloc,) = [i for i, x in enumerate(code) if x.startswith("USETMAXREG.DEALLOC")]
-        (alloc,) = [i for i, x in enumerate(code) if x.startswith("USETMAXREG.TRY_ALLOC")]
-        assert code[dealloc].endswith(" 0x28") and code[alloc].endswith(", 0xe8"), (code[dealloc], code[alloc])
-        copies = [i for i, x in enumerate(code) if x.startswith("LDGSTS")]
-        assert copies and min(copies) > dealloc, inst.name_expression
-        assert code.count("BAR.SYNC.DEFER_BLOCKING 0x0") == 1, inst.name_expression
-        wait_s = code.index("WARPGROUP.DEPBAR.LE gsb0, 0x1")
-        turn = loop_barrier(code, wait_s)
-        assert code[turn] != "BAR.SYNC.DEFER_BLOCKING 0x0" and "PHASECHK" in " ".join(code[alloc:turn])
+        turn, wait_s = producer_and_consumer_turns(code, inst.name_expression, producer=40, consumers=232)
         assert not any(x.startswith("LDGSTS") for x in code[turn:code.index("WARPGROUP.DEPBAR.LE gsb0, 0x0", wait_s)])
 
 
@@ -160,15 +171,7 @@ def test_decoupled_dkdv_leaves_the_copies_to_its_producer_and_takes_turns(report
     assert len(rows) == 4
     for inst in rows:
         code = _report.sass_instructions(report[inst.name_expression]["sass_text"])
-        (dealloc,) = [i for i, x in enumerate(code) if x.startswith("USETMAXREG.DEALLOC")]
-        (alloc,) = [i for i, x in enumerate(code) if x.startswith("USETMAXREG.TRY_ALLOC")]
-        assert code[dealloc].endswith(" 0x18") and code[alloc].endswith(", 0xf0"), (code[dealloc], code[alloc])
-        copies = [i for i, x in enumerate(code) if x.startswith("LDGSTS")]
-        assert copies and min(copies) > dealloc, inst.name_expression
-        assert code.count("BAR.SYNC.DEFER_BLOCKING 0x0") == 1, inst.name_expression
-        wait_s = code.index("WARPGROUP.DEPBAR.LE gsb0, 0x1")
-        turn = loop_barrier(code, wait_s)
-        assert code[turn] != "BAR.SYNC.DEFER_BLOCKING 0x0" and "PHASECHK" in " ".join(code[alloc:turn])
+        turn, wait_s = producer_and_consumer_turns(code, inst.name_expression, producer=24, consumers=240)
         hgmma = [i for i in range(turn, wait_s) if code[i].startswith("HGMMA")]
         passed = [i for i in range(turn, wait_s) if "BAR.ARV" in code[i]]
         assert hgmma and passed and max(hgmma) < min(passed), inst.name_expression
