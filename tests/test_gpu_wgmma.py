@@ -237,6 +237,34 @@ def test_backward_large_shape_against_oracle(rng, launched, causal):  # noqa: F8
     _backward_both_ways(rng, launched, HALF_DTYPES[-1], (1, 2, 2048, 128), (1, 2, 2048, 128), causal=causal)
 
 
+@pytest.mark.parametrize("shape_q, shape_k, causal",
+                         [((2, 4, 333, 64), (2, 2, 300, 64), False), ((1, 2, 2048, 128), (1, 2, 2048, 128), True)],
+                         ids=["d64-gqa-tails", "d128-L2048-causal"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=HALF_IDS)
+def test_decoupled_dkdv_is_bit_identical_to_the_coupled_kernel(monkeypatch, rng, launched, dtype, shape_q, shape_k,
+                                                                causal):  # noqa: F811
+    # CUPYFLASH_DECOUPLED on a deterministic backward: the producer warpgroup, mbarriers and
+    # turns, and half the streamed query rows per block, sum the same k16 products in the
+    # same order -- the coupled kernels' gradients, bit for bit (dQ from the same dQ kernel),
+    # and the decoupled dK/dV row is the one that ran.
+    from cupyflash._options import DECOUPLED_ENV
+    q, k, v = (cp.asarray(random_array(rng, shape, dtype)) for shape in (shape_q, shape_k, shape_k))
+    kw = dict(causal=causal, enable_gqa=shape_q[1] != shape_k[1])
+    out, lse = cupyflash.attention(q, k, v, return_lse=True, backend="cuda", **kw)
+    dout = cp.asarray(random_array(rng, out.shape, dtype))
+    launched.clear()
+    runs = []
+    for decoupled in (True, False):
+        monkeypatch.setenv(DECOUPLED_ENV, "1" if decoupled else "0")
+        runs.append(cupyflash.attention_backward(dout, q, k, v, out, lse, backend="cuda", **kw))
+    dkdv = [n for n in launched if "bwd_wgmma_dkdv_kernel" in n]
+    assert [n.endswith(", true>") for n in dkdv] == [True, False], launched
+    for a, b in zip(*runs):
+        assert cp.array_equal(a.view(cp.uint8), b.view(cp.uint8)), "the decoupled dK/dV kernel changed a gradient"
+    check_gradients(tuple(cp.asnumpy(g) for g in runs[0]), cp.asnumpy(dout), cp.asnumpy(q), cp.asnumpy(k),
+                    cp.asnumpy(v), cp.asnumpy(out), dtype, **kw)
+
+
 # ---- fuzzing: random problems the wgmma kernels take ------------------------------------------
 # tests/test_fuzz.py's tensor-core problems (16-bit, d = dv a multiple of 8, aligned rows,
 # scale > 0, L up to 300) and its checks, with the wgmma kernels on.

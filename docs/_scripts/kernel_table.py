@@ -54,7 +54,8 @@ WITH_KERNEL_COLUMN = ("bwd_simt", "bwd_wgmma", "bwd_mma", "bwd_dmma", "bwd_tf32"
 # Families whose tile depends on the GPU class: only the rows each arch launches, tile per arch.
 PER_ARCH_TILE = ("fwd_mma", "bwd_mma")
 GRADS = {1: "dV", 2: "dK", 3: "dK/dV", 6: "dK + atomic dQ", 7: "dK/dV + atomic dQ",
-         15: "dK/dV + dQ by bulk reductions"}   # kGrads
+         15: "dK/dV + dQ by bulk reductions", 30: "dK + ordered dQ (bulk reductions in key-block order)",
+         31: "dK/dV + ordered dQ (bulk reductions in key-block order)"}   # kGrads
 
 
 def _load(paths: list[str]) -> list[dict]:
@@ -132,6 +133,8 @@ def _tile(row: dict) -> str:
                 f"{', whole streamed blocks' if inst.whole_kv else ''}")
     if family == "bwd_wgmma":
         own, streamed = _own_streamed(inst)
+        if inst.decoupled:   # a producer warpgroup besides the two that compute
+            return f"{own}×{streamed}, 2 warpgroups + producer, decoupled"
         return f"{own}×{streamed}, {inst.threads // 128} warpgroups{', whole streamed blocks' if inst.whole_kv else ''}"
     if family in ("fwd_dmma", "fwd_tf32", "fwd_simt"):
         passes = f", {inst.passes} pass{'es' * (inst.passes != 1)}" if inst.passes else ""
@@ -169,6 +172,8 @@ def _family_table(rows: list[dict], family: str, archs: list[str], picked: set) 
             key = (DTYPE_ORDER[r["dtype"]], r["head_dim"], _kernel(r), r["dtype"], _whole_kv(r))
         else:
             key = (DTYPE_ORDER[r["dtype"]], r["head_dim"], _kernel(r), r["dtype"])
+        if not per_arch:   # one tile per line: a family's other tiles (score features, decoupled) apart
+            key += (_tile(r),)
         keys.setdefault(key, {})[r["arch"]] = r
     header = ["dtype", "d ≤"] + (["kernel"] if family in WITH_KERNEL_COLUMN else []) + \
         ([] if per_arch else ["tile"])
