@@ -87,7 +87,10 @@ def test_padded_forward_is_one_launch_per_family(emulate, arch, options, dtype, 
 
 
 @pytest.mark.parametrize("arch, options, dtype, precision, family", family_params(
-    EMULATED_FAMILIES + [("mma-f16-atomic-dq", 80, {}, np.float16, "ieee", "mma")]))
+    EMULATED_FAMILIES + [("mma-f16-atomic-dq", 80, {}, np.float16, "ieee", "mma"),
+                         # bwd_wgmma's ordered dQ: its semaphores are laid out over the longest sequence
+                         ("wgmma-f16-ordered-dq", 90, {"wgmma": True, "async_dq": True}, np.float16, "ieee",
+                          "wgmma")]))
 def test_padded_backward_is_one_launch_per_kernel(emulate, request, arch, options, dtype, precision, family):
     deterministic = "atomic" not in request.node.callspec.id
     spy = emulate(arch, **options)
