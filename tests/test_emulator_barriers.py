@@ -81,7 +81,7 @@ def test_emulated_barriers_header_twins_every_function_of_the_real_one():
         "mbarrier_init", "mbarrier_arrive", "mbarrier_arrive_expect_tx", "mbarrier_expect_tx",
         "mbarrier_complete_tx", "mbarrier_try_wait_parity", "mbarrier_wait_parity", "cp_async_mbarrier_arrive",
         "mbarrier_inval", "named_barrier_sync", "named_barrier_arrive", "bulk_reduce_add_f32", "bulk_commit",
-        "bulk_wait_read", "bulk_wait", "semaphore_wait", "semaphore_post"}
+        "bulk_wait_read", "bulk_wait", "fence_proxy_async_global", "semaphore_wait", "semaphore_post"}
     assert real == _device_functions(INCLUDE_DIR / "barriers.cuh")
     assert SUBSTITUTIONS["barriers.cuh"] == INCLUDE_DIR / "barriers.cuh"
 
