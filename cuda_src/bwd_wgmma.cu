@@ -45,11 +45,12 @@
 // until the query block's semaphore (BwdParams::dq_turns) holds its turn (its
 // own key-block number n when key block n - 1 adds into the same query block,
 // which posts n; else 0: turn_bound), sends, completes its reductions
-// (bulk_wait<0>, a global proxy fence, then __syncwarp) and posts n + 1.  Every dq element is then the
-// same float32 sum whatever the schedule, and no dQ kernel runs.  A block waits
-// only for the block before it in launch order (KeyTileIndex: n_block is the
-// fastest index), which the GPU starts first.  (At d = 128 the host launches it
-// for dK alone, dV apart: the fused row spilled, _families/bwd_wgmma.py.)
+// (bulk_wait<0>, a global proxy fence, then __syncwarp) and posts n + 1.
+// Every dq element is then the same float32 sum whatever the schedule, and no
+// dQ kernel runs.  A block waits only for the block before it in launch order
+// (KeyTileIndex: n_block is the fastest index), which the GPU starts first.
+// (At d = 128 the host launches it for dK alone, dV apart: the fused row
+// spilled, _families/bwd_wgmma.py.)
 //
 // Shared tiles are SwizzledTile pages, wgmma's 128-byte-swizzle layout
 // (wgmma.cuh), 1024-byte aligned.  Every thread copies with cp.async and runs

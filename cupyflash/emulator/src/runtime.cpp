@@ -131,6 +131,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -719,7 +720,11 @@ struct Launch {
     // post: the poster's linear block index and the value.
     std::vector<std::unique_ptr<BlockState>> suspended, spare;
     std::vector<std::pair<char*, size_t>> stack_maps;  // every fiber-stack mapping, unmapped at the end
-    std::vector<std::pair<const int*, std::pair<uint64_t, int>>> sem_posts;
+    struct SemPost {
+        uint64_t block;
+        int value;
+    };
+    std::unordered_map<const int*, SemPost> sem_posts;
     // Global-memory events that the proxy fence orders, counted (a semaphore acquired,
     // bulk additions completed, fence_proxy_async_global).
     uint64_t gevents = 0;
@@ -2565,12 +2570,17 @@ struct Launch {
         return b.x + uint64_t(desc->grid[0]) * (b.y + uint64_t(desc->grid[1]) * b.z);
     }
     static int sem_load(const int* sem) { return __atomic_load_n(sem, __ATOMIC_SEQ_CST); }
+    // Whether thread f (of a block whose threads' barrier state is sync) waits for a
+    // semaphore value that has been posted.
+    static bool sem_arrived(const Fiber& f, const std::vector<ThreadSync>& sync) {
+        return f.state == St::SemWait && sem_load(sync[f.tid].sem) == sync[f.tid].sem_value;
+    }
 
     // Makes runnable the threads whose semaphore holds their value; how many.
     int wake_sem_waiters() {
         int woke = 0;
         for (Fiber& f : fibers)
-            if (f.state == St::SemWait && sem_load(sync[f.tid].sem) == sync[f.tid].sem_value) {
+            if (sem_arrived(f, sync)) {
                 --at_sem;
                 make_runnable(f);
                 ++woke;
@@ -2581,7 +2591,7 @@ struct Launch {
     static bool block_ready(const BlockState& s) {
         if (!s.run_next.empty()) return true;
         for (const Fiber& f : s.fibers)
-            if (f.state == St::SemWait && sem_load(s.sync[f.tid].sem) == s.sync[f.tid].sem_value) return true;
+            if (sem_arrived(f, s.sync)) return true;
         return false;
     }
 
@@ -2599,16 +2609,16 @@ struct Launch {
 
     // The wait that returned: the value it saw must not come from a block after f's.
     void sem_acquired(Fiber* f, const int* sem, int value, const void* pc) {
-        for (const auto& e : sem_posts)
-            if (e.first == sem && e.second.second == value && e.second.first > linear(block)) {
-                const uint64_t b = e.second.first, g0 = desc->grid[0], g1 = desc->grid[1];
-                fail(format("%s: semaphore_wait(%p, %d)%s returned with the value posted by block (%llu,%llu,%llu), "
-                            "which comes after this block in launch order: on a GPU that block may never start "
-                            "while this one holds its SM (a block waits only for blocks before it)",
-                            who(f->tid).c_str(), static_cast<const void*>(sem), value, location(pc).c_str(),
-                            static_cast<unsigned long long>(b % g0), static_cast<unsigned long long>((b / g0) % g1),
-                            static_cast<unsigned long long>(b / (g0 * g1))));
-            }
+        const auto post = sem_posts.find(sem);
+        if (post != sem_posts.end() && post->second.value == value && post->second.block > linear(block)) {
+            const uint64_t b = post->second.block, g0 = desc->grid[0], g1 = desc->grid[1];
+            fail(format("%s: semaphore_wait(%p, %d)%s returned with the value posted by block (%llu,%llu,%llu), "
+                        "which comes after this block in launch order: on a GPU that block may never start "
+                        "while this one holds its SM (a block waits only for blocks before it)",
+                        who(f->tid).c_str(), static_cast<const void*>(sem), value, location(pc).c_str(),
+                        static_cast<unsigned long long>(b % g0), static_cast<unsigned long long>((b / g0) % g1),
+                        static_cast<unsigned long long>(b / (g0 * g1))));
+        }
     }
 
     void semaphore_wait(Fiber* f, const int* sem, int value, const void* pc) {
@@ -2653,13 +2663,7 @@ struct Launch {
                             who(g.tid).c_str()));
         }
         __atomic_store_n(sem, value, __ATOMIC_SEQ_CST);
-        bool found = false;
-        for (auto& e : sem_posts)
-            if (e.first == sem) {
-                e.second = {linear(block), value};
-                found = true;
-            }
-        if (!found) sem_posts.push_back({sem, {linear(block), value}});
+        sem_posts[sem] = SemPost{linear(block), value};
         for (const auto& s : suspended)
             for (const Fiber& g : s->fibers)
                 if (g.state == St::SemWait && s->sync[g.tid].sem == sem && s->sync[g.tid].sem_value == value)
